@@ -1,0 +1,291 @@
+-- tierlimit decision script: node tier, region tier and the region's global
+-- budget, evaluated together and charged all-or-nothing in one round trip.
+--
+-- KEYS[1] node-tier state     tl:{T}:n:<node>:<key>
+-- KEYS[2] region-tier state   tl:{T}:r:<key>
+-- KEYS[3] dirty set           tl:dirty   (zset: member "T|day", score p+n)
+-- KEYS[4..6] PN counters      tl:{T}:g:<d> for d = node_day-1, node_day,
+--            node_day+1: the script picks the one of Redis' own day, so a
+--            node whose clock is off around midnight still charges the
+--            right day (and every key stays declared, as Cluster requires)
+--
+-- ARGV[1]  op: "check" | "refund" | "peek"
+-- ARGV[2]  cost (>= 1; 0 for peek)
+-- ARGV[3..6]   node tier:   algorithm code (0 = no tier), limit, window_ms, burst
+-- ARGV[7..10]  region tier: algorithm code (0 = no tier), limit, window_ms, burst
+-- ARGV[11] global limit per day (0 = no global tier)
+-- ARGV[12] broadcast total for (T, day) as last seen (all actors)
+-- ARGV[13] own cap: most this region's current actor may reach (-1 = none);
+--          set by the node when its broadcast view is stale
+-- ARGV[14] epoch candidate, used only if today's PN counter does not exist
+-- ARGV[15] tenant id (for the dirty-set member)
+-- ARGV[16] the day the node computed (KEYS[5] is for this day); if Redis'
+--          clock says otherwise the broadcast is not for this day (others=0)
+-- ARGV[17] TTL of the PN counter in seconds
+-- ARGV[18..] pairs: epoch, part — this region's actors in the broadcast
+--
+-- Returns: { allowed, denied_tier(0 none,1 node,2 region,3 global),
+--            retry_ms, now_ms,
+--            node_remaining, node_reset_ms,
+--            region_remaining, region_reset_ms,
+--            own_p, own_n, epoch, day, global_remaining(-1 = no tier) }
+--
+-- Numbers are Lua doubles: exact integers up to 2^53, which microsecond
+-- timestamps (~1.8e15) and counts stay far below. Integers are written back
+-- with %.0f so no precision is lost to tostring's 14 digits.
+
+local op = ARGV[1]
+local cost = tonumber(ARGV[2])
+
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_ms = math.floor(now_us / 1000)
+
+local function int(x) return string.format('%.0f', x) end
+
+-- Each algorithm: eval(key, limit, window_ms, burst, cost) returns
+--   ok, remaining_after, reset_ms, retry_ms, commit_fn, refund_fn
+-- eval never writes; commit() charges cost, refund() gives cost back.
+
+local function fixed_window(key, limit, w, _burst, c)
+  local idx = math.floor(now_ms / w)
+  local s = redis.call('HMGET', key, 'w', 'c')
+  local used = 0
+  if tonumber(s[1]) == idx then used = tonumber(s[2]) or 0 end
+  local reset = (idx + 1) * w - now_ms
+  local ok = used + c <= limit
+  local remaining = limit - used
+  if ok then remaining = remaining - c end
+  local retry = 0
+  if not ok then
+    if c > limit then retry = -1 else retry = reset end
+  end
+  local function commit()
+    redis.call('HSET', key, 'w', int(idx), 'c', int(used + c))
+    redis.call('PEXPIRE', key, int(reset + 1000))
+  end
+  local function refund()
+    if used > 0 then
+      redis.call('HSET', key, 'w', int(idx), 'c', int(math.max(0, used - c)))
+    end
+  end
+  return ok, remaining, reset, retry, commit, refund
+end
+
+local function sliding_window(key, limit, w, _burst, c)
+  local idx = math.floor(now_ms / w)
+  local s = redis.call('HMGET', key, 'w', 'c', 'p')
+  local sw = tonumber(s[1])
+  local cur, prev = 0, 0
+  if sw == idx then
+    cur = tonumber(s[2]) or 0; prev = tonumber(s[3]) or 0
+  elseif sw == idx - 1 then
+    prev = tonumber(s[2]) or 0
+  end
+  local elapsed = now_ms - idx * w
+  local weight = (w - elapsed) / w
+  local est = prev * weight + cur
+  local ok = est + c <= limit
+  local remaining = math.floor(limit - est)
+  if ok then remaining = math.floor(limit - est - c) end
+  if remaining < 0 then remaining = 0 end
+  local reset = (idx + 1) * w - now_ms
+  local retry = 0
+  if not ok then
+    if c > limit then
+      retry = -1
+    elseif cur + c <= limit then
+      -- blocked by the weighted previous window: wait until it fades enough
+      local need = w * (1 - (limit - c - cur) / prev)
+      retry = math.ceil(need - elapsed)
+    else
+      -- blocked by the current window: wait into the next one until
+      -- cur * (1 - t/w) + c <= limit
+      local need = w * (1 - (limit - c) / cur)
+      retry = reset + math.ceil(need)
+    end
+    if retry < 1 then retry = 1 end
+  end
+  local function commit()
+    redis.call('HSET', key, 'w', int(idx), 'c', int(cur + c), 'p', int(prev))
+    redis.call('PEXPIRE', key, int(2 * w + 1000))
+  end
+  local function refund()
+    if cur > 0 then
+      redis.call('HSET', key, 'w', int(idx), 'c', int(math.max(0, cur - c)), 'p', int(prev))
+    end
+  end
+  return ok, remaining, reset, retry, commit, refund
+end
+
+-- GCRA: the theoretical arrival time (TAT) in microseconds. One unit is
+-- emitted every w/limit; up to `burst` units may be spent ahead of time.
+local function token_bucket(key, limit, w, burst, c)
+  local e = (w * 1000) / limit
+  local tau = e * burst
+  local tat = tonumber(redis.call('GET', key)) or now_us
+  if tat < now_us then tat = now_us end
+  local new_tat = tat + c * e
+  local ok = new_tat - now_us <= tau
+  local remaining
+  if ok then
+    remaining = math.floor((tau - (new_tat - now_us)) / e)
+  else
+    remaining = math.floor((tau - (tat - now_us)) / e)
+  end
+  if remaining < 0 then remaining = 0 end
+  local retry = 0
+  if not ok then
+    if c > burst then retry = -1 else retry = math.ceil((new_tat - tau - now_us) / 1000) end
+    if retry == 0 then retry = 1 end
+  end
+  local reset = math.ceil(((ok and new_tat or tat) - now_us) / 1000)
+  local function commit()
+    redis.call('SET', key, int(math.ceil(new_tat)), 'PX', int(math.ceil((new_tat - now_us) / 1000) + 1000))
+  end
+  local function refund()
+    local back = tat - c * e
+    if back < now_us then back = now_us end
+    redis.call('SET', key, int(math.ceil(back)), 'PX', int(math.ceil((back - now_us) / 1000) + 1000))
+  end
+  return ok, remaining, reset, retry, commit, refund
+end
+
+-- Exact sliding log: one zset entry per unit, scored by its time in ms.
+local function sliding_log(key, limit, w, _burst, c)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now_ms - w))
+  local used = redis.call('ZCARD', key)
+  local ok = used + c <= limit
+  local remaining = limit - used
+  if ok then remaining = remaining - c end
+  local reset = w
+  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if newest[2] then reset = tonumber(newest[2]) + w - now_ms end
+  if ok then reset = w end
+  local retry = 0
+  if not ok then
+    if c > limit then
+      retry = -1
+    else
+      -- the (used + c - limit)-th oldest entry must leave the window
+      local nth = redis.call('ZRANGE', key, used + c - limit - 1, used + c - limit - 1, 'WITHSCORES')
+      retry = tonumber(nth[2]) + w - now_ms
+      if retry < 1 then retry = 1 end
+    end
+  end
+  local function commit()
+    local args = {}
+    for i = 1, c do
+      args[#args + 1] = int(now_ms)
+      args[#args + 1] = int(now_us) .. ':' .. int(used + i)
+    end
+    redis.call('ZADD', key, unpack(args))
+    redis.call('PEXPIRE', key, int(w + 1000))
+  end
+  local function refund()
+    if used > 0 then redis.call('ZPOPMAX', key, c) end
+  end
+  return ok, remaining, reset, retry, commit, refund
+end
+
+local algorithms = { fixed_window, sliding_window, token_bucket, sliding_log }
+
+local function tier(first_argv, key, c)
+  local code = tonumber(ARGV[first_argv])
+  if code == 0 then return nil end
+  local limit = tonumber(ARGV[first_argv + 1])
+  local w = tonumber(ARGV[first_argv + 2])
+  local burst = tonumber(ARGV[first_argv + 3])
+  local ok, remaining, reset, retry, commit, refund = algorithms[code](key, limit, w, burst, c)
+  return { ok = ok, remaining = remaining, reset = reset, retry = retry, commit = commit, refund = refund }
+end
+
+local node = tier(3, KEYS[1], cost)
+local region = tier(7, KEYS[2], cost)
+
+-- The region's PN counter for (T, day). Its epoch lives inside the hash, so a
+-- Redis that lost its data starts a new actor atomically with the first
+-- charge, and no key outside the tenant's hash slot is needed for it.
+local day = math.floor(now_ms / 86400000)
+local node_day = tonumber(ARGV[16])
+if math.abs(day - node_day) > 1 then
+  return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
+end
+local gkey = KEYS[5 + day - node_day]
+local g = redis.call('HMGET', gkey, 'e', 'p', 'n')
+local epoch = g[1] or ARGV[14]
+local own_p = tonumber(g[2]) or 0
+local own_n = tonumber(g[3]) or 0
+local own = own_p - own_n
+
+local glimit = tonumber(ARGV[11])
+local global_ok, global_remaining, global_retry = true, -1, 0
+if glimit > 0 then
+  local others = 0
+  if day == node_day then
+    local mine = 0
+    for i = 18, #ARGV, 2 do
+      if ARGV[i] == epoch then mine = tonumber(ARGV[i + 1]) end
+    end
+    others = tonumber(ARGV[12]) - mine
+    if others < 0 then others = 0 end
+  end
+  global_remaining = glimit - others - own
+  local cap = tonumber(ARGV[13])
+  if cap >= 0 and cap - own < global_remaining then global_remaining = cap - own end
+  if global_remaining < 0 then global_remaining = 0 end
+  if op == 'check' then
+    global_ok = cost <= global_remaining
+    if global_ok then global_remaining = global_remaining - cost end
+    if not global_ok then global_retry = (86400000 - now_ms % 86400000) end
+  end
+end
+
+if op == 'peek' then
+  return { 1, 0, 0, now_ms,
+    node and node.remaining or -1, node and node.reset or 0,
+    region and region.remaining or -1, region and region.reset or 0,
+    own_p, own_n, epoch, day, global_remaining }
+end
+
+if op == 'refund' then
+  if node then node.refund() end
+  if region then region.refund() end
+  -- N never exceeds P: the counter cannot go below zero.
+  if own_p > 0 then
+    local back = math.min(cost, own_p - own_n)
+    if back > 0 then
+      own_n = own_n + back
+      redis.call('HSET', gkey, 'n', int(own_n))
+      redis.call('ZADD', KEYS[3], int(own_p + own_n), ARGV[15] .. '|' .. int(day))
+    end
+  end
+  return { 1, 0, 0, now_ms,
+    node and node.remaining or -1, node and node.reset or 0,
+    region and region.remaining or -1, region and region.reset or 0,
+    own_p, own_n, epoch, day, global_remaining }
+end
+
+-- op == 'check': deny if any tier denies; retry after the longest wait.
+local denied, retry = 0, 0
+local function deny(code, r)
+  if denied == 0 then denied = code end
+  if r < 0 or retry < 0 then retry = -1 elseif r > retry then retry = r end
+end
+if node and not node.ok then deny(1, node.retry) end
+if region and not region.ok then deny(2, region.retry) end
+if not global_ok then deny(3, global_retry) end
+
+if denied == 0 then
+  if node then node.commit() end
+  if region then region.commit() end
+  own_p = own_p + cost
+  redis.call('HSET', gkey, 'e', epoch, 'p', int(own_p), 'n', int(own_n))
+  redis.call('EXPIRE', gkey, ARGV[17])
+  redis.call('ZADD', KEYS[3], int(own_p + own_n), ARGV[15] .. '|' .. int(day))
+end
+
+return { denied == 0 and 1 or 0, denied, retry, now_ms,
+  node and node.remaining or -1, node and node.reset or 0,
+  region and region.remaining or -1, region and region.reset or 0,
+  own_p, own_n, epoch, day, global_remaining }

@@ -1,0 +1,760 @@
+//! The configuration model: one TOML file, overridable by environment
+//! variables, validated as a whole before anything uses it.
+//!
+//! Loading is three steps, each with errors that name the offending key:
+//! 1. parse the TOML into a generic tree and apply `TIERLIMIT__A__B=value`
+//!    overrides (so operators can inject secrets and per-host settings without
+//!    templating the file);
+//! 2. deserialize into the typed model with `deny_unknown_fields`, tracking the
+//!    path so a typo is reported as `plans.free.regoin: unknown field`;
+//! 3. [`Config::validate`] checks what types cannot: positive limits, plans
+//!    that exist, windows within range.
+//!
+//! Policies are resolved per tenant once at load ([`Config::policy`]), so the
+//! decision hot path does a single map lookup.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::duration::serde_human;
+use crate::validate;
+
+/// A configuration that could not be loaded, naming the key and the reason.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config is not valid TOML: {0}")]
+    Syntax(String),
+    #[error("environment override {var}: {reason}")]
+    Env { var: String, reason: String },
+    #[error("config key `{key}`: {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+impl ConfigError {
+    fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The dotted key the error is about, when there is one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            ConfigError::Invalid { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+}
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Name of this deployment; prefixes nothing, but appears in logs and the
+    /// aggregator's consumer group default.
+    pub cluster: String,
+    pub kafka: KafkaConfig,
+    #[serde(default)]
+    pub node: NodeSettings,
+    #[serde(default)]
+    pub aggregator: AggregatorSettings,
+    pub regions: BTreeMap<String, RegionConfig>,
+    pub plans: BTreeMap<String, PlanConfig>,
+    #[serde(default)]
+    pub tenants: BTreeMap<String, TenantConfig>,
+    #[serde(default)]
+    pub unknown_tenants: UnknownTenants,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers` for librdkafka.
+    pub brokers: String,
+    #[serde(default = "default_deltas_topic")]
+    pub deltas_topic: String,
+    #[serde(default = "default_global_topic")]
+    pub global_topic: String,
+    /// Partitions of both topics (used when the scripts create them, and to
+    /// pick the partition of a tenant: it must match the real topic).
+    #[serde(default = "default_partitions")]
+    pub partitions: i32,
+    #[serde(default = "default_replication")]
+    pub replication_factor: i32,
+    /// Passed through to librdkafka verbatim (`security.protocol`,
+    /// `sasl.mechanisms`, `ssl.ca.location`, …).
+    #[serde(default)]
+    pub client: BTreeMap<String, String>,
+}
+
+fn default_deltas_topic() -> String {
+    "tierlimit.deltas".into()
+}
+fn default_global_topic() -> String {
+    "tierlimit.global".into()
+}
+fn default_partitions() -> i32 {
+    8
+}
+fn default_replication() -> i32 {
+    1
+}
+
+/// Settings of every region-node process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeSettings {
+    /// How often the publisher drains the region's dirty set to Kafka.
+    #[serde(with = "serde_human")]
+    pub flush_interval: Duration,
+    /// Upper bound on one Redis call of the decision path; past it the plan's
+    /// `on_store_error` applies.
+    #[serde(with = "serde_human")]
+    pub store_timeout: Duration,
+    /// While Redis is failing, how often one probe checks whether it is back
+    /// (decisions in between go straight to the fail mode, without waiting).
+    #[serde(with = "serde_human")]
+    pub store_retry_interval: Duration,
+    /// When the broadcast view is older than this, the region spends at most
+    /// its share (1 / number of regions) of what globally remained. Unset:
+    /// always trust the last view.
+    #[serde(with = "opt_human", skip_serializing_if = "Option::is_none")]
+    pub max_staleness: Option<Duration>,
+    /// Most dirty entries published per flush (the rest wait for the next).
+    pub publish_batch: usize,
+}
+
+impl Default for NodeSettings {
+    fn default() -> Self {
+        NodeSettings {
+            flush_interval: Duration::from_millis(250),
+            store_timeout: Duration::from_millis(50),
+            store_retry_interval: Duration::from_millis(500),
+            max_staleness: None,
+            publish_batch: 5000,
+        }
+    }
+}
+
+mod opt_human {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        let s = String::deserialize(d)?;
+        crate::duration::parse(&s)
+            .map(Some)
+            .map_err(serde::de::Error::custom)
+    }
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_str(&crate::duration::format(*d)),
+            None => s.serialize_none(),
+        }
+    }
+}
+
+/// Settings of the aggregator.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AggregatorSettings {
+    /// Consumer group id; default `tierlimit-aggregator`.
+    pub group_id: String,
+    /// Broadcasts are coalesced per this interval (a tenant crossing its
+    /// limit is broadcast at once).
+    #[serde(with = "serde_human")]
+    pub broadcast_interval: Duration,
+    /// Days kept in memory and answered over HTTP; older days are dropped.
+    pub retention_days: u32,
+}
+
+impl Default for AggregatorSettings {
+    fn default() -> Self {
+        AggregatorSettings {
+            group_id: "tierlimit-aggregator".into(),
+            broadcast_interval: Duration::from_millis(250),
+            retention_days: 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionConfig {
+    /// `redis://`, `rediss://` (TLS) or `unix://` URL of the region's Redis.
+    pub redis_url: String,
+    /// Nodes expected in this region; `local` fail mode gives each node
+    /// `region limit / expected_nodes`.
+    #[serde(default = "one")]
+    pub expected_nodes: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Rate-limiting algorithm of one tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Counter per aligned window. Cheapest; allows 2× at a window edge.
+    FixedWindow,
+    /// Two fixed windows weighted by overlap (Cloudflare's approximation):
+    /// O(1) memory, no edge burst.
+    SlidingWindow,
+    /// GCRA: `limit` per `window` sustained, up to `burst` at once.
+    #[serde(alias = "gcra")]
+    TokenBucket,
+    /// Exact log of timestamps; memory O(limit), so limited to small limits.
+    SlidingLog,
+}
+
+impl Algorithm {
+    /// The code the Lua script switches on.
+    pub fn code(self) -> u8 {
+        match self {
+            Algorithm::FixedWindow => 1,
+            Algorithm::SlidingWindow => 2,
+            Algorithm::TokenBucket => 3,
+            Algorithm::SlidingLog => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::SlidingLog => "sliding_log",
+        }
+    }
+}
+
+/// Most entries a sliding log may hold (its memory is O(limit)).
+pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
+/// Longest window of a node or region tier.
+pub const MAX_WINDOW: Duration = Duration::from_secs(7 * 86_400);
+/// Largest cost a single check may carry, and largest configured limit.
+pub const MAX_LIMIT: u64 = 1_000_000_000_000;
+
+/// What a decision does when the region's Redis cannot answer in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreErrorMode {
+    /// Allow, unlimited by node and region tiers.
+    Open,
+    /// Deny with 503.
+    Closed,
+    /// Enforce in-process: node tier as configured, region tier divided by
+    /// the region's expected node count.
+    #[default]
+    Local,
+}
+
+impl StoreErrorMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreErrorMode::Open => "open",
+            StoreErrorMode::Closed => "closed",
+            StoreErrorMode::Local => "local",
+        }
+    }
+}
+
+/// One windowed limit (node or region tier) as written in a plan.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitConfig {
+    pub limit: u64,
+    #[serde(with = "serde_human")]
+    pub window: Duration,
+    #[serde(default = "default_algorithm")]
+    pub algorithm: Algorithm,
+    /// Token bucket only: most units spendable at once (default `limit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+}
+
+fn default_algorithm() -> Algorithm {
+    Algorithm::SlidingWindow
+}
+
+/// Partial override of a [`LimitConfig`] for one tenant.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitOverride {
+    pub limit: Option<u64>,
+    #[serde(default, with = "opt_human", skip_serializing_if = "Option::is_none")]
+    pub window: Option<Duration>,
+    pub algorithm: Option<Algorithm>,
+    pub burst: Option<u64>,
+}
+
+/// The global tier: units per tenant per UTC calendar day.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GlobalLimitConfig {
+    pub limit: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanConfig {
+    /// Per region-node process. Absent: no node tier.
+    pub node: Option<LimitConfig>,
+    /// Across all nodes of one region. Absent: no region tier.
+    pub region: Option<LimitConfig>,
+    /// Across every region, per UTC day. Absent: no global tier.
+    pub global: Option<GlobalLimitConfig>,
+    #[serde(default)]
+    pub on_store_error: StoreErrorMode,
+    /// Count node and region tiers per (tenant, key) instead of per tenant.
+    /// The global tier is always per tenant.
+    #[serde(default)]
+    pub key_scoped: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    pub plan: String,
+    pub node: Option<LimitOverride>,
+    pub region: Option<LimitOverride>,
+    pub global: Option<GlobalLimitConfig>,
+    pub on_store_error: Option<StoreErrorMode>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownPolicy {
+    /// Unknown tenants are refused (403).
+    Deny,
+    /// Unknown tenants get `unknown_tenants.plan`.
+    #[default]
+    Plan,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnknownTenants {
+    #[serde(default)]
+    pub policy: UnknownPolicy,
+    /// Plan for unknown tenants when `policy = "plan"`.
+    pub plan: Option<String>,
+}
+
+impl Default for UnknownTenants {
+    fn default() -> Self {
+        UnknownTenants {
+            policy: UnknownPolicy::Deny,
+            plan: None,
+        }
+    }
+}
+
+/// One tier's limit, resolved and ready for the decision path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Limit {
+    pub limit: u64,
+    pub window_ms: u64,
+    pub algorithm: Algorithm,
+    /// Token bucket burst; equals `limit` for other algorithms.
+    pub burst: u64,
+}
+
+impl Limit {
+    fn from_config(c: &LimitConfig) -> Limit {
+        Limit {
+            limit: c.limit,
+            window_ms: c.window.as_millis() as u64,
+            algorithm: c.algorithm,
+            burst: c.burst.unwrap_or(c.limit),
+        }
+    }
+
+    fn with_override(&self, o: &LimitOverride) -> Limit {
+        let limit = o.limit.unwrap_or(self.limit);
+        let algorithm = o.algorithm.unwrap_or(self.algorithm);
+        Limit {
+            limit,
+            window_ms: o.window.map(|w| w.as_millis() as u64).unwrap_or(self.window_ms),
+            algorithm,
+            burst: o
+                .burst
+                .unwrap_or(if o.limit.is_some() { limit } else { self.burst }),
+        }
+    }
+
+    /// The `local` fail-mode share of a region limit for one of `nodes`.
+    pub fn share(&self, nodes: u32) -> Limit {
+        let n = u64::from(nodes.max(1));
+        Limit {
+            limit: (self.limit / n).max(1),
+            burst: (self.burst / n).max(1),
+            ..self.clone()
+        }
+    }
+}
+
+/// Everything the decision path needs to know about one tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Policy {
+    pub plan: String,
+    pub node: Option<Limit>,
+    pub region: Option<Limit>,
+    /// Units per UTC day across all regions.
+    pub global: Option<u64>,
+    pub on_store_error: StoreErrorMode,
+    pub key_scoped: bool,
+}
+
+/// A validated configuration with policies resolved per tenant.
+#[derive(Debug)]
+pub struct Loaded {
+    pub config: Config,
+    tenants: BTreeMap<String, Arc<Policy>>,
+    unknown: Option<Arc<Policy>>,
+}
+
+impl Loaded {
+    /// The policy of `tenant`, or `None` when unknown tenants are denied.
+    pub fn policy(&self, tenant: &str) -> Option<Arc<Policy>> {
+        self.tenants
+            .get(tenant)
+            .cloned()
+            .or_else(|| self.unknown.clone())
+    }
+
+    /// Policies of every configured tenant and of unknown tenants.
+    pub fn policies(&self) -> impl Iterator<Item = (&str, &Arc<Policy>)> {
+        self.tenants.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    pub fn unknown_policy(&self) -> Option<&Arc<Policy>> {
+        self.unknown.as_ref()
+    }
+}
+
+impl Config {
+    /// Reads, overrides from the process environment, parses and validates.
+    pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml_with_env(&text, std::env::vars())
+    }
+
+    /// Parses `text`, applies `TIERLIMIT__…` overrides from `env`, validates.
+    pub fn from_toml_with_env(
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Loaded, ConfigError> {
+        let mut tree: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| ConfigError::Syntax(e.to_string()))?;
+        for (var, value) in env {
+            apply_env_override(&mut tree, &var, &value)?;
+        }
+        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(tree))
+            .map_err(|e| {
+                let key = e.path().to_string();
+                ConfigError::invalid(if key == "." { "(root)".into() } else { key }, e.into_inner().to_string())
+            })?;
+        config.validate()
+    }
+
+    /// Parses and validates without environment overrides.
+    pub fn from_toml(text: &str) -> Result<Loaded, ConfigError> {
+        Self::from_toml_with_env(text, std::iter::empty())
+    }
+
+    /// Checks everything serde's types cannot and resolves tenant policies.
+    pub fn validate(self) -> Result<Loaded, ConfigError> {
+        validate::name("cluster", &self.cluster)
+            .map_err(|e| ConfigError::invalid("cluster", e.to_string()))?;
+        self.validate_kafka()?;
+        self.validate_settings()?;
+        if self.regions.is_empty() {
+            return Err(ConfigError::invalid("regions", "at least one region is required"));
+        }
+        for (name, r) in &self.regions {
+            let key = |k: &str| format!("regions.{name}.{k}");
+            validate::name("region name", name)
+                .map_err(|e| ConfigError::invalid(format!("regions.{name}"), e.to_string()))?;
+            if !["redis://", "rediss://", "unix://", "redis+unix://"]
+                .iter()
+                .any(|p| r.redis_url.starts_with(p))
+            {
+                return Err(ConfigError::invalid(
+                    key("redis_url"),
+                    format!("{:?} is not a redis://, rediss:// or unix:// URL", r.redis_url),
+                ));
+            }
+            if r.expected_nodes == 0 {
+                return Err(ConfigError::invalid(key("expected_nodes"), "must be at least 1"));
+            }
+        }
+        if self.plans.is_empty() {
+            return Err(ConfigError::invalid("plans", "at least one plan is required"));
+        }
+        let mut plans = BTreeMap::new();
+        for (name, p) in &self.plans {
+            validate::name("plan name", name)
+                .map_err(|e| ConfigError::invalid(format!("plans.{name}"), e.to_string()))?;
+            let policy = Policy {
+                plan: name.clone(),
+                node: p.node.as_ref().map(Limit::from_config),
+                region: p.region.as_ref().map(Limit::from_config),
+                global: p.global.as_ref().map(|g| g.limit),
+                on_store_error: p.on_store_error,
+                key_scoped: p.key_scoped,
+            };
+            check_policy(&format!("plans.{name}"), &policy)?;
+            plans.insert(name.clone(), policy);
+        }
+        let mut tenants = BTreeMap::new();
+        for (id, t) in &self.tenants {
+            let at = format!("tenants.{id}");
+            validate::tenant(id).map_err(|e| ConfigError::invalid(&at, e.to_string()))?;
+            let base = plans.get(&t.plan).ok_or_else(|| {
+                ConfigError::invalid(
+                    format!("{at}.plan"),
+                    format!("no plan named {:?} (plans: {})", t.plan, names(&plans)),
+                )
+            })?;
+            let mut policy = base.clone();
+            for (tier, ov, slot) in [
+                ("node", &t.node, &mut policy.node),
+                ("region", &t.region, &mut policy.region),
+            ] {
+                if let Some(ov) = ov {
+                    *slot = match slot.as_ref() {
+                        Some(l) => Some(l.with_override(ov)),
+                        None => Some(full_override(&format!("{at}.{tier}"), ov)?),
+                    };
+                }
+            }
+            if let Some(g) = &t.global {
+                policy.global = Some(g.limit);
+            }
+            if let Some(m) = t.on_store_error {
+                policy.on_store_error = m;
+            }
+            check_policy(&at, &policy)?;
+            tenants.insert(id.clone(), Arc::new(policy));
+        }
+        let unknown = match (self.unknown_tenants.policy, &self.unknown_tenants.plan) {
+            (UnknownPolicy::Deny, _) => None,
+            (UnknownPolicy::Plan, None) => {
+                return Err(ConfigError::invalid(
+                    "unknown_tenants.plan",
+                    "required when unknown_tenants.policy = \"plan\"",
+                ))
+            }
+            (UnknownPolicy::Plan, Some(p)) => Some(Arc::new(
+                plans
+                    .get(p)
+                    .ok_or_else(|| {
+                        ConfigError::invalid(
+                            "unknown_tenants.plan",
+                            format!("no plan named {p:?} (plans: {})", names(&plans)),
+                        )
+                    })?
+                    .clone(),
+            )),
+        };
+        Ok(Loaded {
+            config: self,
+            tenants,
+            unknown,
+        })
+    }
+
+    fn validate_kafka(&self) -> Result<(), ConfigError> {
+        let k = &self.kafka;
+        if k.brokers.trim().is_empty() {
+            return Err(ConfigError::invalid("kafka.brokers", "must not be empty"));
+        }
+        for (key, topic) in [("kafka.deltas_topic", &k.deltas_topic), ("kafka.global_topic", &k.global_topic)] {
+            if topic.is_empty()
+                || topic.len() > 249
+                || !topic.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+            {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("{topic:?} is not a valid Kafka topic name ([A-Za-z0-9._-], 1..249)"),
+                ));
+            }
+        }
+        if k.deltas_topic == k.global_topic {
+            return Err(ConfigError::invalid("kafka.global_topic", "must differ from kafka.deltas_topic"));
+        }
+        if !(1..=10_000).contains(&k.partitions) {
+            return Err(ConfigError::invalid("kafka.partitions", "must be between 1 and 10000"));
+        }
+        if !(1..=16).contains(&k.replication_factor) {
+            return Err(ConfigError::invalid("kafka.replication_factor", "must be between 1 and 16"));
+        }
+        for reserved in ["bootstrap.servers", "group.id", "enable.idempotence", "enable.auto.commit"] {
+            if k.client.contains_key(reserved) {
+                return Err(ConfigError::invalid(
+                    format!("kafka.client.{reserved}"),
+                    "is set by tierlimit itself and cannot be overridden",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_settings(&self) -> Result<(), ConfigError> {
+        let n = &self.node;
+        let range = |key: &str, d: Duration, lo: Duration, hi: Duration| {
+            if d < lo || d > hi {
+                Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "{} is out of range {}..{}",
+                        crate::duration::format(d),
+                        crate::duration::format(lo),
+                        crate::duration::format(hi)
+                    ),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        let ms = Duration::from_millis;
+        range("node.flush_interval", n.flush_interval, ms(10), ms(60_000))?;
+        range("node.store_timeout", n.store_timeout, ms(1), ms(10_000))?;
+        range("node.store_retry_interval", n.store_retry_interval, ms(10), ms(60_000))?;
+        if let Some(s) = n.max_staleness {
+            range("node.max_staleness", s, ms(100), ms(86_400_000))?;
+        }
+        if n.publish_batch == 0 {
+            return Err(ConfigError::invalid("node.publish_batch", "must be at least 1"));
+        }
+        let a = &self.aggregator;
+        if a.group_id.is_empty() {
+            return Err(ConfigError::invalid("aggregator.group_id", "must not be empty"));
+        }
+        range("aggregator.broadcast_interval", a.broadcast_interval, ms(10), ms(60_000))?;
+        if !(1..=31).contains(&a.retention_days) {
+            return Err(ConfigError::invalid("aggregator.retention_days", "must be between 1 and 31"));
+        }
+        Ok(())
+    }
+}
+
+fn names<V>(m: &BTreeMap<String, V>) -> String {
+    m.keys().cloned().collect::<Vec<_>>().join(", ")
+}
+
+fn full_override(at: &str, o: &LimitOverride) -> Result<Limit, ConfigError> {
+    let limit = o
+        .limit
+        .ok_or_else(|| ConfigError::invalid(format!("{at}.limit"), "required: the plan has no such tier to override"))?;
+    let window = o
+        .window
+        .ok_or_else(|| ConfigError::invalid(format!("{at}.window"), "required: the plan has no such tier to override"))?;
+    Ok(Limit {
+        limit,
+        window_ms: window.as_millis() as u64,
+        algorithm: o.algorithm.unwrap_or(Algorithm::SlidingWindow),
+        burst: o.burst.unwrap_or(limit),
+    })
+}
+
+fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
+    for (tier, l) in [("node", &p.node), ("region", &p.region)] {
+        let Some(l) = l else { continue };
+        let key = |k: &str| format!("{at}.{tier}.{k}");
+        if l.limit == 0 || l.limit > MAX_LIMIT {
+            return Err(ConfigError::invalid(key("limit"), format!("must be between 1 and {MAX_LIMIT}")));
+        }
+        if l.window_ms == 0 || l.window_ms > MAX_WINDOW.as_millis() as u64 {
+            return Err(ConfigError::invalid(key("window"), "must be between 1ms and 7d"));
+        }
+        match l.algorithm {
+            Algorithm::SlidingLog if l.limit > MAX_SLIDING_LOG_LIMIT => {
+                return Err(ConfigError::invalid(
+                    key("limit"),
+                    format!(
+                        "sliding_log keeps one entry per unit; limit {} exceeds {MAX_SLIDING_LOG_LIMIT} (use sliding_window)",
+                        l.limit
+                    ),
+                ))
+            }
+            Algorithm::TokenBucket => {
+                if l.burst == 0 || l.burst > MAX_LIMIT {
+                    return Err(ConfigError::invalid(key("burst"), format!("must be between 1 and {MAX_LIMIT}")));
+                }
+                // GCRA works in whole microseconds per unit.
+                if l.window_ms.saturating_mul(1000) / l.limit == 0 {
+                    return Err(ConfigError::invalid(
+                        key("limit"),
+                        "more than one unit per microsecond cannot be expressed; lengthen the window",
+                    ));
+                }
+            }
+            _ if l.burst != l.limit => {
+                return Err(ConfigError::invalid(key("burst"), "only token_bucket takes a burst"));
+            }
+            _ => {}
+        }
+    }
+    if let Some(g) = p.global {
+        if g == 0 || g > MAX_LIMIT {
+            return Err(ConfigError::invalid(format!("{at}.global.limit"), format!("must be between 1 and {MAX_LIMIT}")));
+        }
+    }
+    Ok(())
+}
+
+/// Applies one `TIERLIMIT__A__B__C=value` variable to the TOML tree.
+///
+/// Path segments are lower-cased; `__` separates them so that keys with a
+/// single underscore (`redis_url`) survive. The value is read as a TOML value
+/// when it parses as one (`42`, `true`, `"x"`), else taken as a plain string.
+fn apply_env_override(tree: &mut toml::Table, var: &str, value: &str) -> Result<(), ConfigError> {
+    let Some(rest) = var.strip_prefix("TIERLIMIT__") else {
+        return Ok(());
+    };
+    let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+    if path.iter().any(|s| s.is_empty()) {
+        return Err(ConfigError::Env {
+            var: var.into(),
+            reason: "empty path segment".into(),
+        });
+    }
+    let parsed = format!("v = {value}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    let mut node = tree;
+    for seg in &path[..path.len() - 1] {
+        let entry = node
+            .entry(seg.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        node = entry.as_table_mut().ok_or_else(|| ConfigError::Env {
+            var: var.into(),
+            reason: format!("`{seg}` is not a table"),
+        })?;
+    }
+    node.insert(path[path.len() - 1].clone(), parsed);
+    Ok(())
+}

@@ -1,0 +1,60 @@
+//! Kafka client plumbing both binaries share: client configuration from the
+//! config file, and topic creation.
+//!
+//! Only plain Kafka protocol features are used (idempotent producer, manual
+//! assignment, consumer groups, watermarks, CreateTopics), so any compatible
+//! broker works: Apache Kafka, Redpanda, MSK, Tansu.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::RDKafkaErrorCode;
+
+use crate::config::KafkaConfig;
+
+/// A librdkafka config with the brokers and every `kafka.client` pass-through
+/// setting (SASL, TLS, timeouts) applied.
+pub fn client_config(k: &KafkaConfig) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &k.brokers);
+    for (key, value) in &k.client {
+        c.set(key, value);
+    }
+    c
+}
+
+/// Creates the deltas and global topics if they do not exist.
+///
+/// `compact` asks for `cleanup.policy=compact` on both (what production
+/// wants: the latest message per key is the whole truth). Brokers that do not
+/// accept topic configs can be given `compact = false`.
+pub async fn ensure_topics(k: &KafkaConfig, compact: bool) -> Result<Vec<String>, String> {
+    let admin: AdminClient<DefaultClientContext> = client_config(k)
+        .create()
+        .map_err(|e| format!("cannot create Kafka admin client: {e}"))?;
+    let mut topics = Vec::new();
+    for name in [&k.deltas_topic, &k.global_topic] {
+        let repl = TopicReplication::Fixed(k.replication_factor);
+        let mut t = NewTopic::new(name, k.partitions, repl);
+        if compact {
+            t = t.set("cleanup.policy", "compact");
+        }
+        topics.push(t);
+    }
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+    let results = admin
+        .create_topics(topics.iter(), &opts)
+        .await
+        .map_err(|e| format!("CreateTopics failed: {e}"))?;
+    let mut created = Vec::new();
+    for r in results {
+        match r {
+            Ok(name) => created.push(name),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((name, code)) => return Err(format!("cannot create topic {name}: {code}")),
+        }
+    }
+    Ok(created)
+}

@@ -1,0 +1,64 @@
+//! The Redis key scheme of one region.
+//!
+//! Every key of a tenant carries the hash tag `{tenant}`, so one decision
+//! script touches a single Redis Cluster slot. Callers pass only ids that
+//! passed [`crate::validate`], whose alphabet excludes `{`, `}`, `:` and `|`,
+//! so no input can name a key of another tenant.
+//!
+//! | key                     | type | holds                                   |
+//! |-------------------------|------|-----------------------------------------|
+//! | `tl:{T}:n:<node>:<k>`   | hash/string/zset | node-tier state of one node   |
+//! | `tl:{T}:r:<k>`          | hash/string/zset | region-tier state             |
+//! | `tl:{T}:g:<day>`        | hash `e p n` | the region's PN counter part for (T, day): epoch, P, N |
+//! | `tl:dirty`              | zset `T|day → p+n` | (T, day) pairs not yet published |
+//!
+//! `<k>` is the request key when the plan is `key_scoped`, else `_`.
+
+/// The region-wide set of (tenant, day) pairs with unpublished changes.
+pub const DIRTY: &str = "tl:dirty";
+
+/// Placeholder for `<k>` when a plan counts per tenant, not per key.
+pub const WHOLE_TENANT: &str = "_";
+
+pub fn node_tier(tenant: &str, node: &str, key: &str) -> String {
+    format!("tl:{{{tenant}}}:n:{node}:{key}")
+}
+
+pub fn region_tier(tenant: &str, key: &str) -> String {
+    format!("tl:{{{tenant}}}:r:{key}")
+}
+
+pub fn pn_counter(tenant: &str, day: u32) -> String {
+    format!("tl:{{{tenant}}}:g:{day}")
+}
+
+/// Member of [`DIRTY`] for (tenant, day).
+pub fn dirty_member(tenant: &str, day: u32) -> String {
+    format!("{tenant}|{day}")
+}
+
+/// Parses a [`DIRTY`] member back; `None` for anything we did not write.
+pub fn parse_dirty_member(m: &str) -> Option<(&str, u32)> {
+    let (t, d) = m.rsplit_once('|')?;
+    crate::validate::tenant(t).ok()?;
+    Some((t, d.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_carry_the_tenant_hash_tag() {
+        assert_eq!(node_tier("acme", "n1", "_"), "tl:{acme}:n:n1:_");
+        assert_eq!(region_tier("acme", "GET/x"), "tl:{acme}:r:GET/x");
+        assert_eq!(pn_counter("acme", 20_000), "tl:{acme}:g:20000");
+    }
+
+    #[test]
+    fn dirty_members_round_trip() {
+        assert_eq!(parse_dirty_member(&dirty_member("a.b-c", 7)), Some(("a.b-c", 7)));
+        assert_eq!(parse_dirty_member("x|y"), None);
+        assert_eq!(parse_dirty_member("a{b|1"), None);
+    }
+}

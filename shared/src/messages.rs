@@ -1,0 +1,211 @@
+//! Wire messages on the two Kafka topics, as versioned JSON.
+//!
+//! JSON rather than a binary format: the messages are small, few (one per
+//! dirty tenant and flush, not per request) and an operator can read them
+//! with any Kafka tool. `"v": 1` lets a future format coexist during a
+//! rolling upgrade; a consumer skips (and counts) versions it does not know.
+//!
+//! Deltas carry the actor's **cumulative** P and N, never increments, so any
+//! duplicate, replay or reordering merges to the same state (max per actor).
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// The only message version this build writes and reads.
+pub const VERSION: u32 = 1;
+
+/// One region actor's cumulative counts for (tenant, day), on the deltas topic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delta {
+    pub v: u32,
+    pub tenant: String,
+    /// UTC day number (days since 1970-01-01).
+    pub day: u32,
+    /// `"{region}/{epoch}"`.
+    pub actor: String,
+    /// Cumulative allowed cost.
+    pub p: u64,
+    /// Cumulative refunded cost (never above `p`).
+    pub n: u64,
+    /// Wall-clock ms when the delta was produced (for lag metrics only).
+    pub ts_ms: u64,
+}
+
+/// One actor's part in a global total.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActorPart {
+    pub actor: String,
+    pub p: u64,
+    pub n: u64,
+}
+
+impl ActorPart {
+    /// Region name of the actor (`"eu-west/abc" → "eu-west"`).
+    pub fn region(&self) -> &str {
+        actor_region(&self.actor)
+    }
+    pub fn net(&self) -> u64 {
+        self.p.saturating_sub(self.n)
+    }
+}
+
+/// The aggregator's merged view of (tenant, day), on the global topic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GlobalUpdate {
+    pub v: u32,
+    pub tenant: String,
+    pub day: u32,
+    /// Σ P − Σ N over all actors.
+    pub total: u64,
+    pub parts: Vec<ActorPart>,
+    /// The tenant's global limit per day, if it has one.
+    pub limit: Option<u64>,
+    pub over_limit: bool,
+    pub ts_ms: u64,
+}
+
+#[derive(Debug, Error)]
+pub enum DecodeError {
+    #[error("not JSON of the expected shape: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("unsupported message version {0}")]
+    Version(u32),
+    #[error("invalid field: {0}")]
+    Field(String),
+}
+
+/// Region part of an actor id.
+pub fn actor_region(actor: &str) -> &str {
+    actor.split_once('/').map(|(r, _)| r).unwrap_or(actor)
+}
+
+/// Builds an actor id.
+pub fn actor(region: &str, epoch: &str) -> String {
+    format!("{region}/{epoch}")
+}
+
+fn check_actor(actor: &str) -> Result<(), DecodeError> {
+    match actor.split_once('/') {
+        Some((r, e)) if crate::validate::name("region", r).is_ok() && crate::validate::name("epoch", e).is_ok() => Ok(()),
+        _ => Err(DecodeError::Field(format!("actor {actor:?} is not region/epoch"))),
+    }
+}
+
+impl Delta {
+    pub fn new(tenant: &str, day: u32, actor: String, p: u64, n: u64, ts_ms: u64) -> Self {
+        Delta {
+            v: VERSION,
+            tenant: tenant.into(),
+            day,
+            actor,
+            p,
+            n,
+            ts_ms,
+        }
+    }
+
+    /// Kafka key: `tenant|day|actor` (compaction keeps the latest per actor).
+    pub fn key(&self) -> String {
+        format!("{}|{}|{}", self.tenant, self.day, self.actor)
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a Delta always serializes")
+    }
+
+    /// Decodes and validates; anything else is an undecodable message.
+    pub fn decode(bytes: &[u8]) -> Result<Delta, DecodeError> {
+        let d: Delta = serde_json::from_slice(bytes)?;
+        if d.v != VERSION {
+            return Err(DecodeError::Version(d.v));
+        }
+        crate::validate::tenant(&d.tenant).map_err(|e| DecodeError::Field(e.to_string()))?;
+        check_actor(&d.actor)?;
+        if d.n > d.p {
+            return Err(DecodeError::Field(format!("n {} exceeds p {}", d.n, d.p)));
+        }
+        Ok(d)
+    }
+}
+
+impl GlobalUpdate {
+    /// Kafka key: `tenant|day`.
+    pub fn key(&self) -> String {
+        format!("{}|{}", self.tenant, self.day)
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a GlobalUpdate always serializes")
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<GlobalUpdate, DecodeError> {
+        let g: GlobalUpdate = serde_json::from_slice(bytes)?;
+        if g.v != VERSION {
+            return Err(DecodeError::Version(g.v));
+        }
+        crate::validate::tenant(&g.tenant).map_err(|e| DecodeError::Field(e.to_string()))?;
+        for p in &g.parts {
+            check_actor(&p.actor)?;
+        }
+        Ok(g)
+    }
+}
+
+/// The partition of a tenant: FNV-1a (64-bit) of its id modulo the partition
+/// count. Chosen explicitly (not librdkafka's default partitioner) so that
+/// every tenant's deltas from every region land on one partition, owned by
+/// one aggregator, whatever client or language produced them.
+pub fn partition_of(tenant: &str, partitions: i32) -> i32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in tenant.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % partitions.max(1) as u64) as i32
+}
+
+/// Wall-clock milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delta_round_trip_and_key() {
+        let d = Delta::new("acme", 20_000, actor("eu", "abc123"), 10, 2, 5);
+        assert_eq!(d.key(), "acme|20000|eu/abc123");
+        assert_eq!(Delta::decode(&d.encode()).unwrap(), d);
+    }
+
+    #[test]
+    fn rejects_bad_deltas() {
+        assert!(matches!(Delta::decode(b"nope"), Err(DecodeError::Json(_))));
+        let mut d = Delta::new("acme", 1, actor("eu", "e"), 1, 0, 0);
+        d.v = 2;
+        assert!(matches!(Delta::decode(&d.encode()), Err(DecodeError::Version(2))));
+        let d = Delta::new("ac:me", 1, actor("eu", "e"), 1, 0, 0);
+        assert!(Delta::decode(&d.encode()).is_err());
+        let d = Delta::new("acme", 1, "noslash".into(), 1, 0, 0);
+        assert!(Delta::decode(&d.encode()).is_err());
+        let d = Delta::new("acme", 1, actor("eu", "e"), 1, 2, 0);
+        assert!(Delta::decode(&d.encode()).is_err());
+    }
+
+    #[test]
+    fn partition_is_stable_and_in_range() {
+        // Pinned values: changing the hash would move tenants between
+        // aggregators during a rolling upgrade.
+        assert_eq!(partition_of("acme", 8), partition_of("acme", 8));
+        assert_eq!(partition_of("", 8), (0xcbf2_9ce4_8422_2325u64 % 8) as i32);
+        for t in ["a", "b", "tenant-42", "x.y"] {
+            let p = partition_of(t, 7);
+            assert!((0..7).contains(&p));
+        }
+    }
+}
