@@ -1,0 +1,128 @@
+//! tierlimit region-node: the process a service asks "may tenant T spend C
+//! units now?".
+//!
+//! Module map:
+//! - [`decision`]: the hot path, top to bottom (validate → global fast path →
+//!   one `EVALSHA` → fail mode);
+//! - [`store`]: the region's Redis, the Lua scripts, the circuit breaker;
+//! - [`local`]: the in-process `local` fail mode;
+//! - [`view`] and [`follower`]: the broadcast view of global totals;
+//! - [`publisher`]: dirty set → deltas topic;
+//! - [`http`]: the axum API; [`metrics`]: Prometheus.
+
+pub mod decision;
+pub mod follower;
+pub mod http;
+pub mod local;
+pub mod metrics;
+pub mod publisher;
+pub mod store;
+pub mod view;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+
+use tierlimit_shared::config::Config;
+use tierlimit_shared::reload;
+
+/// What `main` hands over after parsing flags.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config: PathBuf,
+    pub region: String,
+    pub node_id: String,
+    pub listen: SocketAddr,
+}
+
+/// Runs a region-node until SIGINT/SIGTERM.
+pub async fn run(settings: Settings) -> anyhow::Result<()> {
+    let loaded = Config::load(&settings.config)
+        .with_context(|| format!("loading {}", settings.config.display()))?;
+    tierlimit_shared::validate::name("node id", &settings.node_id).context("--node-id")?;
+    let Some(region) = loaded.config.regions.get(&settings.region).cloned() else {
+        bail!(
+            "--region {:?} is not configured (regions: {})",
+            settings.region,
+            loaded.config.regions.keys().cloned().collect::<Vec<_>>().join(", ")
+        );
+    };
+    let config = loaded.config.clone();
+    let metrics = Arc::new(metrics::Metrics::new());
+    let live = reload::live(loaded);
+    {
+        let m = Arc::clone(&metrics);
+        reload::spawn_sighup_reloader(settings.config.clone(), Arc::clone(&live), move |r| {
+            m.config_reloads
+                .with_label_values(&[if r.is_ok() { "ok" } else { "refused" }])
+                .inc();
+        })?;
+    }
+
+    let store = store::Store::new(
+        &region.redis_url,
+        config.node.store_timeout,
+        config.node.store_retry_interval,
+        Arc::clone(&metrics),
+    )
+    .context("regions.*.redis_url")?;
+    let view = Arc::new(view::View::new());
+    let local = Arc::new(local::Local::new(&settings.region, &settings.node_id));
+
+    let publisher = publisher::Publisher::new(
+        &config,
+        &settings.region,
+        Arc::clone(&store),
+        Arc::clone(&local),
+        Arc::clone(&metrics),
+    )
+    .context("creating the Kafka producer")?;
+    tokio::spawn(publisher.run());
+    tokio::spawn(follower::run(
+        config.clone(),
+        format!("{}-{}", settings.region, settings.node_id),
+        Arc::clone(&view),
+        Arc::clone(&metrics),
+    ));
+
+    let decider = decision::Decider::new(
+        live,
+        store,
+        Arc::clone(&view),
+        local,
+        settings.region.clone(),
+        settings.node_id.clone(),
+        Arc::clone(&metrics),
+    );
+    let app = http::router(Arc::new(http::AppState {
+        decider,
+        metrics,
+        view,
+    }));
+    let listener = tokio::net::TcpListener::bind(settings.listen)
+        .await
+        .with_context(|| format!("binding {}", settings.listen))?;
+    tracing::info!(
+        listen = %settings.listen,
+        region = %settings.region,
+        node = %settings.node_id,
+        "region-node serving"
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
+}

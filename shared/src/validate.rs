@@ -24,15 +24,25 @@ pub enum InvalidId {
         len: usize,
         max: usize,
     },
-    #[error("{field} contains {ch:?}; allowed are ASCII letters, digits and - _ . / @ +")]
-    BadChar { field: &'static str, ch: char },
+    #[error("{field} contains {ch:?}; allowed are ASCII letters, digits and {allowed}")]
+    BadChar {
+        field: &'static str,
+        ch: char,
+        allowed: &'static str,
+    },
 }
 
 fn allowed(c: char, extra: &[char]) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') || extra.contains(&c)
 }
 
-fn check(field: &'static str, s: &str, max: usize, extra: &[char]) -> Result<(), InvalidId> {
+fn check(
+    field: &'static str,
+    s: &str,
+    max: usize,
+    extra: &[char],
+    allowed_text: &'static str,
+) -> Result<(), InvalidId> {
     if s.is_empty() {
         return Err(InvalidId::Empty { field });
     }
@@ -44,24 +54,28 @@ fn check(field: &'static str, s: &str, max: usize, extra: &[char]) -> Result<(),
         });
     }
     if let Some(ch) = s.chars().find(|c| !allowed(*c, extra)) {
-        return Err(InvalidId::BadChar { field, ch });
+        return Err(InvalidId::BadChar {
+            field,
+            ch,
+            allowed: allowed_text,
+        });
     }
     Ok(())
 }
 
 /// A tenant id: `[A-Za-z0-9._-]{1,64}`.
 pub fn tenant(s: &str) -> Result<(), InvalidId> {
-    check("tenant", s, MAX_TENANT_LEN, &[])
+    check("tenant", s, MAX_TENANT_LEN, &[], "- _ .")
 }
 
 /// A key within a tenant (route, API key id, user …): `[A-Za-z0-9._/@+-]{1,128}`.
 pub fn key(s: &str) -> Result<(), InvalidId> {
-    check("key", s, MAX_KEY_LEN, &['/', '@', '+'])
+    check("key", s, MAX_KEY_LEN, &['/', '@', '+'], "- _ . / @ +")
 }
 
 /// A region name or node id: `[A-Za-z0-9._-]{1,64}`.
 pub fn name(field: &'static str, s: &str) -> Result<(), InvalidId> {
-    check(field, s, 64, &[])
+    check(field, s, 64, &[], "- _ .")
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ local now_ms = math.floor(now_us / 1000)
 local function int(x) return string.format('%.0f', x) end
 
 -- Each algorithm: eval(key, limit, window_ms, burst, cost) returns
---   ok, remaining_after, reset_ms, retry_ms, commit_fn, refund_fn
+--   ok, remaining (before this request), reset_ms, retry_ms, commit_fn, refund_fn
 -- eval never writes; commit() charges cost, refund() gives cost back.
 
 local function fixed_window(key, limit, w, _burst, c)
@@ -55,7 +55,6 @@ local function fixed_window(key, limit, w, _burst, c)
   local reset = (idx + 1) * w - now_ms
   local ok = used + c <= limit
   local remaining = limit - used
-  if ok then remaining = remaining - c end
   local retry = 0
   if not ok then
     if c > limit then retry = -1 else retry = reset end
@@ -87,7 +86,6 @@ local function sliding_window(key, limit, w, _burst, c)
   local est = prev * weight + cur
   local ok = est + c <= limit
   local remaining = math.floor(limit - est)
-  if ok then remaining = math.floor(limit - est - c) end
   if remaining < 0 then remaining = 0 end
   local reset = (idx + 1) * w - now_ms
   local retry = 0
@@ -127,12 +125,7 @@ local function token_bucket(key, limit, w, burst, c)
   if tat < now_us then tat = now_us end
   local new_tat = tat + c * e
   local ok = new_tat - now_us <= tau
-  local remaining
-  if ok then
-    remaining = math.floor((tau - (new_tat - now_us)) / e)
-  else
-    remaining = math.floor((tau - (tat - now_us)) / e)
-  end
+  local remaining = math.floor((tau - (tat - now_us)) / e)
   if remaining < 0 then remaining = 0 end
   local retry = 0
   if not ok then
@@ -157,7 +150,6 @@ local function sliding_log(key, limit, w, _burst, c)
   local used = redis.call('ZCARD', key)
   local ok = used + c <= limit
   local remaining = limit - used
-  if ok then remaining = remaining - c end
   local reset = w
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   if newest[2] then reset = tonumber(newest[2]) + w - now_ms end
@@ -236,7 +228,6 @@ if glimit > 0 then
   if global_remaining < 0 then global_remaining = 0 end
   if op == 'check' then
     global_ok = cost <= global_remaining
-    if global_ok then global_remaining = global_remaining - cost end
     if not global_ok then global_retry = (86400000 - now_ms % 86400000) end
   end
 end
@@ -276,9 +267,11 @@ if node and not node.ok then deny(1, node.retry) end
 if region and not region.ok then deny(2, region.retry) end
 if not global_ok then deny(3, global_retry) end
 
+-- Remaining units are reported after this request only if it was charged.
 if denied == 0 then
-  if node then node.commit() end
-  if region then region.commit() end
+  if node then node.commit(); node.remaining = math.max(0, node.remaining - cost) end
+  if region then region.commit(); region.remaining = math.max(0, region.remaining - cost) end
+  if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - cost) end
   own_p = own_p + cost
   redis.call('HSET', gkey, 'e', epoch, 'p', int(own_p), 'n', int(own_n))
   redis.call('EXPIRE', gkey, ARGV[17])

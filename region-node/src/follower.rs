@@ -1,0 +1,120 @@
+//! The broadcast follower: reads every partition of the global topic into
+//! the [`View`].
+//!
+//! It uses manual assignment from the beginning (no consumer group), so each
+//! node rebuilds the whole view of today on start and no rebalance can ever
+//! pause it. It is "caught up" when its position on every partition has
+//! reached the high watermark; the view's age is the time since that was
+//! last confirmed, which also makes a node cut off from Kafka visible.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+
+use tierlimit_shared::config::Config;
+use tierlimit_shared::day;
+use tierlimit_shared::messages::{now_ms, GlobalUpdate};
+
+use crate::metrics::Metrics;
+use crate::view::View;
+
+/// How often the follower checks whether it is caught up.
+const FRESHNESS_CHECK: Duration = Duration::from_millis(200);
+
+pub async fn run(config: Config, node: String, view: Arc<View>, metrics: Arc<Metrics>) {
+    loop {
+        if let Err(e) = follow(&config, &node, &view, &metrics).await {
+            tracing::warn!(error = %e, "broadcast follower restarting");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn follow(config: &Config, node: &str, view: &Arc<View>, metrics: &Metrics) -> Result<(), String> {
+    let topic = config.kafka.global_topic.clone();
+    let mut cc = tierlimit_shared::kafka::client_config(&config.kafka);
+    // A group id is required by the client, but with manual assignment the
+    // consumer never joins the group and never commits.
+    cc.set("group.id", format!("tierlimit-follower-{node}"))
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("fetch.wait.max.ms", "50");
+    let consumer: Arc<StreamConsumer> = Arc::new(cc.create().map_err(|e| e.to_string())?);
+
+    let partitions = {
+        let c = Arc::clone(&consumer);
+        let t = topic.clone();
+        tokio::task::spawn_blocking(move || {
+            c.fetch_metadata(Some(&t), Duration::from_secs(5))
+                .map_err(|e| e.to_string())
+                .and_then(|md| {
+                    md.topics()
+                        .first()
+                        .filter(|tm| tm.error().is_none())
+                        .map(|tm| tm.partitions().iter().map(|p| p.id()).collect::<Vec<i32>>())
+                        .filter(|ps| !ps.is_empty())
+                        .ok_or_else(|| format!("topic {t} not found"))
+                })
+        })
+        .await
+        .map_err(|e| e.to_string())??
+    };
+    let mut tpl = TopicPartitionList::new();
+    for p in &partitions {
+        tpl.add_partition_offset(&topic, *p, Offset::Beginning)
+            .map_err(|e| e.to_string())?;
+    }
+    consumer.assign(&tpl).map_err(|e| e.to_string())?;
+    tracing::info!(%topic, partitions = partitions.len(), "following broadcasts from the beginning");
+
+    let mut positions: Vec<i64> = vec![0; partitions.len()];
+    let mut check = tokio::time::interval(FRESHNESS_CHECK);
+    loop {
+        tokio::select! {
+            msg = consumer.recv() => {
+                let msg = msg.map_err(|e| e.to_string())?;
+                if let Some(i) = partitions.iter().position(|p| *p == msg.partition()) {
+                    positions[i] = msg.offset() + 1;
+                }
+                match msg.payload().map(GlobalUpdate::decode) {
+                    Some(Ok(u)) => {
+                        view.apply(&u);
+                        metrics.broadcasts_received.inc();
+                    }
+                    _ => {
+                        metrics.broadcasts_undecodable.inc();
+                        tracing::warn!(partition = msg.partition(), offset = msg.offset(), "skipping undecodable broadcast");
+                    }
+                }
+            }
+            _ = check.tick() => {
+                let c = Arc::clone(&consumer);
+                let t = topic.clone();
+                let ps = partitions.clone();
+                let pos = positions.clone();
+                let caught_up = tokio::task::spawn_blocking(move || {
+                    ps.iter().zip(pos).all(|(p, mine)| {
+                        match c.fetch_watermarks(&t, *p, Duration::from_secs(1)) {
+                            Ok((low, high)) => high <= low || mine >= high,
+                            Err(_) => false,
+                        }
+                    })
+                })
+                .await
+                .unwrap_or(false);
+                let now = now_ms();
+                if caught_up {
+                    view.mark_fresh(now);
+                    metrics.view_caught_up.set(1);
+                }
+                if let Some(age) = view.age_ms(now) {
+                    metrics.view_age_seconds.set(age as f64 / 1000.0);
+                }
+                view.prune(day::today().saturating_sub(1));
+                metrics.view_entries.set(view.len() as i64);
+            }
+        }
+    }
+}

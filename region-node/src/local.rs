@@ -1,0 +1,119 @@
+//! The `local` fail mode: node-local, in-memory limits while the region's
+//! Redis is unreachable.
+//!
+//! The node tier is enforced as configured; the region tier becomes this
+//! node's share of it (`limit / expected_nodes`), so a region of N nodes in
+//! local mode together stay near the region limit without talking. Units
+//! allowed here are counted per (tenant, day) under a node-local actor
+//! (`"{region}/local-{node}-{random}"`) and published like any other
+//! actor's, so the global count stays exact: nothing allowed goes uncounted,
+//! and because the actor is new, nothing is counted twice.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use tierlimit_shared::algorithm::{Evaluation, TierState};
+use tierlimit_shared::config::{Limit, Policy};
+
+/// Per-process limiter used when Redis is down.
+pub struct Local {
+    tiers: Mutex<HashMap<(String, String, u8), TierState>>,
+    counts: Mutex<HashMap<(String, u32), (u64, u64)>>,
+    /// Actor id of this process' local-mode counts.
+    pub actor: String,
+}
+
+/// What local mode decided for one tier.
+pub struct LocalTier {
+    pub limit: Limit,
+    pub eval: Evaluation,
+}
+
+impl Local {
+    pub fn new(region: &str, node_id: &str) -> Local {
+        let suffix: u32 = rand::random();
+        Local {
+            tiers: Mutex::new(HashMap::new()),
+            counts: Mutex::new(HashMap::new()),
+            actor: tierlimit_shared::messages::actor(region, &format!("local-{node_id}-{suffix:08x}")),
+        }
+    }
+
+    /// Evaluates node and region-share tiers and charges both only if both
+    /// pass. Returns `(allowed, node, region)`.
+    pub fn check(
+        &self,
+        policy: &Policy,
+        expected_nodes: u32,
+        tenant: &str,
+        key: &str,
+        cost: u64,
+        now_us: u64,
+        day: u32,
+    ) -> (bool, Option<LocalTier>, Option<LocalTier>) {
+        let limits = [
+            policy.node.clone(),
+            policy.region.as_ref().map(|r| r.share(expected_nodes)),
+        ];
+        let mut tiers = self.tiers.lock().expect("local limiter poisoned");
+        let mut out: [Option<LocalTier>; 2] = [None, None];
+        for (i, limit) in limits.iter().enumerate() {
+            if let Some(limit) = limit {
+                let state = tiers
+                    .entry((tenant.to_string(), key.to_string(), i as u8))
+                    .or_insert_with(|| TierState::new(limit));
+                out[i] = Some(LocalTier {
+                    limit: limit.clone(),
+                    eval: state.evaluate(limit, now_us, cost),
+                });
+            }
+        }
+        let allowed = out.iter().flatten().all(|t| t.eval.allowed);
+        if allowed {
+            for (i, limit) in limits.iter().enumerate() {
+                if let Some(limit) = limit {
+                    if let Some(s) = tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8)) {
+                        s.commit(limit, now_us, cost);
+                    }
+                }
+            }
+            let mut counts = self.counts.lock().expect("local counts poisoned");
+            counts.entry((tenant.to_string(), day)).or_default().0 += cost;
+        }
+        let [node, region] = out;
+        (allowed, node, region)
+    }
+
+    /// Gives back units charged in local mode (never below zero).
+    pub fn refund(&self, policy: &Policy, expected_nodes: u32, tenant: &str, key: &str, cost: u64, now_us: u64, day: u32) {
+        let limits = [policy.node.clone(), policy.region.as_ref().map(|r| r.share(expected_nodes))];
+        let mut tiers = self.tiers.lock().expect("local limiter poisoned");
+        for (i, limit) in limits.iter().enumerate() {
+            if let (Some(limit), Some(s)) = (limit, tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8))) {
+                s.refund(limit, now_us, cost);
+            }
+        }
+        let mut counts = self.counts.lock().expect("local counts poisoned");
+        if let Some(c) = counts.get_mut(&(tenant.to_string(), day)) {
+            c.1 = (c.1 + cost).min(c.0);
+        }
+    }
+
+    /// Snapshot of the cumulative local-mode counts, for the publisher.
+    pub fn counts(&self) -> Vec<(String, u32, u64, u64)> {
+        self.counts
+            .lock()
+            .expect("local counts poisoned")
+            .iter()
+            .map(|((t, d), (p, n))| (t.clone(), *d, *p, *n))
+            .collect()
+    }
+
+    /// Drops limiter state that no longer matters and counts of old days.
+    pub fn prune(&self, oldest_day: u32) {
+        self.counts
+            .lock()
+            .expect("local counts poisoned")
+            .retain(|(_, d), _| *d >= oldest_day);
+    }
+}

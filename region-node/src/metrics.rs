@@ -1,0 +1,145 @@
+//! Prometheus metrics of a region-node, in one registry so `/metrics` shows
+//! exactly what this process exports (and the dashboard test can check names).
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
+
+pub struct Metrics {
+    pub registry: Registry,
+    /// Decisions by tier that decided (`none` when allowed), outcome and mode.
+    pub decisions: IntCounterVec,
+    pub decision_seconds: Histogram,
+    pub redis_seconds: HistogramVec,
+    pub redis_errors: IntCounterVec,
+    /// Decisions taken in a fail mode, by mode.
+    pub fail_mode: IntCounterVec,
+    /// 1 while Redis answers, 0 while the node runs in its fail mode.
+    pub store_up: IntGauge,
+    pub refunds: IntCounter,
+    pub bad_requests: IntCounterVec,
+    pub config_reloads: IntCounterVec,
+    pub deltas_produced: IntCounter,
+    pub deltas_failed: IntCounter,
+    pub dirty_entries: IntGauge,
+    pub publish_seconds: Histogram,
+    pub last_publish_ms: IntGauge,
+    pub view_age_seconds: prometheus::Gauge,
+    pub view_entries: IntGauge,
+    pub view_caught_up: IntGauge,
+    pub broadcasts_received: IntCounter,
+    pub broadcasts_undecodable: IntCounter,
+    pub epoch_changes: IntCounter,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
+            r.register(Box::new(c.clone())).expect("metric names are unique");
+            c
+        }
+        let buckets = vec![
+            0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+        ];
+        Metrics {
+            decisions: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new("tierlimit_decisions_total", "Decisions by deciding tier, outcome and mode"),
+                    &["tier", "outcome", "mode"],
+                )
+                .unwrap(),
+            ),
+            decision_seconds: reg(
+                &r,
+                Histogram::with_opts(
+                    HistogramOpts::new("tierlimit_decision_seconds", "Time to decide one check, HTTP excluded")
+                        .buckets(buckets.clone()),
+                )
+                .unwrap(),
+            ),
+            redis_seconds: reg(
+                &r,
+                HistogramVec::new(
+                    HistogramOpts::new("tierlimit_redis_seconds", "Latency of Redis calls by operation")
+                        .buckets(buckets.clone()),
+                    &["op"],
+                )
+                .unwrap(),
+            ),
+            redis_errors: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new("tierlimit_redis_errors_total", "Failed Redis calls by operation and kind"),
+                    &["op", "kind"],
+                )
+                .unwrap(),
+            ),
+            fail_mode: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new("tierlimit_fail_mode_decisions_total", "Decisions taken without Redis, by on_store_error mode"),
+                    &["mode"],
+                )
+                .unwrap(),
+            ),
+            store_up: reg(&r, IntGauge::new("tierlimit_store_up", "1 while the region's Redis answers").unwrap()),
+            refunds: reg(&r, IntCounter::new("tierlimit_refunds_total", "Refund requests applied").unwrap()),
+            bad_requests: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new("tierlimit_bad_requests_total", "Requests refused as invalid, by problem type"),
+                    &["problem"],
+                )
+                .unwrap(),
+            ),
+            config_reloads: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new("tierlimit_config_reloads_total", "SIGHUP reloads by result"),
+                    &["result"],
+                )
+                .unwrap(),
+            ),
+            deltas_produced: reg(&r, IntCounter::new("tierlimit_deltas_produced_total", "Deltas delivered to Kafka").unwrap()),
+            deltas_failed: reg(&r, IntCounter::new("tierlimit_deltas_failed_total", "Deltas Kafka did not accept (retried later)").unwrap()),
+            dirty_entries: reg(&r, IntGauge::new("tierlimit_dirty_entries", "Unpublished (tenant, day) entries seen at the last flush").unwrap()),
+            publish_seconds: reg(
+                &r,
+                Histogram::with_opts(
+                    HistogramOpts::new("tierlimit_publish_seconds", "Time to publish one flush batch, until every delivery is acknowledged")
+                        .buckets(vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
+                )
+                .unwrap(),
+            ),
+            last_publish_ms: reg(&r, IntGauge::new("tierlimit_last_publish_timestamp_ms", "Wall clock of the last fully acknowledged flush").unwrap()),
+            view_age_seconds: reg(
+                &r,
+                prometheus::Gauge::new("tierlimit_view_age_seconds", "Seconds since the broadcast view was last confirmed caught up with the broker").unwrap(),
+            ),
+            view_entries: reg(&r, IntGauge::new("tierlimit_view_entries", "(tenant, day) entries in the broadcast view").unwrap()),
+            view_caught_up: reg(&r, IntGauge::new("tierlimit_view_caught_up", "1 once the broadcast follower has read the global topic to its end").unwrap()),
+            broadcasts_received: reg(&r, IntCounter::new("tierlimit_broadcasts_received_total", "Global updates applied to the view").unwrap()),
+            broadcasts_undecodable: reg(&r, IntCounter::new("tierlimit_broadcasts_undecodable_total", "Global-topic messages skipped as undecodable").unwrap()),
+            epoch_changes: reg(&r, IntCounter::new("tierlimit_epoch_changes_total", "Times a new region epoch appeared (Redis lost its data)").unwrap()),
+            registry: r,
+        }
+    }
+
+    /// Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
