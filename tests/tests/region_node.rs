@@ -1,0 +1,430 @@
+//! region-node over HTTP against a real redis-server: exactness under
+//! concurrency for every algorithm, all-or-nothing across tiers, refunds,
+//! cost > 1, odd windows, Redis failure modes, bad input, config reload.
+//!
+//! Kafka is pointed at a closed port here: the node and region tiers must
+//! not depend on it (the global tier has its own suite).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use harness::{temp_dir, wait_for, wait_until, write_config, Redis, RegionNode};
+use serde_json::{json, Value};
+
+const ALGORITHMS: [&str; 4] = ["fixed_window", "sliding_window", "token_bucket", "sliding_log"];
+
+fn config(redis: &Redis, extra: &str) -> String {
+    format!(
+        r#"
+cluster = "test"
+[kafka]
+brokers = "127.0.0.1:1"
+[node]
+store_timeout = "100ms"
+store_retry_interval = "50ms"
+[regions.eu]
+redis_url = "{}"
+expected_nodes = 2
+[unknown_tenants]
+policy = "deny"
+{extra}
+"#,
+        redis.url()
+    )
+}
+
+async fn check(node: &RegionNode, tenant: &str, cost: u64) -> (u16, Value) {
+    let r = node
+        .http
+        .post(node.url("/v1/check"))
+        .json(&json!({ "tenant": tenant, "cost": cost }))
+        .send()
+        .await
+        .expect("check request");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn usage(node: &RegionNode, tenant: &str) -> Value {
+    node.http
+        .get(node.url(&format!("/v1/tenants/{tenant}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+fn remaining(v: &Value, tier: &str) -> u64 {
+    v["tiers"]
+        .as_array()
+        .and_then(|ts| ts.iter().find(|t| t["tier"] == tier))
+        .and_then(|t| t["remaining"].as_u64())
+        .unwrap_or_else(|| panic!("no {tier} tier in {v}"))
+}
+
+/// 16 concurrent clients fire `total` checks spread over `nodes`; returns how
+/// many were allowed.
+async fn hammer(nodes: &[Arc<RegionNode>], tenant: &str, total: usize) -> usize {
+    let clients = 16;
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let node = Arc::clone(&nodes[c % nodes.len()]);
+        let tenant = tenant.to_string();
+        let n = total / clients;
+        tasks.push(tokio::spawn(async move {
+            let mut allowed = 0;
+            for _ in 0..n {
+                let (status, _) = check(&node, &tenant, 1).await;
+                assert!(status == 200 || status == 429, "unexpected status {status}");
+                allowed += usize::from(status == 200);
+            }
+            allowed
+        }));
+    }
+    let mut sum = 0;
+    for t in tasks {
+        sum += t.await.unwrap();
+    }
+    sum
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exact_under_concurrency_for_every_algorithm_and_both_tiers() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let mut plans = String::new();
+    for alg in ALGORITHMS {
+        // One window long enough that the test never crosses it.
+        plans += &format!(
+            "[plans.region-{alg}]\nregion = {{ limit = 100, window = \"1h\", algorithm = \"{alg}\" }}\n\
+             [plans.node-{alg}]\nnode = {{ limit = 100, window = \"1h\", algorithm = \"{alg}\" }}\n\
+             [tenants.r-{alg}]\nplan = \"region-{alg}\"\n[tenants.n-{alg}]\nplan = \"node-{alg}\"\n"
+        );
+    }
+    let cfg = write_config(dir.path(), &config(&redis, &plans));
+    let a = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
+    let b = Arc::new(RegionNode::start(&cfg, "eu", "b").await);
+    for alg in ALGORITHMS {
+        // Region tier: two nodes share it through Redis.
+        let allowed = hammer(&[Arc::clone(&a), Arc::clone(&b)], &format!("r-{alg}"), 2000).await;
+        assert_eq!(allowed, 100, "region tier, {alg}");
+        // Node tier: each node has its own 100.
+        let allowed = hammer(&[Arc::clone(&a)], &format!("n-{alg}"), 2000).await;
+        assert_eq!(allowed, 100, "node tier on node a, {alg}");
+        let allowed = hammer(&[Arc::clone(&b)], &format!("n-{alg}"), 400).await;
+        assert_eq!(allowed, 100, "node tier on node b, {alg}");
+    }
+}
+
+#[tokio::test]
+async fn all_or_nothing_across_node_and_region_tiers() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.p]
+node = { limit = 5, window = "1h", algorithm = "fixed_window" }
+region = { limit = 8, window = "1h", algorithm = "fixed_window" }
+[tenants.t]
+plan = "p"
+"#,
+        ),
+    );
+    let a = RegionNode::start(&cfg, "eu", "a").await;
+    let b = RegionNode::start(&cfg, "eu", "b").await;
+    for _ in 0..5 {
+        assert_eq!(check(&a, "t", 1).await.0, 200);
+    }
+    // Denied by node a's tier: the region tier must not be charged.
+    let (s, body) = check(&a, "t", 1).await;
+    assert_eq!(s, 429);
+    assert_eq!(body["violated-policy"], "node");
+    assert_eq!(remaining(&usage(&a, "t").await, "region"), 3);
+    // Node b takes the region's last 3, then the region denies.
+    for _ in 0..3 {
+        assert_eq!(check(&b, "t", 1).await.0, 200);
+    }
+    let (s, body) = check(&b, "t", 1).await;
+    assert_eq!(s, 429);
+    assert_eq!(body["violated-policy"], "region");
+    // Denied by the region: node b's own tier kept its 2 units.
+    for _ in 0..3 {
+        assert_eq!(check(&b, "t", 1).await.0, 429);
+    }
+    assert_eq!(remaining(&usage(&b, "t").await, "node"), 2);
+}
+
+#[tokio::test]
+async fn refunds_cost_and_unusual_windows() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.p]
+region = { limit = 10, window = "7s", algorithm = "fixed_window" }
+node = { limit = 10, window = "90m", algorithm = "sliding_window" }
+global = { limit = 1000 }
+[tenants.t]
+plan = "p"
+"#,
+        ),
+    );
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    // cost > 1: 4 + 4 fit in 10, a third 4 does not, 2 does.
+    assert_eq!(check(&n, "t", 4).await.0, 200);
+    let (s, body) = check(&n, "t", 4).await;
+    assert_eq!(s, 200);
+    assert_eq!(remaining(&body, "region"), 2);
+    let region = body["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "region").unwrap().clone();
+    assert!(region["reset_ms"].as_u64().unwrap() <= 7000, "a 7s window resets within 7s: {region}");
+    assert_eq!(region["window_ms"], 7000);
+    let node = body["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "node").unwrap().clone();
+    assert_eq!(node["window_ms"], 90 * 60 * 1000);
+    // The 7s window may roll over between requests; only check while inside it.
+    let (s, _) = check(&n, "t", 4).await;
+    let u = usage(&n, "t").await;
+    if remaining(&u, "region") == 2 {
+        assert_eq!(s, 429);
+    }
+    // Refund 3 units: the 90m sliding window gets them back.
+    let before = remaining(&usage(&n, "t").await, "node");
+    let r = n
+        .http
+        .post(n.url("/v1/refund"))
+        .json(&json!({ "tenant": "t", "cost": 3 }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let u = usage(&n, "t").await;
+    assert_eq!(remaining(&u, "node"), before + 3);
+    assert_eq!(u["region_n"], 3);
+    // A refund larger than what was spent never goes below zero.
+    for _ in 0..3 {
+        n.http
+            .post(n.url("/v1/refund"))
+            .json(&json!({ "tenant": "t", "cost": 100 }))
+            .send()
+            .await
+            .unwrap();
+    }
+    let u = usage(&n, "t").await;
+    assert_eq!(remaining(&u, "node"), 10, "refunds cap at the limit");
+    assert_eq!(u["region_n"], u["region_p"], "N never exceeds P");
+}
+
+#[tokio::test]
+async fn bad_input_is_4xx_problem_json_and_charges_nothing() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.p]
+region = { limit = 10, window = "1h" }
+[tenants.t]
+plan = "p"
+"#,
+        ),
+    );
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    let long = "x".repeat(65);
+    let cases: Vec<(&str, String, &str, u16)> = vec![
+        ("missing tenant", r#"{"cost":1}"#.into(), "application/json", 400),
+        ("oversize tenant", format!(r#"{{"tenant":"{long}"}}"#), "application/json", 400),
+        ("malformed tenant", r#"{"tenant":"t:x"}"#.into(), "application/json", 400),
+        ("hash-tag tenant", r#"{"tenant":"t}x{"}"#.into(), "application/json", 400),
+        ("bad key", r#"{"tenant":"t","key":"a b"}"#.into(), "application/json", 400),
+        ("cost 0", r#"{"tenant":"t","cost":0}"#.into(), "application/json", 400),
+        ("negative cost", r#"{"tenant":"t","cost":-1}"#.into(), "application/json", 400),
+        ("fractional cost", r#"{"tenant":"t","cost":1.5}"#.into(), "application/json", 400),
+        ("huge cost", r#"{"tenant":"t","cost":99999999999999999999}"#.into(), "application/json", 400),
+        ("over max cost", r#"{"tenant":"t","cost":1000000000001}"#.into(), "application/json", 400),
+        ("invalid JSON", r#"{"tenant":"#.into(), "application/json", 400),
+        ("unknown field", r#"{"tenant":"t","cots":1}"#.into(), "application/json", 400),
+        ("wrong content type", r#"{"tenant":"t"}"#.into(), "text/plain", 415),
+        ("unknown tenant", r#"{"tenant":"nobody"}"#.into(), "application/json", 403),
+    ];
+    for (what, body, ct, want) in &cases {
+        let r = n
+            .http
+            .post(n.url("/v1/check"))
+            .header("content-type", *ct)
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), *want, "{what}");
+        assert_eq!(
+            r.headers()["content-type"], "application/problem+json",
+            "{what}"
+        );
+        let p: Value = r.json().await.unwrap();
+        assert_eq!(p["status"], *want, "{what}: {p}");
+        assert!(p["type"].as_str().unwrap().starts_with("https://"), "{what}: {p}");
+        assert!(!p["detail"].as_str().unwrap().is_empty(), "{what}");
+    }
+    // Field named for field errors.
+    let r = n.http.get(n.url("/v1/check?tenant=t&cost=abc")).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let p: Value = r.json().await.unwrap();
+    assert_eq!(p["field"], "cost");
+    let r = n.http.get(n.url("/v1/check?cost=1")).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    // Nothing was charged by any of it.
+    assert_eq!(remaining(&usage(&n, "t").await, "region"), 10);
+    // The forward-auth form works for a good request.
+    let r = n.http.get(n.url("/v1/check?tenant=t&cost=2")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().contains_key("ratelimit-policy"));
+    assert_eq!(remaining(&usage(&n, "t").await, "region"), 8);
+}
+
+#[tokio::test]
+async fn rate_limit_headers_and_retry_after() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.p]
+node = { limit = 2, window = "1h", algorithm = "fixed_window" }
+region = { limit = 600, window = "1m" }
+[tenants.t]
+plan = "p"
+"#,
+        ),
+    );
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    let r = n.http.post(n.url("/v1/check")).json(&json!({"tenant":"t"})).send().await.unwrap();
+    let h = r.headers();
+    assert_eq!(h["ratelimit-policy"], "\"node\";q=2;w=3600, \"region\";q=600;w=60");
+    assert!(h["ratelimit"].to_str().unwrap().starts_with("\"node\";r=1;t="));
+    assert_eq!(h["x-ratelimit-limit"], "2");
+    assert_eq!(h["x-ratelimit-remaining"], "1");
+    check(&n, "t", 1).await;
+    let r = n.http.post(n.url("/v1/check")).json(&json!({"tenant":"t"})).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry > 0 && retry <= 3600);
+    let p: Value = r.json().await.unwrap();
+    assert_eq!(p["violated-policy"], "node");
+    // A cost that can never fit: 429 without Retry-After.
+    let r = n.http.post(n.url("/v1/check")).json(&json!({"tenant":"t","cost":3})).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(!r.headers().contains_key("retry-after"));
+}
+
+#[tokio::test]
+async fn redis_killed_each_fail_mode_then_recovery() {
+    let mut redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.open]
+region = { limit = 4, window = "1h", algorithm = "fixed_window" }
+on_store_error = "open"
+[plans.closed]
+region = { limit = 4, window = "1h", algorithm = "fixed_window" }
+on_store_error = "closed"
+[plans.local]
+node = { limit = 100, window = "1h", algorithm = "fixed_window" }
+region = { limit = 10, window = "1h", algorithm = "fixed_window" }
+on_store_error = "local"
+[tenants.o]
+plan = "open"
+[tenants.c]
+plan = "closed"
+[tenants.l]
+plan = "local"
+"#,
+        ),
+    );
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    for t in ["o", "c", "l"] {
+        let (s, body) = check(&n, t, 1).await;
+        assert_eq!(s, 200);
+        assert_eq!(body["mode"], "redis");
+    }
+    redis.kill();
+    // open: allowed, unchecked, even past the region limit.
+    for _ in 0..6 {
+        let (s, body) = check(&n, "o", 1).await;
+        assert_eq!(s, 200);
+        assert_eq!(body["mode"], "open");
+    }
+    // closed: 503 problem+json naming the store.
+    let r = n.http.post(n.url("/v1/check")).json(&json!({"tenant":"c"})).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    // local: region limit 10 / 2 expected nodes = 5 on this node.
+    let mut allowed = 0;
+    for _ in 0..12 {
+        let (s, body) = check(&n, "l", 1).await;
+        assert_eq!(body["mode"], "local", "{body}");
+        allowed += usize::from(s == 200);
+    }
+    assert_eq!(allowed, 5, "local mode enforces the node's share of the region limit");
+    let m = n.http.get(n.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(m.contains("tierlimit_store_up 0"), "store_up gauge drops");
+    assert!(m.contains("tierlimit_fail_mode_decisions_total{mode=\"local\"}"));
+    let r = n.http.get(n.url("/readyz")).send().await.unwrap();
+    assert_eq!(r.status(), 503, "not ready without Redis");
+    // Redis comes back (empty): the node returns to it by itself.
+    redis.restart_empty();
+    wait_until("the node decides with Redis again", Duration::from_secs(10), || async {
+        check(&n, "c", 1).await.1["mode"] == "redis"
+    })
+    .await;
+    let (s, body) = check(&n, "l", 1).await;
+    assert_eq!((s, body["mode"].as_str()), (200, Some("redis")));
+}
+
+#[tokio::test]
+async fn sighup_reload_good_and_bad() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let plan = |limit: u64| {
+        format!("[plans.p]\nregion = {{ limit = {limit}, window = \"1h\" }}\n[tenants.t]\nplan = \"p\"\n")
+    };
+    let cfg = write_config(dir.path(), &config(&redis, &plan(5)));
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    let limit = |v: &Value| {
+        v["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "region").unwrap()["limit"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(limit(&usage(&n, "t").await), 5);
+    write_config(dir.path(), &config(&redis, &plan(7)));
+    n.proc.hup();
+    wait_until("the new limit applies", Duration::from_secs(5), || async {
+        limit(&usage(&n, "t").await) == 7
+    })
+    .await;
+    // An invalid file: the old configuration stays, the process lives on.
+    write_config(dir.path(), &config(&redis, "[plans.p]\nregion = { limit = 0, window = \"1h\" }\n[tenants.t]\nplan = \"p\"\n"));
+    n.proc.hup();
+    let m = wait_for("the refused reload is counted", Duration::from_secs(5), || async {
+        let m = n.http.get(n.url("/metrics")).send().await.ok()?.text().await.ok()?;
+        m.contains("tierlimit_config_reloads_total{result=\"refused\"} 1").then_some(m)
+    })
+    .await;
+    assert!(m.contains("tierlimit_config_reloads_total{result=\"ok\"} 1"));
+    assert_eq!(limit(&usage(&n, "t").await), 7);
+    assert!(n.proc.log().contains("plans.p.region.limit"), "the log names the bad key");
+}
