@@ -319,9 +319,10 @@ impl Decider {
         now: u64,
     ) -> (Vec<String>, Vec<String>) {
         let t = req.tenant;
+        let code = |l: &Option<Limit>| l.as_ref().map_or(0, |l| l.algorithm.code());
         let keys = vec![
-            keys::node_tier(t, &self.node_id, key),
-            keys::region_tier(t, key),
+            keys::node_tier(t, &self.node_id, key, code(&policy.node)),
+            keys::region_tier(t, key, code(&policy.region)),
             keys::DIRTY.to_string(),
             keys::pn_counter(t, today.saturating_sub(1)),
             keys::pn_counter(t, today),

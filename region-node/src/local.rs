@@ -17,7 +17,8 @@ use tierlimit_shared::config::{Limit, Policy};
 
 /// Per-process limiter used when Redis is down.
 pub struct Local {
-    tiers: Mutex<HashMap<(String, String, u8), TierState>>,
+    /// (tenant, key, tier) → the limit the state was last used with, and the state.
+    tiers: Mutex<HashMap<(String, String, u8), (Limit, TierState)>>,
     counts: Mutex<HashMap<(String, u32), (u64, u64)>>,
     /// Actor id of this process' local-mode counts.
     pub actor: String,
@@ -59,9 +60,10 @@ impl Local {
         let mut out: [Option<LocalTier>; 2] = [None, None];
         for (i, limit) in limits.iter().enumerate() {
             if let Some(limit) = limit {
-                let state = tiers
+                let (last, state) = tiers
                     .entry((tenant.to_string(), key.to_string(), i as u8))
-                    .or_insert_with(|| TierState::new(limit));
+                    .or_insert_with(|| (limit.clone(), TierState::new(limit)));
+                *last = limit.clone();
                 out[i] = Some(LocalTier {
                     limit: limit.clone(),
                     eval: state.evaluate(limit, now_us, cost),
@@ -72,7 +74,7 @@ impl Local {
         if allowed {
             for (i, limit) in limits.iter().enumerate() {
                 if let Some(limit) = limit {
-                    if let Some(s) = tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8)) {
+                    if let Some((_, s)) = tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8)) {
                         s.commit(limit, now_us, cost);
                     }
                 }
@@ -89,7 +91,7 @@ impl Local {
         let limits = [policy.node.clone(), policy.region.as_ref().map(|r| r.share(expected_nodes))];
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         for (i, limit) in limits.iter().enumerate() {
-            if let (Some(limit), Some(s)) = (limit, tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8))) {
+            if let (Some(limit), Some((_, s))) = (limit, tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8))) {
                 s.refund(limit, now_us, cost);
             }
         }
@@ -109,8 +111,13 @@ impl Local {
             .collect()
     }
 
-    /// Drops limiter state that no longer matters and counts of old days.
-    pub fn prune(&self, oldest_day: u32) {
+    /// Drops limiter state that no longer affects any decision, and counts
+    /// of days before `oldest_day` (long published by then).
+    pub fn prune(&self, oldest_day: u32, now_us: u64) {
+        self.tiers
+            .lock()
+            .expect("local limiter poisoned")
+            .retain(|_, (limit, state)| !state.is_idle(limit, now_us));
         self.counts
             .lock()
             .expect("local counts poisoned")

@@ -225,6 +225,7 @@ impl Publisher {
         }
         let oldest = day::today().saturating_sub(2);
         self.local_published.retain(|(_, d), _| *d >= oldest);
+        self.local.prune(oldest, now * 1000);
         ok
     }
 

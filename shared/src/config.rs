@@ -390,11 +390,20 @@ impl Limit {
         let algorithm = o.algorithm.unwrap_or(self.algorithm);
         Limit {
             limit,
-            window_ms: o.window.map(|w| w.as_millis() as u64).unwrap_or(self.window_ms),
+            window_ms: o
+                .window
+                .map(|w| w.as_millis() as u64)
+                .unwrap_or(self.window_ms),
             algorithm,
-            burst: o
-                .burst
-                .unwrap_or(if o.limit.is_some() { limit } else { self.burst }),
+            // A new limit takes the burst along, and only a token bucket
+            // keeps a burst of its own (others have burst = limit).
+            burst: o.burst.unwrap_or(
+                if o.limit.is_some() || algorithm != Algorithm::TokenBucket {
+                    limit
+                } else {
+                    self.burst
+                },
+            ),
         }
     }
 
@@ -469,10 +478,15 @@ impl Config {
         for (var, value) in env {
             apply_env_override(&mut tree, &var, &value)?;
         }
-        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(tree))
-            .map_err(|e| {
+        let config: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(tree)).map_err(|e| {
                 let key = e.path().to_string();
-                ConfigError::invalid(if key == "." { "(root)".into() } else { key }, e.into_inner().to_string())
+                // `message()`, not `to_string()`: the latter appends a newline and
+                // an `in <path>` of its own (the parent's, for unknown fields).
+                ConfigError::invalid(
+                    if key == "." { "(root)".into() } else { key },
+                    e.into_inner().message(),
+                )
             })?;
         config.validate()
     }
@@ -489,7 +503,10 @@ impl Config {
         self.validate_kafka()?;
         self.validate_settings()?;
         if self.regions.is_empty() {
-            return Err(ConfigError::invalid("regions", "at least one region is required"));
+            return Err(ConfigError::invalid(
+                "regions",
+                "at least one region is required",
+            ));
         }
         for (name, r) in &self.regions {
             let key = |k: &str| format!("regions.{name}.{k}");
@@ -501,15 +518,24 @@ impl Config {
             {
                 return Err(ConfigError::invalid(
                     key("redis_url"),
-                    format!("{:?} is not a redis://, rediss:// or unix:// URL", r.redis_url),
+                    format!(
+                        "{:?} is not a redis://, rediss:// or unix:// URL",
+                        r.redis_url
+                    ),
                 ));
             }
             if r.expected_nodes == 0 {
-                return Err(ConfigError::invalid(key("expected_nodes"), "must be at least 1"));
+                return Err(ConfigError::invalid(
+                    key("expected_nodes"),
+                    "must be at least 1",
+                ));
             }
         }
         if self.plans.is_empty() {
-            return Err(ConfigError::invalid("plans", "at least one plan is required"));
+            return Err(ConfigError::invalid(
+                "plans",
+                "at least one plan is required",
+            ));
         }
         let mut plans = BTreeMap::new();
         for (name, p) in &self.plans {
@@ -589,10 +615,15 @@ impl Config {
         if k.brokers.trim().is_empty() {
             return Err(ConfigError::invalid("kafka.brokers", "must not be empty"));
         }
-        for (key, topic) in [("kafka.deltas_topic", &k.deltas_topic), ("kafka.global_topic", &k.global_topic)] {
+        for (key, topic) in [
+            ("kafka.deltas_topic", &k.deltas_topic),
+            ("kafka.global_topic", &k.global_topic),
+        ] {
             if topic.is_empty()
                 || topic.len() > 249
-                || !topic.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+                || !topic
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
             {
                 return Err(ConfigError::invalid(
                     key,
@@ -601,15 +632,29 @@ impl Config {
             }
         }
         if k.deltas_topic == k.global_topic {
-            return Err(ConfigError::invalid("kafka.global_topic", "must differ from kafka.deltas_topic"));
+            return Err(ConfigError::invalid(
+                "kafka.global_topic",
+                "must differ from kafka.deltas_topic",
+            ));
         }
         if !(1..=10_000).contains(&k.partitions) {
-            return Err(ConfigError::invalid("kafka.partitions", "must be between 1 and 10000"));
+            return Err(ConfigError::invalid(
+                "kafka.partitions",
+                "must be between 1 and 10000",
+            ));
         }
         if !(1..=16).contains(&k.replication_factor) {
-            return Err(ConfigError::invalid("kafka.replication_factor", "must be between 1 and 16"));
+            return Err(ConfigError::invalid(
+                "kafka.replication_factor",
+                "must be between 1 and 16",
+            ));
         }
-        for reserved in ["bootstrap.servers", "group.id", "enable.idempotence", "enable.auto.commit"] {
+        for reserved in [
+            "bootstrap.servers",
+            "group.id",
+            "enable.idempotence",
+            "enable.auto.commit",
+        ] {
             if k.client.contains_key(reserved) {
                 return Err(ConfigError::invalid(
                     format!("kafka.client.{reserved}"),
@@ -640,20 +685,39 @@ impl Config {
         let ms = Duration::from_millis;
         range("node.flush_interval", n.flush_interval, ms(10), ms(60_000))?;
         range("node.store_timeout", n.store_timeout, ms(1), ms(10_000))?;
-        range("node.store_retry_interval", n.store_retry_interval, ms(10), ms(60_000))?;
+        range(
+            "node.store_retry_interval",
+            n.store_retry_interval,
+            ms(10),
+            ms(60_000),
+        )?;
         if let Some(s) = n.max_staleness {
             range("node.max_staleness", s, ms(100), ms(86_400_000))?;
         }
         if n.publish_batch == 0 {
-            return Err(ConfigError::invalid("node.publish_batch", "must be at least 1"));
+            return Err(ConfigError::invalid(
+                "node.publish_batch",
+                "must be at least 1",
+            ));
         }
         let a = &self.aggregator;
         if a.group_id.is_empty() {
-            return Err(ConfigError::invalid("aggregator.group_id", "must not be empty"));
+            return Err(ConfigError::invalid(
+                "aggregator.group_id",
+                "must not be empty",
+            ));
         }
-        range("aggregator.broadcast_interval", a.broadcast_interval, ms(10), ms(60_000))?;
+        range(
+            "aggregator.broadcast_interval",
+            a.broadcast_interval,
+            ms(10),
+            ms(60_000),
+        )?;
         if !(1..=31).contains(&a.retention_days) {
-            return Err(ConfigError::invalid("aggregator.retention_days", "must be between 1 and 31"));
+            return Err(ConfigError::invalid(
+                "aggregator.retention_days",
+                "must be between 1 and 31",
+            ));
         }
         Ok(())
     }
@@ -664,12 +728,18 @@ fn names<V>(m: &BTreeMap<String, V>) -> String {
 }
 
 fn full_override(at: &str, o: &LimitOverride) -> Result<Limit, ConfigError> {
-    let limit = o
-        .limit
-        .ok_or_else(|| ConfigError::invalid(format!("{at}.limit"), "required: the plan has no such tier to override"))?;
-    let window = o
-        .window
-        .ok_or_else(|| ConfigError::invalid(format!("{at}.window"), "required: the plan has no such tier to override"))?;
+    let limit = o.limit.ok_or_else(|| {
+        ConfigError::invalid(
+            format!("{at}.limit"),
+            "required: the plan has no such tier to override",
+        )
+    })?;
+    let window = o.window.ok_or_else(|| {
+        ConfigError::invalid(
+            format!("{at}.window"),
+            "required: the plan has no such tier to override",
+        )
+    })?;
     Ok(Limit {
         limit,
         window_ms: window.as_millis() as u64,
@@ -683,10 +753,16 @@ fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
         let Some(l) = l else { continue };
         let key = |k: &str| format!("{at}.{tier}.{k}");
         if l.limit == 0 || l.limit > MAX_LIMIT {
-            return Err(ConfigError::invalid(key("limit"), format!("must be between 1 and {MAX_LIMIT}")));
+            return Err(ConfigError::invalid(
+                key("limit"),
+                format!("must be between 1 and {MAX_LIMIT}"),
+            ));
         }
         if l.window_ms == 0 || l.window_ms > MAX_WINDOW.as_millis() as u64 {
-            return Err(ConfigError::invalid(key("window"), "must be between 1ms and 7d"));
+            return Err(ConfigError::invalid(
+                key("window"),
+                "must be between 1ms and 7d",
+            ));
         }
         match l.algorithm {
             Algorithm::SlidingLog if l.limit > MAX_SLIDING_LOG_LIMIT => {
@@ -718,7 +794,10 @@ fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
     }
     if let Some(g) = p.global {
         if g == 0 || g > MAX_LIMIT {
-            return Err(ConfigError::invalid(format!("{at}.global.limit"), format!("must be between 1 and {MAX_LIMIT}")));
+            return Err(ConfigError::invalid(
+                format!("{at}.global.limit"),
+                format!("must be between 1 and {MAX_LIMIT}"),
+            ));
         }
     }
     Ok(())

@@ -16,14 +16,20 @@ pub fn parse(s: &str) -> Result<Duration, String> {
     if num.is_empty() {
         return Err(format!("{s:?} does not start with a number"));
     }
-    let n: u64 = num.parse().map_err(|_| format!("{s:?}: number too large"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: number too large"))?;
     let ms_per = match unit {
         "ms" => 1,
         "s" => 1_000,
         "m" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
-        other => return Err(format!("{s:?}: unknown unit {other:?} (use ms, s, m, h or d)")),
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (use ms, s, m, h or d)"
+            ))
+        }
     };
     let ms = n
         .checked_mul(ms_per)
@@ -34,8 +40,13 @@ pub fn parse(s: &str) -> Result<Duration, String> {
 /// Formats a duration the way the config accepts it (largest exact unit).
 pub fn format(d: Duration) -> String {
     let ms = d.as_millis() as u64;
-    for (unit, per) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
-        if ms >= per && ms % per == 0 {
+    for (unit, per) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
+        if ms >= per && ms.is_multiple_of(per) {
             return format!("{}{unit}", ms / per);
         }
     }
@@ -74,7 +85,17 @@ mod tests {
 
     #[test]
     fn rejects_garbage() {
-        for bad in ["", "s", "10", "1.5s", "10 s", "-1s", "3w", "1sm", "99999999999999999999d"] {
+        for bad in [
+            "",
+            "s",
+            "10",
+            "1.5s",
+            "10 s",
+            "-1s",
+            "3w",
+            "1sm",
+            "99999999999999999999d",
+        ] {
             assert!(parse(bad).is_err(), "{bad:?} should be rejected");
         }
     }

@@ -7,12 +7,13 @@
 //!
 //! | key                     | type | holds                                   |
 //! |-------------------------|------|-----------------------------------------|
-//! | `tl:{T}:n:<node>:<k>`   | hash/string/zset | node-tier state of one node   |
-//! | `tl:{T}:r:<k>`          | hash/string/zset | region-tier state             |
+//! | `tl:{T}:n:<node>:<k>:<a>` | hash/string/zset | node-tier state of one node   |
+//! | `tl:{T}:r:<k>:<a>`      | hash/string/zset | region-tier state             |
 //! | `tl:{T}:g:<day>`        | hash `e p n` | the region's PN counter part for (T, day): epoch, P, N |
 //! | `tl:dirty`              | zset `T|day → p+n` | (T, day) pairs not yet published |
 //!
-//! `<k>` is the request key when the plan is `key_scoped`, else `_`.
+//! `<k>` is the request key when the plan is `key_scoped`, else `_`; `<a>` is
+//! the algorithm code.
 
 /// The region-wide set of (tenant, day) pairs with unpublished changes.
 pub const DIRTY: &str = "tl:dirty";
@@ -20,12 +21,16 @@ pub const DIRTY: &str = "tl:dirty";
 /// Placeholder for `<k>` when a plan counts per tenant, not per key.
 pub const WHOLE_TENANT: &str = "_";
 
-pub fn node_tier(tenant: &str, node: &str, key: &str) -> String {
-    format!("tl:{{{tenant}}}:n:{node}:{key}")
+/// Node-tier state. The algorithm code is part of the key because each
+/// algorithm keeps a different Redis type there: a reload that changes the
+/// algorithm starts from fresh state instead of failing with WRONGTYPE.
+pub fn node_tier(tenant: &str, node: &str, key: &str, algorithm: u8) -> String {
+    format!("tl:{{{tenant}}}:n:{node}:{key}:{algorithm}")
 }
 
-pub fn region_tier(tenant: &str, key: &str) -> String {
-    format!("tl:{{{tenant}}}:r:{key}")
+/// Region-tier state (see [`node_tier`] for the algorithm code).
+pub fn region_tier(tenant: &str, key: &str, algorithm: u8) -> String {
+    format!("tl:{{{tenant}}}:r:{key}:{algorithm}")
 }
 
 pub fn pn_counter(tenant: &str, day: u32) -> String {
@@ -50,14 +55,17 @@ mod tests {
 
     #[test]
     fn keys_carry_the_tenant_hash_tag() {
-        assert_eq!(node_tier("acme", "n1", "_"), "tl:{acme}:n:n1:_");
-        assert_eq!(region_tier("acme", "GET/x"), "tl:{acme}:r:GET/x");
+        assert_eq!(node_tier("acme", "n1", "_", 2), "tl:{acme}:n:n1:_:2");
+        assert_eq!(region_tier("acme", "GET/x", 3), "tl:{acme}:r:GET/x:3");
         assert_eq!(pn_counter("acme", 20_000), "tl:{acme}:g:20000");
     }
 
     #[test]
     fn dirty_members_round_trip() {
-        assert_eq!(parse_dirty_member(&dirty_member("a.b-c", 7)), Some(("a.b-c", 7)));
+        assert_eq!(
+            parse_dirty_member(&dirty_member("a.b-c", 7)),
+            Some(("a.b-c", 7))
+        );
         assert_eq!(parse_dirty_member("x|y"), None);
         assert_eq!(parse_dirty_member("a{b|1"), None);
     }

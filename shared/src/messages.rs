@@ -86,8 +86,15 @@ pub fn actor(region: &str, epoch: &str) -> String {
 
 fn check_actor(actor: &str) -> Result<(), DecodeError> {
     match actor.split_once('/') {
-        Some((r, e)) if crate::validate::name("region", r).is_ok() && crate::validate::name("epoch", e).is_ok() => Ok(()),
-        _ => Err(DecodeError::Field(format!("actor {actor:?} is not region/epoch"))),
+        Some((r, e))
+            if crate::validate::name("region", r).is_ok()
+                && crate::validate::name("epoch", e).is_ok() =>
+        {
+            Ok(())
+        }
+        _ => Err(DecodeError::Field(format!(
+            "actor {actor:?} is not region/epoch"
+        ))),
     }
 }
 
@@ -188,7 +195,10 @@ mod tests {
         assert!(matches!(Delta::decode(b"nope"), Err(DecodeError::Json(_))));
         let mut d = Delta::new("acme", 1, actor("eu", "e"), 1, 0, 0);
         d.v = 2;
-        assert!(matches!(Delta::decode(&d.encode()), Err(DecodeError::Version(2))));
+        assert!(matches!(
+            Delta::decode(&d.encode()),
+            Err(DecodeError::Version(2))
+        ));
         let d = Delta::new("ac:me", 1, actor("eu", "e"), 1, 0, 0);
         assert!(Delta::decode(&d.encode()).is_err());
         let d = Delta::new("acme", 1, "noslash".into(), 1, 0, 0);

@@ -103,7 +103,10 @@ mod tests {
     #[test]
     fn length_limits() {
         tenant(&"a".repeat(64)).unwrap();
-        assert!(matches!(tenant(&"a".repeat(65)), Err(InvalidId::TooLong { .. })));
+        assert!(matches!(
+            tenant(&"a".repeat(65)),
+            Err(InvalidId::TooLong { .. })
+        ));
         assert!(matches!(tenant(""), Err(InvalidId::Empty { .. })));
         key(&"k".repeat(128)).unwrap();
         assert!(key(&"k".repeat(129)).is_err());

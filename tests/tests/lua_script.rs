@@ -43,7 +43,11 @@ impl<'a> Call<'a> {
     }
 }
 
-async fn run(con: &mut redis::aio::MultiplexedConnection, tenant: &str, c: &Call<'_>) -> redis::RedisResult<Vec<Value>> {
+async fn run(
+    con: &mut redis::aio::MultiplexedConnection,
+    tenant: &str,
+    c: &Call<'_>,
+) -> redis::RedisResult<Vec<Value>> {
     let s = redis::Script::new(DECIDE);
     let mut inv = s.prepare_invoke();
     let d = c.node_day;
@@ -102,7 +106,12 @@ async fn denial_by_one_tier_charges_no_tier() {
     assert_eq!(int(&r[4]), 2);
     // P counted only the allowed three.
     assert_eq!(int(&r[8]), 3);
-    let node_count: u64 = redis::cmd("HGET").arg("tl:{t}:n:n1:_").arg("c").query_async(&mut con).await.unwrap();
+    let node_count: u64 = redis::cmd("HGET")
+        .arg("tl:{t}:n:n1:_")
+        .arg("c")
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(node_count, 3);
 }
 
@@ -113,7 +122,11 @@ async fn pn_counter_epoch_and_dirty_set() {
     let mut c = Call::check(2);
     c.global = 100;
     let r = run(&mut con, "acme", &c).await.unwrap();
-    assert_eq!(text(&r[10]), "epochcand", "a new counter takes the candidate epoch");
+    assert_eq!(
+        text(&r[10]),
+        "epochcand",
+        "a new counter takes the candidate epoch"
+    );
     let r = run(&mut con, "acme", &c).await.unwrap();
     assert_eq!(int(&r[8]), 4);
     let score: f64 = redis::cmd("ZSCORE")
@@ -130,8 +143,15 @@ async fn pn_counter_epoch_and_dirty_set() {
     assert_eq!((int(&r[8]), int(&r[9])), (4, 4), "refund is clamped at P");
     // Redis loses its data: the next charge starts a new epoch.
     // SCRIPT FLUSH as well: the next EVALSHA gets NOSCRIPT and is reloaded.
-    redis::cmd("FLUSHALL").query_async::<()>(&mut con).await.unwrap();
-    redis::cmd("SCRIPT").arg("FLUSH").query_async::<()>(&mut con).await.unwrap();
+    redis::cmd("FLUSHALL")
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
+    redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
     let r = run(&mut con, "acme", &c).await.unwrap();
     assert_eq!(int(&r[8]), 2);
     assert_eq!(text(&r[10]), "epochcand");
@@ -154,7 +174,11 @@ async fn global_budget_subtracts_only_other_actors() {
     assert_eq!(int(&run(&mut con, "g", &c).await.unwrap()[0]), 1);
     assert_eq!(int(&run(&mut con, "g", &c).await.unwrap()[0]), 1);
     let r = run(&mut con, "g", &c).await.unwrap();
-    assert_eq!((int(&r[0]), int(&r[1])), (0, 3), "denied by the global tier");
+    assert_eq!(
+        (int(&r[0]), int(&r[1])),
+        (0, 3),
+        "denied by the global tier"
+    );
     assert_eq!(int(&r[8]), 5);
     // An older epoch of this region counts as others.
     c.mine = vec![("oldepoch", 3)];
@@ -216,7 +240,13 @@ async fn ack_removes_only_unchanged_entries() {
         .await
         .unwrap();
     assert_eq!(removed, 1);
-    let left: Vec<String> = redis::cmd("ZRANGE").arg("tl:dirty").arg(0).arg(-1).query_async(&mut con).await.unwrap();
+    let left: Vec<String> = redis::cmd("ZRANGE")
+        .arg("tl:dirty")
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(left, vec!["b|1".to_string()]);
 }
 
@@ -246,5 +276,46 @@ async fn every_algorithm_allows_exactly_its_limit_in_a_burst() {
             again += int(&run(&mut con, &tenant, &c).await.unwrap()[0]);
         }
         assert_eq!(again, 5, "algorithm {code} after refund");
+    }
+}
+
+#[tokio::test]
+async fn token_bucket_full_burst_passes_when_the_interval_is_fractional() {
+    // 3 per second, burst 2: e = 333 333.33 µs. A cost of 2 on an empty
+    // bucket must pass (absolute-time doubles used to lose it to rounding).
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    for i in 0..50 {
+        let mut c = Call::check(2);
+        c.region = (3, 3, 1000, 2);
+        let r = run(&mut con, &format!("gcra{i}"), &c).await.unwrap();
+        assert_eq!(int(&r[0]), 1, "attempt {i}");
+    }
+}
+
+#[tokio::test]
+async fn sliding_log_takes_a_large_cost_atomically() {
+    // Lua's unpack() caps at ~8000 values: 5000 units are added in chunks.
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let mut c = Call::check(5000);
+    c.region = (4, 10_000, 3_600_000, 10_000);
+    assert_eq!(int(&run(&mut con, "log", &c).await.unwrap()[0]), 1);
+    assert_eq!(int(&run(&mut con, "log", &c).await.unwrap()[0]), 1);
+    let n: u64 = redis::cmd("ZCARD").arg("tl:{log}:r:_").query_async(&mut con).await.unwrap();
+    assert_eq!(n, 10_000);
+    let r = run(&mut con, "log", &Call { cost: 1, ..c }).await.unwrap();
+    assert_eq!(int(&r[0]), 0);
+}
+
+#[tokio::test]
+async fn a_cost_above_the_limit_is_never_retryable() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    for code in 1..=4u8 {
+        let mut c = Call::check(11);
+        c.region = (code, 10, 60_000, 10);
+        let r = run(&mut con, &format!("big{code}"), &c).await.unwrap();
+        assert_eq!((int(&r[0]), int(&r[2])), (0, -1), "algorithm {code}: retry -1 means never");
     }
 }

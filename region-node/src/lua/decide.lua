@@ -1,8 +1,10 @@
 -- tierlimit decision script: node tier, region tier and the region's global
 -- budget, evaluated together and charged all-or-nothing in one round trip.
 --
--- KEYS[1] node-tier state     tl:{T}:n:<node>:<key>
--- KEYS[2] region-tier state   tl:{T}:r:<key>
+-- KEYS[1] node-tier state     tl:{T}:n:<node>:<key>:<algorithm code>
+-- KEYS[2] region-tier state   tl:{T}:r:<key>:<algorithm code>
+--         (the code is in the key because each algorithm keeps another
+--         Redis type there; a reload that changes it starts afresh)
 -- KEYS[3] dirty set           tl:dirty   (zset: member "T|day", score p+n)
 -- KEYS[4..6] PN counters      tl:{T}:g:<d> for d = node_day-1, node_day,
 --            node_day+1: the script picks the one of Redis' own day, so a
@@ -102,7 +104,7 @@ local function sliding_window(key, limit, w, _burst, c)
       local need = w * (1 - (limit - c) / cur)
       retry = reset + math.ceil(need)
     end
-    if retry < 1 then retry = 1 end
+    if retry ~= -1 and retry < 1 then retry = 1 end
   end
   local function commit()
     redis.call('HSET', key, 'w', int(idx), 'c', int(cur + c), 'p', int(prev))
@@ -116,30 +118,38 @@ local function sliding_window(key, limit, w, _burst, c)
   return ok, remaining, reset, retry, commit, refund
 end
 
--- GCRA: the theoretical arrival time (TAT) in microseconds. One unit is
--- emitted every w/limit; up to `burst` units may be spent ahead of time.
+-- GCRA: the theoretical arrival time (TAT). One unit is emitted every
+-- e = w/limit; up to `burst` units may be spent ahead of time (tau = e*burst).
+-- The TAT is kept as whole microseconds `t` plus a fraction `f`, and all
+-- comparisons are made on `ahead` = TAT − now, a small number: absolute
+-- times (~1.8e15 µs) are only 0.25 µs apart as doubles, which would make a
+-- full burst fail by a rounding error when e is not a whole number.
 local function token_bucket(key, limit, w, burst, c)
   local e = (w * 1000) / limit
   local tau = e * burst
-  local tat = tonumber(redis.call('GET', key)) or now_us
-  if tat < now_us then tat = now_us end
-  local new_tat = tat + c * e
-  local ok = new_tat - now_us <= tau
-  local remaining = math.floor((tau - (tat - now_us)) / e)
+  local s = redis.call('HMGET', key, 't', 'f')
+  local ahead = 0
+  local t = tonumber(s[1])
+  if t and t >= now_us then ahead = (t - now_us) + (tonumber(s[2]) or 0) end
+  local new_ahead = ahead + c * e
+  local ok = new_ahead <= tau
+  local remaining = math.floor((tau - ahead) / e)
   if remaining < 0 then remaining = 0 end
   local retry = 0
   if not ok then
-    if c > burst then retry = -1 else retry = math.ceil((new_tat - tau - now_us) / 1000) end
-    if retry == 0 then retry = 1 end
+    if c > burst then retry = -1 else retry = math.max(1, math.ceil((new_ahead - tau) / 1000)) end
   end
-  local reset = math.ceil(((ok and new_tat or tat) - now_us) / 1000)
-  local function commit()
-    redis.call('SET', key, int(math.ceil(new_tat)), 'PX', int(math.ceil((new_tat - now_us) / 1000) + 1000))
+  local reset = math.ceil((ok and new_ahead or ahead) / 1000)
+  local function store(a)
+    local whole = math.floor(a)
+    redis.call('HSET', key, 't', int(now_us + whole), 'f', string.format('%.17g', a - whole))
+    redis.call('PEXPIRE', key, int(math.ceil(a / 1000) + 1000))
   end
+  local function commit() store(new_ahead) end
   local function refund()
-    local back = tat - c * e
-    if back < now_us then back = now_us end
-    redis.call('SET', key, int(math.ceil(back)), 'PX', int(math.ceil((back - now_us) / 1000) + 1000))
+    local back = ahead - c * e
+    if back < 0 then back = 0 end
+    store(back)
   end
   return ok, remaining, reset, retry, commit, refund
 end
@@ -166,12 +176,19 @@ local function sliding_log(key, limit, w, _burst, c)
     end
   end
   local function commit()
+    -- Members are unique per call (ARGV[14] is a fresh random id), and
+    -- added in chunks: Lua's unpack() takes at most ~8000 values.
     local args = {}
+    local tag = int(now_us) .. ':' .. ARGV[14] .. ':'
     for i = 1, c do
       args[#args + 1] = int(now_ms)
-      args[#args + 1] = int(now_us) .. ':' .. int(used + i)
+      args[#args + 1] = tag .. i
+      if #args >= 1000 then
+        redis.call('ZADD', key, unpack(args))
+        args = {}
+      end
     end
-    redis.call('ZADD', key, unpack(args))
+    if #args > 0 then redis.call('ZADD', key, unpack(args)) end
     redis.call('PEXPIRE', key, int(w + 1000))
   end
   local function refund()

@@ -1,0 +1,441 @@
+//! The global tier end to end: real Tansu broker, one real redis-server per
+//! region, real region-node and aggregator processes.
+//!
+//! The exactness checks compare the aggregator's merged total with the truth
+//! (allowed units counted by the clients, or the regions' own Redis
+//! counters), never with an approximation.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use harness::{temp_dir, wait_for, wait_until, write_config, Aggregator, Redis, RegionNode, Tansu};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use serde_json::{json, Value};
+
+const PARTITIONS: i32 = 4;
+const DELTAS: &str = "tierlimit.deltas";
+const GLOBAL: &str = "tierlimit.global";
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Broker, per-region Redis, and a config naming them.
+struct World {
+    tansu: Tansu,
+    redis: Vec<(String, Redis)>,
+    cfg: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl World {
+    async fn new(regions: &[&str], plans: &str) -> World {
+        let tansu = Tansu::start();
+        tansu.create_topics(&[DELTAS, GLOBAL], PARTITIONS).await;
+        let redis: Vec<(String, Redis)> = regions.iter().map(|r| (r.to_string(), Redis::start())).collect();
+        let mut toml = format!(
+            r#"
+cluster = "test"
+[kafka]
+brokers = "{}"
+partitions = {PARTITIONS}
+[node]
+flush_interval = "100ms"
+store_timeout = "200ms"
+[aggregator]
+broadcast_interval = "100ms"
+group_id = "agg-test"
+[unknown_tenants]
+policy = "deny"
+"#,
+            tansu.brokers()
+        );
+        for (name, r) in &redis {
+            toml += &format!("[regions.{name}]\nredis_url = \"{}\"\nexpected_nodes = 2\n", r.url());
+        }
+        toml += plans;
+        let dir = temp_dir();
+        let cfg = write_config(dir.path(), &toml);
+        World { tansu, redis, cfg, _dir: dir }
+    }
+
+    fn redis(&self, region: &str) -> &Redis {
+        &self.redis.iter().find(|(n, _)| n == region).unwrap().1
+    }
+
+    /// Σ P − N of `tenant` today over every region's Redis: the truth.
+    async fn redis_truth(&self, tenant: &str) -> u64 {
+        let mut sum = 0;
+        for (_, r) in &self.redis {
+            let mut con = r.client().await;
+            let (p, n): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+                .arg(format!("tl:{{{tenant}}}:g:{}", tierlimit_shared::day::today()))
+                .arg("p")
+                .arg("n")
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            sum += p.unwrap_or(0) - n.unwrap_or(0);
+        }
+        sum
+    }
+}
+
+async fn ready(url: String) -> bool {
+    reqwest::get(url).await.map(|r| r.status() == 200).unwrap_or(false)
+}
+
+async fn node_ready(n: &RegionNode) {
+    let url = n.url("/readyz");
+    wait_until(&format!("{} ready", n.node_id), DEADLINE, || ready(url.clone())).await;
+}
+
+async fn agg_ready(a: &Aggregator) {
+    let url = a.url("/readyz");
+    wait_until("aggregator ready", DEADLINE, || ready(url.clone())).await;
+}
+
+async fn check(http: &reqwest::Client, url: &str, tenant: &str) -> (u16, Value) {
+    match http.post(url).json(&json!({ "tenant": tenant })).send().await {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            (s, r.json().await.unwrap_or(Value::Null))
+        }
+        Err(_) => (0, Value::Null),
+    }
+}
+
+async fn agg_total(a: &Aggregator, tenant: &str) -> Option<u64> {
+    let v: Value = a.http.get(a.url(&format!("/v1/global/{tenant}"))).send().await.ok()?.json().await.ok()?;
+    v["today"]["total"].as_u64()
+}
+
+async fn agg_metric(a: &Aggregator, name: &str) -> u64 {
+    let text = a.http.get(a.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Background traffic: `clients` loops per node URL until stopped; counts 200s.
+struct Traffic {
+    stop: Arc<AtomicBool>,
+    allowed: Arc<AtomicU64>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Traffic {
+    fn start(urls: &[String], tenant: &str, clients: usize) -> Traffic {
+        let stop = Arc::new(AtomicBool::new(false));
+        let allowed = Arc::new(AtomicU64::new(0));
+        let mut tasks = Vec::new();
+        for url in urls {
+            for _ in 0..clients {
+                let (stop, allowed, url, tenant) = (stop.clone(), allowed.clone(), url.clone(), tenant.to_string());
+                tasks.push(tokio::spawn(async move {
+                    let http = reqwest::Client::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let (s, _) = check(&http, &url, &tenant).await;
+                        match s {
+                            200 => {
+                                allowed.fetch_add(1, Ordering::Relaxed);
+                            }
+                            // Connection refused (a killed node): back off briefly.
+                            0 => tokio::time::sleep(Duration::from_millis(20)).await,
+                            _ => {}
+                        }
+                    }
+                }));
+            }
+        }
+        Traffic { stop, allowed, tasks }
+    }
+
+    async fn stop(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        self.allowed.load(Ordering::Relaxed)
+    }
+}
+
+async fn wait_total(a: &Aggregator, tenant: &str, want: u64) {
+    let mut last = None;
+    let r = tokio::time::timeout(DEADLINE, async {
+        loop {
+            last = agg_total(a, tenant).await;
+            if last == Some(want) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(r.is_ok(), "aggregator total for {tenant} should converge to {want}, last seen {last:?}");
+}
+
+const GLOBAL_ONLY: &str = r#"
+[plans.g]
+global = { limit = 300 }
+[plans.big]
+global = { limit = 100000000 }
+[tenants.hot]
+plan = "g"
+[tenants.t]
+plan = "big"
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_regions_push_past_the_daily_limit_then_both_deny() {
+    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
+    let us = RegionNode::start(&w.cfg, "us", "a").await;
+    for n in [&eu, &us] {
+        node_ready(n).await;
+    }
+    agg_ready(&agg).await;
+
+    // Both regions push until each has seen a global denial.
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for url in [eu.url("/v1/check"), us.url("/v1/check")] {
+        for _ in 0..4 {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                let mut allowed = 0u64;
+                loop {
+                    let (s, body) = check(&http, &url, "hot").await;
+                    if s == 200 {
+                        allowed += 1;
+                    } else {
+                        assert_eq!(body["violated-policy"], "global", "{body}");
+                        return allowed;
+                    }
+                }
+            }));
+        }
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += t.await.unwrap();
+    }
+    assert!(allowed >= 300, "both regions together reach the limit (allowed {allowed})");
+    // Once the broadcast arrives, both regions deny from the view alone.
+    for n in [&eu, &us] {
+        let url = n.url("/v1/check");
+        wait_until(&format!("{} denies from the broadcast view", n.region), DEADLINE, || {
+            let url = url.clone();
+            async move {
+                let (s, body) = check(&reqwest::Client::new(), &url, "hot").await;
+                s == 429 && body["mode"] == "view" && body["violated-policy"] == "global"
+            }
+        })
+        .await;
+    }
+    println!(
+        "crossing to both regions denying from the view: {:?}; allowed {allowed} of limit 300 (overshoot {})",
+        started.elapsed(),
+        allowed.saturating_sub(300)
+    );
+    // The aggregator's total is exactly the number of allowed requests.
+    wait_total(&agg, "hot", allowed).await;
+    let v: Value = agg.http.get(agg.url("/v1/global/hot")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["today"]["over_limit"], true);
+    let regions = v["today"]["regions"].as_object().unwrap();
+    assert_eq!(regions.len(), 2, "both regions' parts: {v}");
+    let over: Value = agg.http.get(agg.url("/v1/over-limit")).send().await.unwrap().json().await.unwrap();
+    assert!(over.to_string().contains("\"hot\""), "{over}");
+    // Refunds come off the global count exactly.
+    let r = eu
+        .http
+        .post(eu.url("/v1/refund"))
+        .json(&json!({"tenant": "hot", "cost": 5}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    wait_total(&agg, "hot", allowed - 5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_reordering_and_garbage_change_nothing() {
+    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
+    let us = RegionNode::start(&w.cfg, "us", "a").await;
+    agg_ready(&agg).await;
+    let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
+    wait_until("some traffic", DEADLINE, || {
+        let a = traffic.allowed.clone();
+        async move { a.load(Ordering::Relaxed) >= 200 }
+    })
+    .await;
+    let allowed = traffic.stop().await;
+    wait_total(&agg, "t", allowed).await;
+
+    // Read back every delta produced so far.
+    let mut cc = w.tansu.client_config();
+    cc.set("group.id", "dup-reader").set("enable.partition.eof", "true");
+    let reader: BaseConsumer = cc.create().unwrap();
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition_offset(DELTAS, p, Offset::Beginning).unwrap();
+    }
+    reader.assign(&tpl).unwrap();
+    let mut records: Vec<(i32, Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut eof = std::collections::HashSet::new();
+    let start = Instant::now();
+    while eof.len() < PARTITIONS as usize {
+        assert!(start.elapsed() < DEADLINE, "reading the deltas topic back");
+        match reader.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => records.push((m.partition(), m.key().unwrap().to_vec(), m.payload().unwrap().to_vec())),
+            Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                eof.insert(p);
+            }
+            _ => {}
+        }
+    }
+    assert!(records.len() >= 2, "deltas were produced");
+    let consumed_before = agg_metric(&agg, "tierlimit_aggregator_deltas_consumed_total").await;
+    // Re-produce them three times, newest first (out of order), plus garbage.
+    let producer: FutureProducer = w.tansu.client_config().create().unwrap();
+    let mut sent = 0;
+    for _ in 0..3 {
+        for (p, k, v) in records.iter().rev() {
+            producer
+                .send(FutureRecord::to(DELTAS).partition(*p).key(k).payload(v), Duration::from_secs(5))
+                .await
+                .unwrap();
+            sent += 1;
+        }
+    }
+    let garbage: [&[u8]; 3] = [
+        b"not json at all",
+        br#"{"v":2,"tenant":"t","day":1,"actor":"eu/x","p":1,"n":0,"ts_ms":0}"#,
+        br#"{"v":1,"tenant":"t","day":1,"actor":"eu/x","p":1,"n":5,"ts_ms":0}"#,
+    ];
+    for g in garbage {
+        producer
+            .send(FutureRecord::to(DELTAS).partition(0).key("garbage").payload(g), Duration::from_secs(5))
+            .await
+            .unwrap();
+    }
+    wait_until("the aggregator consumed the replays", DEADLINE, || async {
+        agg_metric(&agg, "tierlimit_aggregator_deltas_consumed_total").await >= consumed_before + sent
+    })
+    .await;
+    wait_until("undecodable messages counted", DEADLINE, || async {
+        agg_metric(&agg, "tierlimit_aggregator_undecodable_messages_total").await >= 3
+    })
+    .await;
+    assert_eq!(agg_total(&agg, "t").await, Some(allowed), "replays change nothing");
+    // And the consumer goes on: new traffic still converges.
+    let traffic = Traffic::start(&[eu.url("/v1/check")], "t", 2);
+    wait_until("more traffic", DEADLINE, || {
+        let a = traffic.allowed.clone();
+        async move { a.load(Ordering::Relaxed) >= 50 }
+    })
+    .await;
+    let more = traffic.stop().await;
+    wait_total(&agg, "t", allowed + more).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn aggregator_killed_and_restarted_rebuilds_exactly() {
+    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
+    let mut agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
+    let us = RegionNode::start(&w.cfg, "us", "a").await;
+    agg_ready(&agg).await;
+    let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
+    wait_until("traffic before the crash", DEADLINE, || {
+        let a = traffic.allowed.clone();
+        async move { a.load(Ordering::Relaxed) >= 100 }
+    })
+    .await;
+    agg.proc.kill9();
+    let at_kill = traffic.allowed.load(Ordering::Relaxed);
+    wait_until("traffic while the aggregator is down", DEADLINE, || {
+        let a = traffic.allowed.clone();
+        async move { a.load(Ordering::Relaxed) >= at_kill + 100 }
+    })
+    .await;
+    drop(agg);
+    let agg = Aggregator::start(&w.cfg).await;
+    let allowed = traffic.stop().await;
+    agg_ready(&agg).await;
+    wait_total(&agg, "t", allowed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_node_killed_mid_traffic_loses_nothing() {
+    let w = World::new(&["eu"], GLOBAL_ONLY).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let mut a = RegionNode::start(&w.cfg, "eu", "a").await;
+    let b = RegionNode::start(&w.cfg, "eu", "b").await;
+    agg_ready(&agg).await;
+    let on_a = Traffic::start(&[a.url("/v1/check")], "t", 3);
+    let on_b = Traffic::start(&[b.url("/v1/check")], "t", 3);
+    wait_until("traffic on node a", DEADLINE, || {
+        let x = on_a.allowed.clone();
+        async move { x.load(Ordering::Relaxed) >= 150 }
+    })
+    .await;
+    a.proc.kill9();
+    let b_at_kill = on_b.allowed.load(Ordering::Relaxed);
+    wait_until("node b goes on", DEADLINE, || {
+        let x = on_b.allowed.clone();
+        async move { x.load(Ordering::Relaxed) >= b_at_kill + 100 }
+    })
+    .await;
+    let seen = on_a.stop().await + on_b.stop().await;
+    // Everything the region charged reaches the aggregator, including what
+    // node a charged but never got to publish.
+    let truth = w.redis_truth("t").await;
+    wait_total(&agg, "t", truth).await;
+    // Clients saw at most what was charged; the difference is requests in
+    // flight on node a when it died (at most one per client).
+    assert!(seen <= truth && truth <= seen + 3, "seen {seen}, charged {truth}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
+    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
+    let us = RegionNode::start(&w.cfg, "us", "a").await;
+    agg_ready(&agg).await;
+    let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
+    wait_until("traffic before the flush", DEADLINE, || {
+        let a = traffic.allowed.clone();
+        async move { a.load(Ordering::Relaxed) >= 100 }
+    })
+    .await;
+    let before = traffic.stop().await;
+    wait_total(&agg, "t", before).await;
+    let mut con = w.redis("eu").client().await;
+    redis::cmd("FLUSHALL").query_async::<()>(&mut con).await.unwrap();
+    let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
+    wait_until("traffic after the flush", DEADLINE, || {
+        let a = traffic.allowed.clone();
+        async move { a.load(Ordering::Relaxed) >= 100 }
+    })
+    .await;
+    let after = traffic.stop().await;
+    wait_total(&agg, "t", before + after).await;
+    let v: Value = agg.http.get(agg.url("/v1/global/t")).send().await.unwrap().json().await.unwrap();
+    let eu_actors = v["today"]["parts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["actor"].as_str().unwrap().starts_with("eu/"))
+        .count();
+    assert_eq!(eu_actors, 2, "the flush started a second eu actor: {v}");
+    // The node never stopped serving.
+    let health = wait_for("eu healthz", DEADLINE, || async { ready(eu.url("/healthz")).await.then_some(()) });
+    health.await;
+}
