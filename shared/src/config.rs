@@ -179,6 +179,12 @@ pub struct AggregatorSettings {
     pub broadcast_interval: Duration,
     /// Days kept in memory and answered over HTTP; older days are dropped.
     pub retention_days: u32,
+    /// Consumer-group session timeout: how long a crashed aggregator keeps
+    /// its partitions before the group hands them to another instance. Short,
+    /// because a restarted instance cannot rejoin before the old session
+    /// ends; 6s is Apache Kafka's default minimum.
+    #[serde(with = "serde_human")]
+    pub session_timeout: Duration,
 }
 
 impl Default for AggregatorSettings {
@@ -187,6 +193,7 @@ impl Default for AggregatorSettings {
             group_id: "tierlimit-aggregator".into(),
             broadcast_interval: Duration::from_millis(250),
             retention_days: 2,
+            session_timeout: Duration::from_secs(6),
         }
     }
 }
