@@ -2,35 +2,67 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 
 /// tierlimit region-node: strict node and region rate limits against the
 /// region's Redis, global daily limits from the aggregator's broadcast.
+///
+/// Without a subcommand it serves the HTTP API. Every flag can also be given
+/// as the environment variable shown; any config value can be overridden
+/// with TIERLIMIT__SECTION__KEY=value (e.g. TIERLIMIT__KAFKA__BROKERS).
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, long_about = None)]
 struct Cli {
-    /// Configuration file (TOML; see regions.example.toml). Environment
-    /// variables TIERLIMIT__SECTION__KEY override its values.
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Configuration file (TOML; regions.example.toml documents every key).
     #[arg(long, env = "TIERLIMIT_CONFIG")]
-    config: PathBuf,
-    /// Region this node serves (a key of [regions] in the config).
+    config: Option<PathBuf>,
+    /// Region this node serves: a key of [regions] in the config.
     #[arg(long, env = "TIERLIMIT_REGION")]
-    region: String,
-    /// Id of this node, unique within its region ([A-Za-z0-9._-]).
+    region: Option<String>,
+    /// Id of this node, unique within its region ([A-Za-z0-9._-]); names its
+    /// node-tier keys in Redis.
     #[arg(long, env = "TIERLIMIT_NODE_ID")]
-    node_id: String,
+    node_id: Option<String>,
     /// Address of the HTTP API.
     #[arg(long, env = "TIERLIMIT_LISTEN", default_value = "127.0.0.1:9000")]
     listen: SocketAddr,
-    /// Log as JSON lines instead of human-readable text.
+    /// Log as JSON lines instead of text (level from RUST_LOG, default info).
     #[arg(long, env = "TIERLIMIT_LOG_JSON")]
     log_json: bool,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Validate a configuration file (with TIERLIMIT__ overrides applied) and
+    /// print what it enforces per plan, tenant and tier. Exits 1 if invalid.
+    CheckConfig {
+        /// The configuration file.
+        file: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::CheckConfig { file }) = &cli.command {
+        return match tierlimit_shared::Config::load(file) {
+            Ok(loaded) => {
+                print!("{}", tierlimit_shared::describe::describe(&loaded));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{}: {e}", file.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let (Some(config), Some(region), Some(node_id)) = (cli.config, cli.region, cli.node_id) else {
+        eprintln!("region-node: --config, --region and --node-id are required to serve (see --help)");
+        return ExitCode::from(2);
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     if cli.log_json {
@@ -38,11 +70,18 @@ async fn main() -> anyhow::Result<()> {
     } else {
         tracing_subscriber::fmt().with_env_filter(filter).init();
     }
-    region_node::run(region_node::Settings {
-        config: cli.config,
-        region: cli.region,
-        node_id: cli.node_id,
+    let runtime = tokio::runtime::Runtime::new().expect("starting the tokio runtime");
+    match runtime.block_on(region_node::run(region_node::Settings {
+        config,
+        region,
+        node_id,
         listen: cli.listen,
-    })
-    .await
+    })) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("region-node: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -441,6 +441,7 @@ pub struct Policy {
 #[derive(Debug)]
 pub struct Loaded {
     pub config: Config,
+    plans: BTreeMap<String, Policy>,
     tenants: BTreeMap<String, Arc<Policy>>,
     unknown: Option<Arc<Policy>>,
 }
@@ -461,6 +462,11 @@ impl Loaded {
 
     pub fn unknown_policy(&self) -> Option<&Arc<Policy>> {
         self.unknown.as_ref()
+    }
+
+    /// The resolved policy of a plan (before any tenant override).
+    pub fn plan_policy(&self, plan: &str) -> Option<&Policy> {
+        self.plans.get(plan)
     }
 }
 
@@ -612,6 +618,7 @@ impl Config {
         };
         Ok(Loaded {
             config: self,
+            plans,
             tenants,
             unknown,
         })

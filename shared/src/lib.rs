@@ -8,6 +8,7 @@
 pub mod algorithm;
 pub mod config;
 pub mod day;
+pub mod describe;
 pub mod duration;
 pub mod kafka;
 pub mod keys;
