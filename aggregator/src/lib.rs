@@ -1,0 +1,218 @@
+//! The tierlimit aggregator: merges every region's PN-counter deltas into
+//! global daily counts per tenant and broadcasts them back to the regions.
+//!
+//! ```text
+//!  tierlimit.deltas ──► consumer ──► state (merge + progress) ──► broadcast ──► tierlimit.global
+//!                                         │
+//!                                         └──► http (/v1/global, /v1/over-limit, /metrics, /readyz)
+//! ```
+//!
+//! - [`merge`]: the CRDT state, one `PNCounter` per (tenant, day);
+//! - [`progress`]: which partitions this instance owns and how far their
+//!   rebuild from the beginning has come;
+//! - [`state`]: both behind one lock, plus the rules that join them;
+//! - [`consumer`]: the consumer-group member that rebuilds on assignment;
+//! - [`broadcast`]: the coalescing, idempotent producer of global updates;
+//! - [`http`], [`metrics`]: the operator's view.
+//!
+//! The process keeps no storage: the deltas topic is the source of truth and
+//! every assignment is rebuilt from it, so a restart, a crash or a rebalance
+//! converges to the same exact counts.
+
+pub mod broadcast;
+pub mod consumer;
+pub mod http;
+pub mod kafka;
+pub mod merge;
+pub mod metrics;
+pub mod progress;
+pub mod state;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tierlimit_shared::config::{Config, ConfigError};
+use tokio_util::sync::CancellationToken;
+
+use crate::broadcast::Broadcaster;
+use crate::consumer::DeltaConsumer;
+use crate::metrics::Metrics;
+use crate::state::State;
+
+/// How often expired days are dropped and the gauges recomputed.
+const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(1);
+/// Pause before replacing a consumer that librdkafka declared unusable.
+const CONSUMER_RESTART_DELAY: Duration = Duration::from_secs(1);
+
+/// Why the aggregator could not start (or stopped abnormally).
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid Kafka client settings: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("cannot install signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+    #[error("HTTP server failed: {0}")]
+    Http(#[source] std::io::Error),
+    #[error("{0}")]
+    Topics(String),
+}
+
+/// Runs the aggregator until SIGTERM or SIGINT.
+pub async fn run(config_path: &Path, listen: SocketAddr) -> Result<(), Error> {
+    let signals = shutdown_signal().map_err(Error::Signals)?;
+    run_until(config_path, listen, signals).await
+}
+
+/// Runs the aggregator until `shutdown` completes.
+///
+/// Fails fast on what an operator must fix (invalid configuration or client
+/// settings, a port in use); everything about Kafka's availability is
+/// retried for as long as the process runs.
+pub async fn run_until(
+    config_path: &Path,
+    listen: SocketAddr,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let loaded = Config::load(config_path)?;
+    let kafka = loaded.config.kafka.clone();
+    let settings = loaded.config.aggregator.clone();
+    tracing::info!(
+        cluster = %loaded.config.cluster,
+        brokers = %kafka.brokers,
+        deltas = %kafka.deltas_topic,
+        global = %kafka.global_topic,
+        group_id = %settings.group_id,
+        "starting aggregator"
+    );
+    let live = tierlimit_shared::reload::live(loaded);
+    let state = State::new(live.clone(), Metrics::new());
+
+    let reloaded = state.clone();
+    tierlimit_shared::reload::spawn_sighup_reloader(PathBuf::from(config_path), live, move |r| {
+        reloaded.on_reload(r)
+    })
+    .map_err(Error::Signals)?;
+
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|source| Error::Listen {
+            addr: listen,
+            source,
+        })?;
+    let local = listener.local_addr().map_err(Error::Http)?;
+
+    // Created up front so invalid client settings stop the start.
+    let consumer = DeltaConsumer::new(&kafka, &settings, state.clone())?;
+    let broadcaster = Broadcaster::new(&kafka, state.clone())?;
+
+    let stop = CancellationToken::new();
+    // The consumer stops after the broadcaster's last flush: closing the
+    // consumer drops the counters that flush reads.
+    let stop_consumer = CancellationToken::new();
+    tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            shutdown.await;
+            tracing::info!("shutting down");
+            stop.cancel();
+        }
+    });
+
+    let consumer_task = tokio::spawn(consume_forever(
+        consumer,
+        kafka.clone(),
+        settings.clone(),
+        state.clone(),
+        stop_consumer.clone(),
+    ));
+    let broadcast_task = tokio::spawn(broadcaster.run(stop.clone()));
+    let housekeeping_task = tokio::spawn(housekeeping(state.clone(), stop.clone()));
+
+    tracing::info!(addr = %local, "HTTP listening");
+    let served = axum::serve(listener, http::router(state.clone()))
+        .with_graceful_shutdown(stop.clone().cancelled_owned())
+        .await;
+    // The server only returns early on an I/O error; stop the rest too.
+    stop.cancel();
+
+    let _ = broadcast_task.await;
+    stop_consumer.cancel();
+    let _ = consumer_task.await;
+    let _ = housekeeping_task.await;
+    tracing::info!("aggregator stopped");
+    served.map_err(Error::Http)
+}
+
+/// Runs the consumer, replacing it if librdkafka ever declares it unusable.
+async fn consume_forever(
+    mut consumer: DeltaConsumer,
+    kafka: tierlimit_shared::config::KafkaConfig,
+    settings: tierlimit_shared::config::AggregatorSettings,
+    state: Arc<State>,
+    stop: CancellationToken,
+) {
+    loop {
+        match consumer.run(stop.clone()).await {
+            Ok(()) => return,
+            Err(e) => tracing::error!(error = %e, "consumer failed fatally; starting a new one"),
+        }
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(CONSUMER_RESTART_DELAY) => {}
+            }
+            match DeltaConsumer::new(&kafka, &settings, state.clone()) {
+                Ok(c) => {
+                    consumer = c;
+                    break;
+                }
+                Err(e) => tracing::error!(error = %e, "cannot create a consumer; retrying"),
+            }
+        }
+    }
+}
+
+async fn housekeeping(state: Arc<State>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(HOUSEKEEPING_EVERY);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => state.housekeeping(),
+        }
+    }
+}
+
+/// Completes on the first SIGTERM or SIGINT.
+pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}
+
+/// Creates the deltas and global topics (if missing) with the partition
+/// count and replication factor of the configuration. Returns the topics
+/// that were created.
+pub async fn create_topics(config_path: &Path, compact: bool) -> Result<Vec<String>, Error> {
+    let loaded = Config::load(config_path)?;
+    tierlimit_shared::kafka::ensure_topics(&loaded.config.kafka, compact)
+        .await
+        .map_err(Error::Topics)
+}

@@ -1,1 +1,140 @@
-fn main() {}
+//! `aggregator` binary: command line, logging and the runtime; everything
+//! else lives in the library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// Merges PN-counter deltas from every region into global daily counts per
+/// tenant and broadcasts them.
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
+)]
+struct Cli {
+    /// Configuration file (TOML).
+    #[arg(long, env = "TIERLIMIT_CONFIG", required = true)]
+    config: Option<PathBuf>,
+
+    /// Address of the HTTP API (views, metrics, health).
+    #[arg(long, env = "TIERLIMIT_LISTEN", default_value = "127.0.0.1:9100")]
+    listen: SocketAddr,
+
+    /// Log as JSON lines instead of text (level from RUST_LOG, default info).
+    #[arg(long, env = "TIERLIMIT_LOG_JSON", global = true)]
+    log_json: bool,
+
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Creates the deltas and global topics with the configured partition
+    /// count (existing topics are left alone).
+    CreateTopics {
+        /// Configuration file (TOML).
+        #[arg(long, env = "TIERLIMIT_CONFIG")]
+        config: PathBuf,
+        /// Do not ask for `cleanup.policy=compact` (for brokers that refuse
+        /// topic configs).
+        #[arg(long, env = "TIERLIMIT_NO_COMPACT")]
+        no_compact: bool,
+    },
+}
+
+fn init_logging(json: bool) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_json);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the async runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Some(Command::CreateTopics { config, no_compact }) => {
+                aggregator::create_topics(&config, !no_compact)
+                    .await
+                    .map(|created| {
+                        if created.is_empty() {
+                            tracing::info!("topics already exist");
+                        } else {
+                            tracing::info!(?created, "topics created");
+                        }
+                    })
+            }
+            None => {
+                let config = cli
+                    .config
+                    .expect("clap requires --config without a subcommand");
+                aggregator::run(&config, cli.listen).await
+            }
+        }
+    });
+    // librdkafka calls that outlived their deadline may still sit on
+    // blocking threads; do not wait for them.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "aggregator failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_shapes() {
+        Cli::command_for_tests().debug_assert();
+        let cli = Cli::try_parse_from(["aggregator", "--config", "c.toml"]).unwrap();
+        assert_eq!(cli.listen, "127.0.0.1:9100".parse().unwrap());
+        assert!(cli.command.is_none());
+        let cli = Cli::try_parse_from([
+            "aggregator",
+            "create-topics",
+            "--config",
+            "c.toml",
+            "--no-compact",
+        ])
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            Some(Command::CreateTopics {
+                no_compact: true,
+                ..
+            })
+        ));
+    }
+
+    impl Cli {
+        fn command_for_tests() -> clap::Command {
+            <Cli as clap::CommandFactory>::command()
+        }
+    }
+}

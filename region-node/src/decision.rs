@@ -12,8 +12,10 @@
 //! `refund` and `peek` run the same script with another op, so every tier's
 //! arithmetic lives in exactly one place (the script).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
+
+use prometheus::IntCounter;
 
 use redis::Value;
 use serde::Serialize;
@@ -153,6 +155,10 @@ pub struct Decider {
     region: String,
     node_id: String,
     metrics: Arc<Metrics>,
+    /// Children of `tierlimit_decisions_total` by (tier, outcome, mode),
+    /// resolved on first use: `with_label_values` hashes the labels and
+    /// takes a lock on every call.
+    counters: [OnceLock<IntCounter>; 32],
 }
 
 /// The reply of `decide.lua`, field by field (see the script's header).
@@ -187,6 +193,7 @@ impl Decider {
             region,
             node_id,
             metrics,
+            counters: std::array::from_fn(|_| OnceLock::new()),
         }
     }
 
@@ -211,10 +218,12 @@ impl Decider {
         }
 
         // 2. One round trip: every tier checked and charged atomically.
-        let (keys, args) = self.script_call("check", &cfg, &policy, &req, key, today, now);
-        let decision = match self.store.decide(&keys, &args).await {
+        let cmd = self.script_call(
+            "check", req.cost, &cfg, &policy, req.tenant, key, today, now,
+        );
+        let decision = match self.store.decide(&cmd).await {
             Ok(reply) => {
-                let r = parse_reply(&reply);
+                let r = parse_reply(reply);
                 self.from_reply(&req, &policy, key, r, now)
             }
             // 3. Redis unavailable: the plan's fail mode.
@@ -228,16 +237,19 @@ impl Decider {
         let (cfg, policy, key) = self.resolve(&req)?;
         let now = now_ms();
         let today = day::of_unix_secs(now / 1000);
-        let (keys, args) = self.script_call("refund", &cfg, &policy, &req, key, today, now);
+        let cmd = self.script_call(
+            "refund", req.cost, &cfg, &policy, req.tenant, key, today, now,
+        );
         self.metrics.refunds.inc();
-        match self.store.decide(&keys, &args).await {
-            Ok(reply) => Ok(self.from_reply(&req, &policy, key, parse_reply(&reply), now)),
+        match self.store.decide(&cmd).await {
+            Ok(reply) => Ok(self.from_reply(&req, &policy, key, parse_reply(reply), now)),
             Err(_) => match policy.on_store_error {
                 StoreErrorMode::Closed => Err(DecideError::Unavailable),
                 StoreErrorMode::Open => Ok(self.open_decision(&req, &policy, key, now)),
                 StoreErrorMode::Local => {
                     let nodes = self.expected_nodes(&cfg);
-                    self.local.refund(&policy, nodes, req.tenant, key, req.cost, now * 1000, today);
+                    self.local
+                        .refund(&policy, nodes, req.tenant, key, req.cost, now * 1000, today);
                     Ok(self.open_decision(&req, &policy, key, now))
                 }
             },
@@ -246,13 +258,16 @@ impl Decider {
 
     /// Current usage without charging anything.
     pub async fn peek(&self, tenant: &str, key: Option<&str>) -> Result<Usage, DecideError> {
-        let req = Request { tenant, key, cost: 1 };
+        let req = Request {
+            tenant,
+            key,
+            cost: 1,
+        };
         let (cfg, policy, k) = self.resolve(&req)?;
         let now = now_ms();
         let today = day::of_unix_secs(now / 1000);
-        let (keys, mut args) = self.script_call("peek", &cfg, &policy, &req, k, today, now);
-        args[1] = "0".into();
-        let reply = self.store.decide(&keys, &args).await.ok().map(|v| parse_reply(&v));
+        let cmd = self.script_call("peek", 0, &cfg, &policy, tenant, k, today, now);
+        let reply = self.store.decide(&cmd).await.ok().map(parse_reply);
         let view = self.view.get(tenant, today);
         let d = match &reply {
             Some(r) => self.from_reply(&req, &policy, k, r.clone(), now),
@@ -266,7 +281,9 @@ impl Decider {
             day: today,
             date: day::to_iso(today),
             tiers: d.tiers,
-            region_actor: reply.as_ref().map(|r| tierlimit_shared::messages::actor(&self.region, &r.epoch)),
+            region_actor: reply
+                .as_ref()
+                .map(|r| tierlimit_shared::messages::actor(&self.region, &r.epoch)),
             region_p: reply.as_ref().map_or(0, |r| r.own_p),
             region_n: reply.as_ref().map_or(0, |r| r.own_n),
             global_total: view.as_ref().map(|e| e.total()),
@@ -306,71 +323,77 @@ impl Decider {
             .map_or(1, |r| r.expected_nodes)
     }
 
-    /// KEYS and ARGV of one `decide.lua` call (layout in the script header).
+    /// The `EVALSHA` of one `decide.lua` call (KEYS and ARGV layout in the
+    /// script header). Numbers and the epoch go straight into the command
+    /// buffer, and this region's parts of the broadcast are read under the
+    /// view's lock without copying them out: no per-argument strings.
     #[allow(clippy::too_many_arguments)]
     fn script_call(
         &self,
         op: &str,
+        cost: u64,
         cfg: &Loaded,
         policy: &Policy,
-        req: &Request<'_>,
+        t: &str,
         key: &str,
         today: u32,
         now: u64,
-    ) -> (Vec<String>, Vec<String>) {
-        let t = req.tenant;
+    ) -> redis::Cmd {
         let code = |l: &Option<Limit>| l.as_ref().map_or(0, |l| l.algorithm.code());
-        let keys = vec![
-            keys::node_tier(t, &self.node_id, key, code(&policy.node)),
-            keys::region_tier(t, key, code(&policy.region)),
-            keys::DIRTY.to_string(),
-            keys::pn_counter(t, today.saturating_sub(1)),
-            keys::pn_counter(t, today),
-            keys::pn_counter(t, today + 1),
-        ];
-        let mut args = Vec::with_capacity(24);
-        args.push(op.to_string());
-        args.push(req.cost.to_string());
+        let mut cmd = self.store.decide_cmd(6, 512);
+        cmd.arg(keys::node_tier(t, &self.node_id, key, code(&policy.node)))
+            .arg(keys::region_tier(t, key, code(&policy.region)))
+            .arg(keys::DIRTY)
+            .arg(keys::pn_counter(t, today.saturating_sub(1)))
+            .arg(keys::pn_counter(t, today))
+            .arg(keys::pn_counter(t, today + 1));
+        cmd.arg(op).arg(cost);
         for limit in [&policy.node, &policy.region] {
             match limit {
-                Some(l) => {
-                    args.push(l.algorithm.code().to_string());
-                    args.push(l.limit.to_string());
-                    args.push(l.window_ms.to_string());
-                    args.push(l.burst.to_string());
-                }
-                None => args.extend(["0", "0", "0", "0"].map(String::from)),
-            }
+                Some(l) => cmd
+                    .arg(l.algorithm.code())
+                    .arg(l.limit)
+                    .arg(l.window_ms)
+                    .arg(l.burst),
+                None => cmd.arg(0u8).arg(0u8).arg(0u8).arg(0u8),
+            };
         }
         let glimit = policy.global.unwrap_or(0);
-        args.push(glimit.to_string());
-        // Broadcast total and this region's actors in it.
-        let (total, mine, cap) = self.view.with(t, today, |e| {
-            let total = e.map_or(0, |e| e.total());
-            let mine: Vec<(String, u64)> = e
-                .map(|e| e.region_parts(&self.region).map(|(ep, v)| (ep.to_string(), v)).collect())
-                .unwrap_or_default();
-            let cap = self.staleness_cap(cfg, glimit, total, &mine, now);
-            (total, mine, cap)
-        });
-        args.push(total.to_string());
-        args.push(cap.map_or("-1".to_string(), |c| c.to_string()));
-        args.push(new_epoch());
-        args.push(t.to_string());
-        args.push(today.to_string());
+        cmd.arg(glimit);
+        let epoch = new_epoch();
+        let epoch = std::str::from_utf8(&epoch).expect("hex digits are ASCII");
         let ttl = (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY;
-        args.push(ttl.to_string());
-        for (epoch, part) in mine {
-            args.push(epoch);
-            args.push(part.to_string());
-        }
-        (keys, args)
+        // Broadcast total and this region's actors in it.
+        self.view.with(t, today, |e| {
+            let total = e.map_or(0, |e| e.total());
+            let own: u64 = e.map_or(0, |e| e.region_parts(&self.region).map(|(_, v)| v).sum());
+            let cap = self.staleness_cap(cfg, glimit, total, own, now);
+            cmd.arg(total);
+            match cap {
+                Some(c) => cmd.arg(c),
+                None => cmd.arg(-1i64),
+            };
+            cmd.arg(epoch).arg(t).arg(today).arg(ttl);
+            if let Some(e) = e {
+                for (epoch, part) in e.region_parts(&self.region) {
+                    cmd.arg(epoch).arg(part);
+                }
+            }
+        });
+        cmd
     }
 
     /// With `node.max_staleness` set and the view older than that, this
-    /// region may reach at most its view-time part plus its share
+    /// region may reach at most its view-time part (`own`) plus its share
     /// (1 / regions) of what globally remained then.
-    fn staleness_cap(&self, cfg: &Loaded, glimit: u64, total: u64, mine: &[(String, u64)], now: u64) -> Option<u64> {
+    fn staleness_cap(
+        &self,
+        cfg: &Loaded,
+        glimit: u64,
+        total: u64,
+        own: u64,
+        now: u64,
+    ) -> Option<u64> {
         let max = cfg.config.node.max_staleness?;
         if glimit == 0 {
             return None;
@@ -383,18 +406,29 @@ impl Decider {
             return None;
         }
         let regions = cfg.config.regions.len().max(1) as u64;
-        let own: u64 = mine.iter().map(|(_, v)| v).sum();
         Some(own + glimit.saturating_sub(total) / regions)
     }
 
-    fn from_reply(&self, req: &Request<'_>, policy: &Policy, key: &str, r: Reply, now: u64) -> Decision {
+    fn from_reply(
+        &self,
+        req: &Request<'_>,
+        policy: &Policy,
+        key: &str,
+        r: Reply,
+        now: u64,
+    ) -> Decision {
         let mut tiers = Vec::with_capacity(3);
         for (tier, limit, (remaining, reset)) in [
             (Tier::Node, &policy.node, r.node),
             (Tier::Region, &policy.region, r.region),
         ] {
             if let Some(l) = limit {
-                tiers.push(status(tier, l, remaining.max(0) as u64, reset.max(0) as u64));
+                tiers.push(status(
+                    tier,
+                    l,
+                    remaining.max(0) as u64,
+                    reset.max(0) as u64,
+                ));
             }
         }
         if let Some(g) = policy.global {
@@ -419,7 +453,14 @@ impl Decider {
         }
     }
 
-    fn view_denial(&self, req: &Request<'_>, policy: &Policy, key: &str, limit: u64, now: u64) -> Decision {
+    fn view_denial(
+        &self,
+        req: &Request<'_>,
+        policy: &Policy,
+        key: &str,
+        limit: u64,
+        now: u64,
+    ) -> Decision {
         Decision {
             allowed: false,
             tenant: req.tenant.into(),
@@ -460,7 +501,10 @@ impl Decider {
             tracing::debug!(%error, tenant = req.tenant, "decision script failed; using on_store_error");
         }
         let mode = policy.on_store_error;
-        self.metrics.fail_mode.with_label_values(&[mode.name()]).inc();
+        self.metrics
+            .fail_mode
+            .with_label_values(&[mode.name()])
+            .inc();
         match mode {
             StoreErrorMode::Closed => Err(DecideError::Unavailable),
             StoreErrorMode::Open => Ok(self.open_decision(req, policy, key, now)),
@@ -474,7 +518,9 @@ impl Decider {
                 let mut denied_by = None;
                 let mut retry: Option<u64> = Some(0);
                 for (tier, lt) in [(Tier::Node, node), (Tier::Region, region)] {
-                    let Some(LocalTier { limit, eval }) = lt else { continue };
+                    let Some(LocalTier { limit, eval }) = lt else {
+                        continue;
+                    };
                     if !eval.allowed {
                         denied_by.get_or_insert(tier);
                         retry = match (retry, eval.retry_ms) {
@@ -492,7 +538,9 @@ impl Decider {
                     tiers.push(status(tier, &limit, remaining, eval.reset_ms));
                 }
                 if let Some(g) = policy.global {
-                    let total = self.view.with(req.tenant, today, |e| e.map_or(0, |e| e.total()));
+                    let total = self
+                        .view
+                        .with(req.tenant, today, |e| e.map_or(0, |e| e.total()));
                     tiers.push(global_status(g, g.saturating_sub(total), now));
                 }
                 Ok(Decision {
@@ -514,11 +562,16 @@ impl Decider {
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
-        let tier = d.denied_by.map_or("none", Tier::name);
-        let outcome = if d.allowed { "allowed" } else { "denied" };
-        self.metrics
-            .decisions
-            .with_label_values(&[tier, outcome, d.mode.name()])
+        let tier = d.denied_by.map_or(0, |t| t as usize + 1);
+        let slot = tier * 8 + usize::from(!d.allowed) * 4 + d.mode as usize;
+        self.counters[slot]
+            .get_or_init(|| {
+                let tier = d.denied_by.map_or("none", Tier::name);
+                let outcome = if d.allowed { "allowed" } else { "denied" };
+                self.metrics
+                    .decisions
+                    .with_label_values(&[tier, outcome, d.mode.name()])
+            })
             .inc();
         d
     }
@@ -546,29 +599,43 @@ fn global_status(limit: u64, remaining: u64, now: u64) -> TierStatus {
     }
 }
 
-/// A fresh epoch id, used by the script only when today's counter is new.
-fn new_epoch() -> String {
-    format!("{:016x}", rand::random::<u64>())
+/// A fresh epoch id (16 lowercase hex digits), used by the script only when
+/// today's counter is new.
+fn new_epoch() -> [u8; 16] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let v = rand::random::<u64>();
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = HEX[((v >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    out
 }
 
 fn int(v: Option<&Value>) -> i64 {
     match v {
         Some(Value::Int(i)) => *i,
-        Some(Value::BulkString(b)) => std::str::from_utf8(b).ok().and_then(|s| s.parse().ok()).unwrap_or(0),
+        Some(Value::BulkString(b)) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0),
         _ => 0,
     }
 }
 
-fn text(v: Option<&Value>) -> String {
+/// Takes the value out (no copy of a bulk string that is valid UTF-8).
+fn text(v: Option<&mut Value>) -> String {
     match v {
-        Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-        Some(Value::SimpleString(s)) => s.clone(),
+        Some(Value::BulkString(b)) => match String::from_utf8(std::mem::take(b)) {
+            Ok(s) => s,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        },
+        Some(Value::SimpleString(s)) => std::mem::take(s),
         Some(Value::Int(i)) => i.to_string(),
         _ => String::new(),
     }
 }
 
-fn parse_reply(v: &[Value]) -> Reply {
+fn parse_reply(mut v: Vec<Value>) -> Reply {
     Reply {
         allowed: int(v.first()) == 1,
         denied: int(v.get(1)),
@@ -577,7 +644,7 @@ fn parse_reply(v: &[Value]) -> Reply {
         region: (int(v.get(6)), int(v.get(7))),
         own_p: int(v.get(8)).max(0) as u64,
         own_n: int(v.get(9)).max(0) as u64,
-        epoch: text(v.get(10)),
+        epoch: text(v.get_mut(10)),
         global_remaining: int(v.get(12)),
     }
 }

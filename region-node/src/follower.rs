@@ -32,7 +32,12 @@ pub async fn run(config: Config, node: String, view: Arc<View>, metrics: Arc<Met
     }
 }
 
-async fn follow(config: &Config, node: &str, view: &Arc<View>, metrics: &Metrics) -> Result<(), String> {
+async fn follow(
+    config: &Config,
+    node: &str,
+    view: &Arc<View>,
+    metrics: &Metrics,
+) -> Result<(), String> {
     let topic = config.kafka.global_topic.clone();
     let mut cc = tierlimit_shared::kafka::client_config(&config.kafka);
     // A group id is required by the client, but with manual assignment the

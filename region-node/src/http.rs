@@ -5,16 +5,19 @@
 //! for a request that fails validation: validation happens before the
 //! decision script runs.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::decision::{DecideError, Decider, Decision, Request, Tier, TierStatus};
@@ -52,7 +55,12 @@ pub struct Problem {
 }
 
 impl Problem {
-    fn new(status: StatusCode, slug: &'static str, title: &'static str, detail: impl Into<String>) -> Problem {
+    fn new(
+        status: StatusCode,
+        slug: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Problem {
         Problem {
             status,
             slug,
@@ -69,7 +77,13 @@ impl Problem {
     }
 
     fn bad_field(field: &str, detail: impl Into<String>) -> Problem {
-        Problem::new(StatusCode::BAD_REQUEST, "invalid-field", "Invalid request field", detail).with("field", field)
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-field",
+            "Invalid request field",
+            detail,
+        )
+        .with("field", field)
     }
 }
 
@@ -81,7 +95,11 @@ impl IntoResponse for Problem {
         body.insert("status".into(), self.status.as_u16().into());
         body.insert("detail".into(), self.detail.into());
         body.extend(self.extra);
-        let mut resp = (self.status, serde_json::to_string(&body).unwrap_or_default()).into_response();
+        let mut resp = (
+            self.status,
+            serde_json::to_string(&body).unwrap_or_default(),
+        )
+            .into_response();
         resp.headers_mut().extend(self.headers);
         resp.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -118,25 +136,46 @@ impl From<DecideError> for Problem {
                     e.to_string(),
                 )
                 .with("violated-policy", "store");
-                p.headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                p.headers
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
                 p
             }
         }
     }
 }
 
-/// The JSON body of check and refund.
+/// The JSON body of check and refund. Strings borrow from the request body
+/// unless they contain escapes.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Body {
-    tenant: Option<String>,
-    key: Option<String>,
+struct Body<'a> {
+    #[serde(borrow)]
+    tenant: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    key: Option<Cow<'a, str>>,
     cost: Option<u64>,
 }
 
-fn parse_body(headers: &HeaderMap, body: &[u8]) -> Result<(String, Option<String>, u64), Problem> {
-    let ct = headers
-        .get(header::CONTENT_TYPE)
+/// The request's `Content-Type`, extracted without cloning the whole header
+/// map (axum's `HeaderMap` extractor copies every header).
+struct ContentType(Option<HeaderValue>);
+
+impl<S: Send + Sync> FromRequestParts<S> for ContentType {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(ContentType(
+            parts.headers.get(header::CONTENT_TYPE).cloned(),
+        ))
+    }
+}
+
+type Parsed<'a> = (Cow<'a, str>, Option<Cow<'a, str>>, u64);
+
+fn parse_body<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Parsed<'a>, Problem> {
+    let ct = content_type
+        .0
+        .as_ref()
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
     let mime = ct.split(';').next().unwrap_or("").trim();
@@ -149,15 +188,28 @@ fn parse_body(headers: &HeaderMap, body: &[u8]) -> Result<(String, Option<String
         ));
     }
     let b: Body = serde_json::from_slice(body).map_err(|e| {
-        Problem::new(StatusCode::BAD_REQUEST, "invalid-json", "Invalid JSON body", e.to_string())
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-json",
+            "Invalid JSON body",
+            e.to_string(),
+        )
     })?;
-    let tenant = b.tenant.ok_or_else(|| Problem::bad_field("tenant", "tenant is required"))?;
+    let tenant = b
+        .tenant
+        .ok_or_else(|| Problem::bad_field("tenant", "tenant is required"))?;
     Ok((tenant, b.key, b.cost.unwrap_or(1)))
 }
 
 fn parse_query(q: &HashMap<String, String>) -> Result<(String, Option<String>, u64), Problem> {
-    if let Some(unknown) = q.keys().find(|k| !["tenant", "key", "cost"].contains(&k.as_str())) {
-        return Err(Problem::bad_field(unknown, format!("unknown query parameter {unknown:?}")));
+    if let Some(unknown) = q
+        .keys()
+        .find(|k| !["tenant", "key", "cost"].contains(&k.as_str()))
+    {
+        return Err(Problem::bad_field(
+            unknown,
+            format!("unknown query parameter {unknown:?}"),
+        ));
     }
     let tenant = q
         .get("tenant")
@@ -165,48 +217,50 @@ fn parse_query(q: &HashMap<String, String>) -> Result<(String, Option<String>, u
         .ok_or_else(|| Problem::bad_field("tenant", "tenant is required"))?;
     let cost = match q.get("cost") {
         None => 1,
-        Some(c) => c
-            .parse::<u64>()
-            .map_err(|_| Problem::bad_field("cost", format!("cost must be a positive integer, got {c:?}")))?,
+        Some(c) => c.parse::<u64>().map_err(|_| {
+            Problem::bad_field(
+                "cost",
+                format!("cost must be a positive integer, got {c:?}"),
+            )
+        })?,
     };
     Ok((tenant, q.get("key").cloned(), cost))
 }
 
-async fn check_post(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    match parse_body(&headers, &body) {
-        Ok((t, k, c)) => decide(&s, t, k, c).await,
+async fn check_post(State(s): State<Arc<AppState>>, ct: ContentType, body: Bytes) -> Response {
+    match parse_body(&ct, &body) {
+        Ok((t, k, c)) => decide(&s, &t, k.as_deref(), c).await,
         Err(p) => s.refused(p),
     }
 }
 
 /// Forward-auth form (nginx `auth_request`, Traefik ForwardAuth, Envoy
 /// ext_authz HTTP): 200 allows, 429 denies.
-async fn check_get(State(s): State<Arc<AppState>>, Query(q): Query<HashMap<String, String>>) -> Response {
+async fn check_get(
+    State(s): State<Arc<AppState>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
     match parse_query(&q) {
-        Ok((t, k, c)) => decide(&s, t, k, c).await,
+        Ok((t, k, c)) => decide(&s, &t, k.as_deref(), c).await,
         Err(p) => s.refused(p),
     }
 }
 
-async fn decide(s: &AppState, tenant: String, key: Option<String>, cost: u64) -> Response {
-    let req = Request {
-        tenant: &tenant,
-        key: key.as_deref(),
-        cost,
-    };
+async fn decide(s: &AppState, tenant: &str, key: Option<&str>, cost: u64) -> Response {
+    let req = Request { tenant, key, cost };
     match s.decider.check(req).await {
         Ok(d) => decision_response(d),
         Err(e) => s.refused(e.into()),
     }
 }
 
-async fn refund(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let (tenant, key, cost) = match parse_body(&headers, &body) {
+async fn refund(State(s): State<Arc<AppState>>, ct: ContentType, body: Bytes) -> Response {
+    let (tenant, key, cost) = match parse_body(&ct, &body) {
         Ok(v) => v,
         Err(p) => return s.refused(p),
     };
     let req = Request {
-        tenant: &tenant,
+        tenant: &tenant[..],
         key: key.as_deref(),
         cost,
     };
@@ -232,7 +286,11 @@ async fn tenant_usage(
     Path(tenant): Path<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    match s.decider.peek(&tenant, q.get("key").map(String::as_str)).await {
+    match s
+        .decider
+        .peek(&tenant, q.get("key").map(String::as_str))
+        .await
+    {
         Ok(u) => axum::Json(u).into_response(),
         Err(e) => s.refused(e.into()),
     }
@@ -273,7 +331,17 @@ impl AppState {
 
 fn decision_response(d: Decision) -> Response {
     if d.allowed {
-        let mut resp = axum::Json(&d).into_response();
+        // One right-sized buffer for the body (axum::Json starts at 128
+        // bytes and grows), handed to the response without a copy.
+        let mut body = Vec::with_capacity(640);
+        if serde_json::to_writer(&mut body, &d).is_err() {
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        }
+        let mut resp = Response::new(axum::body::Body::from(body));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         rate_limit_headers(resp.headers_mut(), &d.tiers);
         return resp;
     }
@@ -296,49 +364,132 @@ fn decision_response(d: Decision) -> Response {
         ),
         (None, _) => format!("tenant {:?} exceeded the {} policy", d.tenant, tier.name()),
     };
-    let mut p = Problem::new(StatusCode::TOO_MANY_REQUESTS, "rate-limited", "Rate limit exceeded", detail)
-        .with("violated-policy", tier.name())
-        .with("tenant", d.tenant.clone())
-        .with("key", d.key.clone())
-        .with("cost", d.cost)
-        .with("plan", d.plan.clone())
-        .with("mode", d.mode.name())
-        .with("tiers", serde_json::to_value(&d.tiers).unwrap_or_default());
-    if let Some(ms) = d.retry_after_ms {
-        p = p.with("retry_after_ms", ms);
-        let secs = ms.div_ceil(1000).max(1);
-        p.headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    // The problem body, serialized straight from the decision. It is what
+    // `Problem` would build (same members, in the same sorted order), without
+    // an intermediate `serde_json::Map`: denials are the hot path of a
+    // tenant over its limit.
+    let body = RateLimited {
+        cost: d.cost,
+        detail: &detail,
+        key: &d.key,
+        mode: d.mode.name(),
+        plan: &d.plan,
+        retry_after_ms: d.retry_after_ms,
+        status: StatusCode::TOO_MANY_REQUESTS.as_u16(),
+        tenant: &d.tenant,
+        tiers: SortedTiers(&d.tiers),
+        title: "Rate limit exceeded",
+        kind: RATE_LIMITED_TYPE,
+        violated: tier.name(),
+    };
+    let mut buf = Vec::with_capacity(768);
+    if serde_json::to_writer(&mut buf, &body).is_err() {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     }
-    rate_limit_headers(&mut p.headers, &d.tiers);
-    p.into_response()
+    let mut resp = Response::new(axum::body::Body::from(buf));
+    *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    let h = resp.headers_mut();
+    if let Some(ms) = d.retry_after_ms {
+        h.insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(ms.div_ceil(1000).max(1)),
+        );
+    }
+    rate_limit_headers(h, &d.tiers);
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    resp
+}
+
+const RATE_LIMITED_TYPE: &str = "https://tierlimit.dev/problems/rate-limited";
+
+/// The 429 problem body (RFC 9457). Members are in the sorted order a
+/// `serde_json::Map` produces, so the bytes match the generic builder's.
+#[derive(Serialize)]
+struct RateLimited<'a> {
+    cost: u64,
+    detail: &'a str,
+    key: &'a str,
+    mode: &'static str,
+    plan: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after_ms: Option<u64>,
+    status: u16,
+    tenant: &'a str,
+    tiers: SortedTiers<'a>,
+    title: &'static str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    #[serde(rename = "violated-policy")]
+    violated: &'static str,
+}
+
+/// Tiers with their members in sorted order (as `serde_json::to_value`
+/// would give them).
+struct SortedTiers<'a>(&'a [TierStatus]);
+
+impl Serialize for SortedTiers<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Sorted {
+            algorithm: &'static str,
+            limit: u64,
+            remaining: u64,
+            reset_ms: u64,
+            tier: Tier,
+            window_ms: u64,
+        }
+        s.collect_seq(self.0.iter().map(|t| Sorted {
+            algorithm: t.algorithm,
+            limit: t.limit,
+            remaining: t.remaining,
+            reset_ms: t.reset_ms,
+            tier: t.tier,
+            window_ms: t.window_ms,
+        }))
+    }
 }
 
 /// `RateLimit-Policy` / `RateLimit` (draft-ietf-httpapi-ratelimit-headers-10,
 /// one policy per tier) and the legacy `X-RateLimit-*` trio, which reports
 /// the tier with the fewest units remaining.
 fn rate_limit_headers(h: &mut HeaderMap, tiers: &[TierStatus]) {
+    const POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+    const STATE: HeaderName = HeaderName::from_static("ratelimit");
+    const LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+    const REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+    const RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
     if tiers.is_empty() {
         return;
     }
     let secs = |ms: u64| ms.div_ceil(1000);
-    let policy = tiers
-        .iter()
-        .map(|t| format!("\"{}\";q={};w={}", t.tier.name(), t.limit, secs(t.window_ms).max(1)))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let state = tiers
-        .iter()
-        .map(|t| format!("\"{}\";r={};t={}", t.tier.name(), t.remaining, secs(t.reset_ms)))
-        .collect::<Vec<_>>()
-        .join(", ");
-    if let Ok(v) = HeaderValue::from_str(&policy) {
-        h.insert("ratelimit-policy", v);
+    // Written in place (no per-tier strings), handed over without a copy.
+    let mut policy = String::with_capacity(32 * tiers.len());
+    let mut state = String::with_capacity(32 * tiers.len());
+    for (i, t) in tiers.iter().enumerate() {
+        if i > 0 {
+            policy.push_str(", ");
+            state.push_str(", ");
+        }
+        let name = t.tier.name();
+        let _ = write!(
+            policy,
+            "\"{name}\";q={};w={}",
+            t.limit,
+            secs(t.window_ms).max(1)
+        );
+        let _ = write!(state, "\"{name}\";r={};t={}", t.remaining, secs(t.reset_ms));
     }
-    if let Ok(v) = HeaderValue::from_str(&state) {
-        h.insert("ratelimit", v);
+    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(policy)) {
+        h.insert(POLICY, v);
+    }
+    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(state)) {
+        h.insert(STATE, v);
     }
     let tightest = tiers.iter().min_by_key(|t| t.remaining).expect("non-empty");
-    h.insert("x-ratelimit-limit", HeaderValue::from(tightest.limit));
-    h.insert("x-ratelimit-remaining", HeaderValue::from(tightest.remaining));
-    h.insert("x-ratelimit-reset", HeaderValue::from(secs(tightest.reset_ms)));
+    h.insert(LIMIT, HeaderValue::from(tightest.limit));
+    h.insert(REMAINING, HeaderValue::from(tightest.remaining));
+    h.insert(RESET, HeaderValue::from(secs(tightest.reset_ms)));
 }

@@ -46,7 +46,13 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         bail!(
             "--region {:?} is not configured (regions: {})",
             settings.region,
-            loaded.config.regions.keys().cloned().collect::<Vec<_>>().join(", ")
+            loaded
+                .config
+                .regions
+                .keys()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     };
     let config = loaded.config.clone();
@@ -74,6 +80,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     let publisher = publisher::Publisher::new(
         &config,
         &settings.region,
+        &settings.node_id,
         Arc::clone(&store),
         Arc::clone(&local),
         Arc::clone(&metrics),

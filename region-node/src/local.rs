@@ -36,7 +36,10 @@ impl Local {
         Local {
             tiers: Mutex::new(HashMap::new()),
             counts: Mutex::new(HashMap::new()),
-            actor: tierlimit_shared::messages::actor(region, &format!("local-{node_id}-{suffix:08x}")),
+            actor: tierlimit_shared::messages::actor(
+                region,
+                &format!("local-{node_id}-{suffix:08x}"),
+            ),
         }
     }
 
@@ -74,7 +77,9 @@ impl Local {
         if allowed {
             for (i, limit) in limits.iter().enumerate() {
                 if let Some(limit) = limit {
-                    if let Some((_, s)) = tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8)) {
+                    if let Some((_, s)) =
+                        tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8))
+                    {
                         s.commit(limit, now_us, cost);
                     }
                 }
@@ -87,11 +92,26 @@ impl Local {
     }
 
     /// Gives back units charged in local mode (never below zero).
-    pub fn refund(&self, policy: &Policy, expected_nodes: u32, tenant: &str, key: &str, cost: u64, now_us: u64, day: u32) {
-        let limits = [policy.node.clone(), policy.region.as_ref().map(|r| r.share(expected_nodes))];
+    pub fn refund(
+        &self,
+        policy: &Policy,
+        expected_nodes: u32,
+        tenant: &str,
+        key: &str,
+        cost: u64,
+        now_us: u64,
+        day: u32,
+    ) {
+        let limits = [
+            policy.node.clone(),
+            policy.region.as_ref().map(|r| r.share(expected_nodes)),
+        ];
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         for (i, limit) in limits.iter().enumerate() {
-            if let (Some(limit), Some((_, s))) = (limit, tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8))) {
+            if let (Some(limit), Some((_, s))) = (
+                limit,
+                tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8)),
+            ) {
                 s.refund(limit, now_us, cost);
             }
         }

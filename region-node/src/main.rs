@@ -60,13 +60,18 @@ fn main() -> ExitCode {
         };
     }
     let (Some(config), Some(region), Some(node_id)) = (cli.config, cli.region, cli.node_id) else {
-        eprintln!("region-node: --config, --region and --node-id are required to serve (see --help)");
+        eprintln!(
+            "region-node: --config, --region and --node-id are required to serve (see --help)"
+        );
         return ExitCode::from(2);
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     if cli.log_json {
-        tracing_subscriber::fmt().with_env_filter(filter).json().init();
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .json()
+            .init();
     } else {
         tracing_subscriber::fmt().with_env_filter(filter).init();
     }

@@ -37,7 +37,8 @@ impl Metrics {
     pub fn new() -> Metrics {
         let r = Registry::new();
         fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
-            r.register(Box::new(c.clone())).expect("metric names are unique");
+            r.register(Box::new(c.clone()))
+                .expect("metric names are unique");
             c
         }
         let buckets = vec![
@@ -47,7 +48,10 @@ impl Metrics {
             decisions: reg(
                 &r,
                 IntCounterVec::new(
-                    Opts::new("tierlimit_decisions_total", "Decisions by deciding tier, outcome and mode"),
+                    Opts::new(
+                        "tierlimit_decisions_total",
+                        "Decisions by deciding tier, outcome and mode",
+                    ),
                     &["tier", "outcome", "mode"],
                 )
                 .unwrap(),
@@ -55,16 +59,22 @@ impl Metrics {
             decision_seconds: reg(
                 &r,
                 Histogram::with_opts(
-                    HistogramOpts::new("tierlimit_decision_seconds", "Time to decide one check, HTTP excluded")
-                        .buckets(buckets.clone()),
+                    HistogramOpts::new(
+                        "tierlimit_decision_seconds",
+                        "Time to decide one check, HTTP excluded",
+                    )
+                    .buckets(buckets.clone()),
                 )
                 .unwrap(),
             ),
             redis_seconds: reg(
                 &r,
                 HistogramVec::new(
-                    HistogramOpts::new("tierlimit_redis_seconds", "Latency of Redis calls by operation")
-                        .buckets(buckets.clone()),
+                    HistogramOpts::new(
+                        "tierlimit_redis_seconds",
+                        "Latency of Redis calls by operation",
+                    )
+                    .buckets(buckets.clone()),
                     &["op"],
                 )
                 .unwrap(),
@@ -72,7 +82,10 @@ impl Metrics {
             redis_errors: reg(
                 &r,
                 IntCounterVec::new(
-                    Opts::new("tierlimit_redis_errors_total", "Failed Redis calls by operation and kind"),
+                    Opts::new(
+                        "tierlimit_redis_errors_total",
+                        "Failed Redis calls by operation and kind",
+                    ),
                     &["op", "kind"],
                 )
                 .unwrap(),
@@ -80,17 +93,29 @@ impl Metrics {
             fail_mode: reg(
                 &r,
                 IntCounterVec::new(
-                    Opts::new("tierlimit_fail_mode_decisions_total", "Decisions taken without Redis, by on_store_error mode"),
+                    Opts::new(
+                        "tierlimit_fail_mode_decisions_total",
+                        "Decisions taken without Redis, by on_store_error mode",
+                    ),
                     &["mode"],
                 )
                 .unwrap(),
             ),
-            store_up: reg(&r, IntGauge::new("tierlimit_store_up", "1 while the region's Redis answers").unwrap()),
-            refunds: reg(&r, IntCounter::new("tierlimit_refunds_total", "Refund requests applied").unwrap()),
+            store_up: reg(
+                &r,
+                IntGauge::new("tierlimit_store_up", "1 while the region's Redis answers").unwrap(),
+            ),
+            refunds: reg(
+                &r,
+                IntCounter::new("tierlimit_refunds_total", "Refund requests applied").unwrap(),
+            ),
             bad_requests: reg(
                 &r,
                 IntCounterVec::new(
-                    Opts::new("tierlimit_bad_requests_total", "Requests refused as invalid, by problem type"),
+                    Opts::new(
+                        "tierlimit_bad_requests_total",
+                        "Requests refused as invalid, by problem type",
+                    ),
                     &["problem"],
                 )
                 .unwrap(),
@@ -103,27 +128,99 @@ impl Metrics {
                 )
                 .unwrap(),
             ),
-            deltas_produced: reg(&r, IntCounter::new("tierlimit_deltas_produced_total", "Deltas delivered to Kafka").unwrap()),
-            deltas_failed: reg(&r, IntCounter::new("tierlimit_deltas_failed_total", "Deltas Kafka did not accept (retried later)").unwrap()),
-            dirty_entries: reg(&r, IntGauge::new("tierlimit_dirty_entries", "Unpublished (tenant, day) entries seen at the last flush").unwrap()),
-            publish_seconds: reg(
+            deltas_produced: reg(
                 &r,
-                Histogram::with_opts(
-                    HistogramOpts::new("tierlimit_publish_seconds", "Time to publish one flush batch, until every delivery is acknowledged")
-                        .buckets(vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
+                IntCounter::new(
+                    "tierlimit_deltas_produced_total",
+                    "Deltas delivered to Kafka",
                 )
                 .unwrap(),
             ),
-            last_publish_ms: reg(&r, IntGauge::new("tierlimit_last_publish_timestamp_ms", "Wall clock of the last fully acknowledged flush").unwrap()),
+            deltas_failed: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_deltas_failed_total",
+                    "Deltas Kafka did not accept (retried later)",
+                )
+                .unwrap(),
+            ),
+            dirty_entries: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_dirty_entries",
+                    "Unpublished (tenant, day) entries seen at the last flush",
+                )
+                .unwrap(),
+            ),
+            publish_seconds: reg(
+                &r,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "tierlimit_publish_seconds",
+                        "Time to publish one flush batch, until every delivery is acknowledged",
+                    )
+                    .buckets(vec![
+                        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    ]),
+                )
+                .unwrap(),
+            ),
+            last_publish_ms: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_last_publish_timestamp_ms",
+                    "Wall clock of the last fully acknowledged flush",
+                )
+                .unwrap(),
+            ),
             view_age_seconds: reg(
                 &r,
-                prometheus::Gauge::new("tierlimit_view_age_seconds", "Seconds since the broadcast view was last confirmed caught up with the broker").unwrap(),
+                prometheus::Gauge::new(
+                    "tierlimit_view_age_seconds",
+                    "Seconds since the broadcast view was last confirmed caught up with the broker",
+                )
+                .unwrap(),
             ),
-            view_entries: reg(&r, IntGauge::new("tierlimit_view_entries", "(tenant, day) entries in the broadcast view").unwrap()),
-            view_caught_up: reg(&r, IntGauge::new("tierlimit_view_caught_up", "1 once the broadcast follower has read the global topic to its end").unwrap()),
-            broadcasts_received: reg(&r, IntCounter::new("tierlimit_broadcasts_received_total", "Global updates applied to the view").unwrap()),
-            broadcasts_undecodable: reg(&r, IntCounter::new("tierlimit_broadcasts_undecodable_total", "Global-topic messages skipped as undecodable").unwrap()),
-            epoch_changes: reg(&r, IntCounter::new("tierlimit_epoch_changes_total", "Times a new region epoch appeared (Redis lost its data)").unwrap()),
+            view_entries: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_view_entries",
+                    "(tenant, day) entries in the broadcast view",
+                )
+                .unwrap(),
+            ),
+            view_caught_up: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_view_caught_up",
+                    "1 once the broadcast follower has read the global topic to its end",
+                )
+                .unwrap(),
+            ),
+            broadcasts_received: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_broadcasts_received_total",
+                    "Global updates applied to the view",
+                )
+                .unwrap(),
+            ),
+            broadcasts_undecodable: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_broadcasts_undecodable_total",
+                    "Global-topic messages skipped as undecodable",
+                )
+                .unwrap(),
+            ),
+            epoch_changes: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_epoch_changes_total",
+                    "Times a new region epoch appeared (Redis lost its data)",
+                )
+                .unwrap(),
+            ),
             registry: r,
         }
     }

@@ -35,6 +35,7 @@ pub struct Publisher {
     topic: String,
     partitions: i32,
     region: String,
+    node_id: String,
     batch: usize,
     interval: Duration,
     metrics: Arc<Metrics>,
@@ -53,6 +54,7 @@ impl Publisher {
     pub fn new(
         config: &Config,
         region: &str,
+        node_id: &str,
         store: Arc<Store>,
         local: Arc<Local>,
         metrics: Arc<Metrics>,
@@ -69,6 +71,7 @@ impl Publisher {
             topic: config.kafka.deltas_topic.clone(),
             partitions: config.kafka.partitions,
             region: region.to_string(),
+            node_id: node_id.to_string(),
             batch: config.node.publish_batch,
             interval: config.node.flush_interval,
             metrics,
@@ -85,7 +88,9 @@ impl Publisher {
             let started = Instant::now();
             match self.flush().await {
                 Ok(n) if n > 0 => {
-                    self.metrics.publish_seconds.observe(started.elapsed().as_secs_f64());
+                    self.metrics
+                        .publish_seconds
+                        .observe(started.elapsed().as_secs_f64());
                 }
                 Ok(_) => {}
                 Err(e) => tracing::debug!(error = %e, "flush incomplete; entries stay dirty"),
@@ -109,7 +114,10 @@ impl Publisher {
     async fn flush_redis(&mut self) -> Result<usize, String> {
         let mut pipe = redis::pipe();
         pipe.cmd("ZCARD").arg(keys::DIRTY);
-        pipe.cmd("ZRANGE").arg(keys::DIRTY).arg(0).arg(self.batch as i64 - 1);
+        pipe.cmd("ZRANGE")
+            .arg(keys::DIRTY)
+            .arg(0)
+            .arg(self.batch as i64 - 1);
         let (total, members): (i64, Vec<String>) = self
             .store
             .pipeline("dirty_read", pipe)
@@ -125,7 +133,11 @@ impl Publisher {
         for m in &members {
             match keys::parse_dirty_member(m) {
                 Some((t, d)) => {
-                    pipe.cmd("HMGET").arg(keys::pn_counter(t, d)).arg("e").arg("p").arg("n");
+                    pipe.cmd("HMGET")
+                        .arg(keys::pn_counter(t, d))
+                        .arg("e")
+                        .arg("p")
+                        .arg("n");
                     parsed.push((m.clone(), t.to_string(), d));
                 }
                 // Not ours: drop it so it cannot block the queue forever.
@@ -145,7 +157,15 @@ impl Publisher {
                     self.note_epoch(&tenant, &epoch);
                     pending.push(Pending {
                         member,
-                        delta: Delta::new(&tenant, d, actor(&self.region, &epoch), p, n.unwrap_or(0).min(p), now),
+                        delta: Delta::new(
+                            &tenant,
+                            d,
+                            actor(&self.region, &epoch),
+                            p,
+                            n.unwrap_or(0).min(p),
+                            now,
+                        )
+                        .from_node(&self.node_id),
                     })
                 }
                 // The counter expired or Redis lost it: nothing to publish.
@@ -214,7 +234,11 @@ impl Publisher {
                 .partition(partition_of(&tenant, self.partitions))
                 .key(&key)
                 .payload(&payload);
-            match self.producer.send(record, Timeout::After(Duration::from_secs(15))).await {
+            match self
+                .producer
+                .send(record, Timeout::After(Duration::from_secs(15)))
+                .await
+            {
                 Ok(_) => {
                     ok += 1;
                     self.local_published.insert(k, (p, n));
@@ -235,13 +259,15 @@ impl Publisher {
             Some(_) => {
                 self.metrics.epoch_changes.inc();
                 tracing::warn!(tenant, epoch, "new region epoch: Redis lost this tenant's counter; counting under a new actor");
-                self.last_epochs.insert(tenant.to_string(), epoch.to_string());
+                self.last_epochs
+                    .insert(tenant.to_string(), epoch.to_string());
             }
             None => {
                 if self.last_epochs.len() > 100_000 {
                     self.last_epochs.clear();
                 }
-                self.last_epochs.insert(tenant.to_string(), epoch.to_string());
+                self.last_epochs
+                    .insert(tenant.to_string(), epoch.to_string());
             }
         }
     }

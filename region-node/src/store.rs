@@ -51,8 +51,12 @@ impl StoreError {
 
 pub struct Store {
     conn: ConnectionManager,
-    decide: redis::Script,
+    /// SHA1 of `DECIDE_LUA`, for `EVALSHA`.
+    decide_sha: String,
     ack: redis::Script,
+    /// `tierlimit_redis_seconds{op="decide"}`, resolved once: looking a
+    /// labelled child up hashes the labels and takes a lock on every call.
+    decide_seconds: prometheus::Histogram,
     up: AtomicBool,
     timeout: Duration,
     retry_interval: Duration,
@@ -70,16 +74,20 @@ impl Store {
         metrics: Arc<Metrics>,
     ) -> Result<Arc<Store>, StoreError> {
         let client = redis::Client::open(url)?;
+        // No response timeout inside the connection: every call is already
+        // bounded by `timeout` in `Store::call`, and a second timer per call
+        // is measurable on the hot path.
         let cfg = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(timeout))
+            .set_response_timeout(None)
             .set_connection_timeout(Some(timeout.max(Duration::from_millis(200))))
             .set_number_of_retries(1)
             .set_max_delay(retry_interval);
         let conn = ConnectionManager::new_lazy_with_config(client, cfg)?;
         let store = Arc::new(Store {
             conn,
-            decide: redis::Script::new(DECIDE_LUA),
+            decide_sha: redis::Script::new(DECIDE_LUA).get_hash().to_string(),
             ack: redis::Script::new(ACK_LUA),
+            decide_seconds: metrics.redis_seconds.with_label_values(&["decide"]),
             up: AtomicBool::new(true),
             timeout,
             retry_interval,
@@ -95,18 +103,36 @@ impl Store {
         self.up.load(Ordering::Relaxed)
     }
 
-    /// Runs the decision script. `keys` and `args` follow the layout
-    /// documented at the top of `decide.lua`.
-    pub async fn decide(&self, keys: &[String], args: &[String]) -> Result<Vec<Value>, StoreError> {
-        let mut inv = self.decide.prepare_invoke();
-        for k in keys {
-            inv.key(k);
-        }
-        for a in args {
-            inv.arg(a);
-        }
+    /// An `EVALSHA` of the decision script with its key count, ready for
+    /// KEYS and ARGV (layout at the top of `decide.lua`). The caller appends
+    /// them straight into the command: no intermediate strings.
+    pub fn decide_cmd(&self, numkeys: usize, capacity: usize) -> redis::Cmd {
+        let mut cmd = redis::Cmd::with_capacity(3 + 32, capacity);
+        cmd.arg("EVALSHA").arg(&self.decide_sha).arg(numkeys);
+        cmd
+    }
+
+    /// Runs a command built by [`Store::decide_cmd`]. On `NOSCRIPT` (Redis
+    /// restarted or `SCRIPT FLUSH`) it loads the script and retries once, as
+    /// `redis::Script` does.
+    pub async fn decide(&self, cmd: &redis::Cmd) -> Result<Vec<Value>, StoreError> {
         let mut conn = self.conn.clone();
-        self.call("decide", async move { inv.invoke_async::<Vec<Value>>(&mut conn).await })
+        let fut = async move {
+            match cmd.query_async::<Vec<Value>>(&mut conn).await {
+                Err(e)
+                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                {
+                    redis::cmd("SCRIPT")
+                        .arg("LOAD")
+                        .arg(DECIDE_LUA)
+                        .query_async::<String>(&mut conn)
+                        .await?;
+                    cmd.query_async::<Vec<Value>>(&mut conn).await
+                }
+                other => other,
+            }
+        };
+        self.call_timed("decide", Some(&self.decide_seconds), fut)
             .await
     }
 
@@ -117,7 +143,8 @@ impl Store {
         cmd: redis::Cmd,
     ) -> Result<T, StoreError> {
         let mut conn = self.conn.clone();
-        self.call(op, async move { cmd.query_async::<T>(&mut conn).await }).await
+        self.call(op, async move { cmd.query_async::<T>(&mut conn).await })
+            .await
     }
 
     /// A pipeline, under the same timeout and breaker.
@@ -127,25 +154,42 @@ impl Store {
         pipe: redis::Pipeline,
     ) -> Result<T, StoreError> {
         let mut conn = self.conn.clone();
-        self.call(op, async move { pipe.query_async::<T>(&mut conn).await }).await
+        self.call(op, async move { pipe.query_async::<T>(&mut conn).await })
+            .await
     }
 
     /// Removes `(member, score)` pairs from the dirty set where the score has
     /// not grown since it was read (see `ack.lua`).
-    pub async fn ack_dirty(&self, dirty_key: &str, published: &[(String, u64)]) -> Result<i64, StoreError> {
+    pub async fn ack_dirty(
+        &self,
+        dirty_key: &str,
+        published: &[(String, u64)],
+    ) -> Result<i64, StoreError> {
         let mut inv = self.ack.prepare_invoke();
         inv.key(dirty_key);
         for (m, s) in published {
             inv.arg(m).arg(s);
         }
         let mut conn = self.conn.clone();
-        self.call("ack", async move { inv.invoke_async::<i64>(&mut conn).await })
-            .await
+        self.call(
+            "ack",
+            async move { inv.invoke_async::<i64>(&mut conn).await },
+        )
+        .await
     }
 
     async fn call<T>(
         &self,
         op: &'static str,
+        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        self.call_timed(op, None, fut).await
+    }
+
+    async fn call_timed<T>(
+        &self,
+        op: &'static str,
+        seconds: Option<&prometheus::Histogram>,
         fut: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
         if !self.is_up() {
@@ -157,12 +201,20 @@ impl Store {
             Ok(Err(e)) => Err(StoreError::Redis(e)),
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         };
-        self.metrics
-            .redis_seconds
-            .with_label_values(&[op])
-            .observe(started.elapsed().as_secs_f64());
+        let elapsed = started.elapsed().as_secs_f64();
+        match seconds {
+            Some(h) => h.observe(elapsed),
+            None => self
+                .metrics
+                .redis_seconds
+                .with_label_values(&[op])
+                .observe(elapsed),
+        }
         if let Err(e) = &result {
-            self.metrics.redis_errors.with_label_values(&[op, e.kind()]).inc();
+            self.metrics
+                .redis_errors
+                .with_label_values(&[op, e.kind()])
+                .inc();
             if e.is_unavailability() {
                 self.mark_down(e);
             }

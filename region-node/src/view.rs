@@ -25,7 +25,10 @@ impl Entry {
     }
 
     /// `(epoch, p − n)` of the given region's actors.
-    pub fn region_parts<'a>(&'a self, region: &'a str) -> impl Iterator<Item = (&'a str, u64)> + 'a {
+    pub fn region_parts<'a>(
+        &'a self,
+        region: &'a str,
+    ) -> impl Iterator<Item = (&'a str, u64)> + 'a {
         self.parts.iter().filter_map(move |(actor, (p, n))| {
             (actor_region(actor) == region).then(|| {
                 let epoch = actor.split_once('/').map(|(_, e)| e).unwrap_or("");
@@ -136,7 +139,11 @@ mod tests {
             total: 0,
             parts: parts
                 .iter()
-                .map(|(a, p, n)| ActorPart { actor: a.to_string(), p: *p, n: *n })
+                .map(|(a, p, n)| ActorPart {
+                    actor: a.to_string(),
+                    p: *p,
+                    n: *n,
+                })
                 .collect(),
             limit: Some(100),
             over_limit: false,

@@ -200,7 +200,9 @@ impl TierState {
                 let (cur, prev) = sliding_counts(clock, *window, *current, *previous);
                 sliding_eval(limit, clock, cur, prev, cost)
             }
-            State::Gcra { t_us, frac } => gcra_eval(limit, gcra_ahead(clock, *t_us, *frac), cost).evaluation,
+            State::Gcra { t_us, frac } => {
+                gcra_eval(limit, gcra_ahead(clock, *t_us, *frac), cost).evaluation
+            }
             State::Log { runs } => log_eval(limit, clock, runs, cost),
         }
     }
@@ -862,7 +864,9 @@ mod tests {
             assert!(s.evaluate(&l, T0, 1).allowed);
             s.commit(&l, T0, 1);
         }
-        assert!(matches!(s.state, State::Gcra { t_us, .. } if t_us == T0 + 999_999 || t_us == T0 + 1_000_000));
+        assert!(
+            matches!(s.state, State::Gcra { t_us, .. } if t_us == T0 + 999_999 || t_us == T0 + 1_000_000)
+        );
         assert!(!s.evaluate(&l, T0, 1).allowed);
     }
 

@@ -9,7 +9,12 @@ use crate::duration;
 
 fn limit_line(out: &mut String, tier: &str, l: &Limit, share: Option<u32>) {
     let window = duration::format(Duration::from_millis(l.window_ms));
-    let _ = write!(out, "    {tier:<7}{} per {window:<6} {}", l.limit, l.algorithm.name());
+    let _ = write!(
+        out,
+        "    {tier:<7}{} per {window:<6} {}",
+        l.limit,
+        l.algorithm.name()
+    );
     if l.algorithm == crate::config::Algorithm::TokenBucket {
         let _ = write!(out, " (burst {})", l.burst);
     }
@@ -39,7 +44,11 @@ fn policy_lines(out: &mut String, p: &Policy, nodes: Option<u32>) {
         out,
         "    on_store_error = {}{}",
         p.on_store_error.name(),
-        if p.key_scoped { ", counted per (tenant, key)" } else { "" }
+        if p.key_scoped {
+            ", counted per (tenant, key)"
+        } else {
+            ""
+        }
     );
 }
 
@@ -62,7 +71,11 @@ pub fn describe(loaded: &Loaded) -> String {
     );
     out.push_str("regions:\n");
     for (name, r) in &c.regions {
-        let _ = writeln!(out, "  {name:<12} {}  expected_nodes={}", r.redis_url, r.expected_nodes);
+        let _ = writeln!(
+            out,
+            "  {name:<12} {}  expected_nodes={}",
+            r.redis_url, r.expected_nodes
+        );
     }
     // The local-mode share differs per region; show it for the smallest
     // expected node count (the largest share) when regions disagree.

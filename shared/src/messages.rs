@@ -29,6 +29,11 @@ pub struct Delta {
     pub n: u64,
     /// Wall-clock ms when the delta was produced (for lag metrics only).
     pub ts_ms: u64,
+    /// The region-node that published it. Part of the Kafka key, so that on
+    /// a compacted topic the last message per key is one publisher's latest,
+    /// hence its highest, value (see [`Delta::key`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// One actor's part in a global total.
@@ -108,12 +113,31 @@ impl Delta {
             p,
             n,
             ts_ms,
+            node: None,
         }
     }
 
-    /// Kafka key: `tenant|day|actor` (compaction keeps the latest per actor).
+    /// Marks the delta as published by `node`.
+    pub fn from_node(mut self, node: &str) -> Self {
+        self.node = Some(node.to_string());
+        self
+    }
+
+    /// Kafka key: `tenant|day|actor|node` (or `tenant|day|actor` without a
+    /// node).
+    ///
+    /// Why the node: compaction keeps the *latest* message per key, not the
+    /// largest. Several nodes of a region publish the same actor, and their
+    /// messages may reach Kafka in any order, so with a per-actor key a lower
+    /// value could be the one compaction keeps. One node's values for an
+    /// actor only grow and go through one idempotent producer in order, so
+    /// per (actor, node) the latest message is also the largest, and the
+    /// aggregator's max over all of them is the truth.
     pub fn key(&self) -> String {
-        format!("{}|{}|{}", self.tenant, self.day, self.actor)
+        match &self.node {
+            Some(node) => format!("{}|{}|{}|{}", self.tenant, self.day, self.actor, node),
+            None => format!("{}|{}|{}", self.tenant, self.day, self.actor),
+        }
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -187,6 +211,9 @@ mod tests {
     fn delta_round_trip_and_key() {
         let d = Delta::new("acme", 20_000, actor("eu", "abc123"), 10, 2, 5);
         assert_eq!(d.key(), "acme|20000|eu/abc123");
+        assert_eq!(Delta::decode(&d.encode()).unwrap(), d);
+        let d = d.from_node("eu-1");
+        assert_eq!(d.key(), "acme|20000|eu/abc123|eu-1");
         assert_eq!(Delta::decode(&d.encode()).unwrap(), d);
     }
 

@@ -1,0 +1,218 @@
+//! Publishes the merged counters to `tierlimit.global`, where every
+//! region-node follows them.
+//!
+//! Coalesced: a counter that changes a thousand times in one
+//! `broadcast_interval` is published once, with its latest value, so the
+//! global topic's traffic grows with the number of active tenants, not with
+//! requests. The one exception is a tenant crossing its limit: regions should
+//! stop admitting it as soon as possible, so it is published at once.
+//!
+//! A counter is only published when its partition has been rebuilt (see
+//! [`crate::progress`]): a partial total would move the regions' view
+//! backwards. The producer is idempotent, so retries inside librdkafka never
+//! duplicate or reorder messages of one partition; an update that still fails
+//! is marked dirty again and goes out, with the then-current value, at the
+//! next interval. Nothing is lost, nothing older overwrites anything newer.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::error::KafkaError;
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use tierlimit_shared::config::KafkaConfig;
+use tierlimit_shared::day;
+use tierlimit_shared::messages::{now_ms, partition_of, GlobalUpdate, VERSION};
+use tokio::time::MissedTickBehavior;
+use tokio_util::sync::CancellationToken;
+
+use crate::kafka::{LogContext, Throttle};
+use crate::merge::{Counter, TenantDay};
+use crate::state::{Core, State};
+
+/// Longest wait for queued updates to be delivered at shutdown.
+const FLUSH_ON_SHUTDOWN: Duration = Duration::from_secs(3);
+
+/// The global update of one counter under the current limit.
+pub fn update(key: &TenantDay, counter: &Counter, limit: Option<u64>) -> GlobalUpdate {
+    let total = counter.total();
+    GlobalUpdate {
+        v: VERSION,
+        tenant: key.tenant.clone(),
+        day: key.day,
+        total,
+        parts: counter.parts(),
+        limit,
+        over_limit: limit.is_some_and(|l| total >= l),
+        ts_ms: now_ms(),
+    }
+}
+
+/// Which dirty counters a flush takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// Everything dirty (the interval tick).
+    All,
+    /// Only counters that just crossed their limit.
+    Urgent,
+}
+
+pub struct Broadcaster {
+    producer: FutureProducer<LogContext>,
+    state: Arc<State>,
+    topic: String,
+    partitions: i32,
+    throttle: Arc<Throttle>,
+}
+
+impl Broadcaster {
+    /// Creates the idempotent producer. Fails only on an invalid client
+    /// configuration: the brokers are not contacted yet.
+    pub fn new(kafka: &KafkaConfig, state: Arc<State>) -> Result<Self, KafkaError> {
+        let producer = tierlimit_shared::kafka::client_config(kafka)
+            .set("enable.idempotence", "true")
+            .create_with_context(LogContext::new())?;
+        Ok(Broadcaster {
+            producer,
+            state,
+            topic: kafka.global_topic.clone(),
+            partitions: kafka.partitions,
+            throttle: Arc::new(Throttle::default()),
+        })
+    }
+
+    /// Broadcasts until `shutdown`, then makes a last attempt to deliver
+    /// what is dirty.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut every = self.interval();
+        let mut ticker = tokio::time::interval(every);
+        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        tracing::info!(topic = %self.topic, interval = ?every, "broadcasting global counts");
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                _ = self.state.urgent().notified() => self.flush(Scope::Urgent),
+                _ = ticker.tick() => {
+                    self.flush(Scope::All);
+                    // A reload may have changed the interval.
+                    let now = self.interval();
+                    if now != every {
+                        every = now;
+                        ticker = tokio::time::interval(every);
+                        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                        tracing::info!(interval = ?every, "broadcast interval changed");
+                    }
+                }
+            }
+        }
+        self.flush(Scope::All);
+        let producer = self.producer.clone();
+        let flushed = tokio::task::spawn_blocking(move || producer.flush(FLUSH_ON_SHUTDOWN)).await;
+        if !matches!(flushed, Ok(Ok(()))) {
+            tracing::warn!("some global updates were not delivered before shutdown; the next instance rebroadcasts them");
+        }
+    }
+
+    fn interval(&self) -> Duration {
+        self.state
+            .live()
+            .load()
+            .config
+            .aggregator
+            .broadcast_interval
+    }
+
+    /// Takes the dirty counters of rebuilt partitions and hands them to the
+    /// producer. Deliveries are awaited in a task of their own, so a broker
+    /// outage never stalls the next interval.
+    fn flush(&self, scope: Scope) {
+        let today = day::today();
+        let taken = {
+            let mut core = self.state.lock();
+            if scope == Scope::All && self.state.take_limits_changed() {
+                core.merged.mark_day_dirty(today, None);
+            }
+            let Core { merged, progress } = &mut *core;
+            merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p))
+        };
+        if taken.is_empty() {
+            return;
+        }
+        let config = self.state.live().load();
+        let mut pending = Vec::with_capacity(taken.len());
+        for (key, counter) in taken {
+            let limit = config.policy(&key.tenant).and_then(|p| p.global);
+            let update = update(&key, &counter, limit);
+            let record_key = update.key();
+            let payload = update.encode();
+            let record = FutureRecord::to(&self.topic)
+                .partition(partition_of(&key.tenant, self.partitions))
+                .key(&record_key)
+                .payload(&payload);
+            match self.producer.send_result(record) {
+                Ok(delivery) => pending.push((key, delivery)),
+                Err((e, _)) => self.failed(&key, &e.to_string()),
+            }
+        }
+        if pending.is_empty() {
+            return;
+        }
+        let state = self.state.clone();
+        let throttle = self.throttle.clone();
+        tokio::spawn(async move {
+            for (key, delivery) in pending {
+                let error = match delivery.await {
+                    Ok(Ok(_)) => {
+                        state.metrics.broadcasts_produced.inc();
+                        continue;
+                    }
+                    Ok(Err((e, _))) => e.to_string(),
+                    Err(_) => "producer dropped the message".to_owned(),
+                };
+                failed(&state, &throttle, &key, &error);
+            }
+        });
+    }
+
+    fn failed(&self, key: &TenantDay, error: &str) {
+        failed(&self.state, &self.throttle, key, error)
+    }
+}
+
+/// Counts a failed update and keeps its counter dirty for the next interval.
+fn failed(state: &State, throttle: &Throttle, key: &TenantDay, error: &str) {
+    state.metrics.broadcasts_failed.inc();
+    state.lock().merged.mark_dirty(key);
+    if let Some(suppressed) = throttle.allow(error) {
+        tracing::warn!(tenant = %key.tenant, day = key.day, %error, suppressed, "global update not produced; retrying next interval");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::merge::{Applied, Merged};
+    use tierlimit_shared::messages::{actor, Delta};
+
+    #[test]
+    fn update_carries_total_parts_and_flag() {
+        let mut m = Merged::new(2);
+        let d = |a: &str, p| Delta::new("acme", 10, actor(a, "x"), p, 1, 0);
+        assert!(matches!(
+            m.apply(0, &d("eu", 60), 10),
+            Applied::Changed { .. }
+        ));
+        m.apply(0, &d("us", 41), 10);
+        let key = TenantDay::new("acme", 10);
+        let c = m.get("acme", 10).unwrap();
+        let u = update(&key, c, Some(99));
+        assert_eq!(u.key(), "acme|10");
+        assert_eq!(u.total, 99);
+        assert!(u.over_limit);
+        assert_eq!(u.parts.len(), 2);
+        assert_eq!(u.v, VERSION);
+        assert!(!update(&key, c, Some(100)).over_limit);
+        assert!(!update(&key, c, None).over_limit);
+        assert_eq!(GlobalUpdate::decode(&u.encode()).unwrap(), u);
+    }
+}

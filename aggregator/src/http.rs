@@ -1,0 +1,382 @@
+//! The aggregator's HTTP API: the global view of a tenant, the over-limit
+//! list, metrics and health.
+//!
+//! An aggregator only holds the tenants of the partitions assigned to it, so
+//! the tenant view says whether this instance owns the tenant (and whether it
+//! has finished rebuilding); zeros from a non-owner mean "ask another
+//! instance", not "no traffic". `GET /` is left free for a dashboard.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, State as AxumState};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use tierlimit_shared::day;
+use tierlimit_shared::messages::{partition_of, ActorPart};
+
+use crate::merge::Counter;
+use crate::progress::{Membership, PartitionProgress, Readiness};
+use crate::state::State;
+
+type AppState = Arc<State>;
+
+/// The routes, ready to be served.
+pub fn router(state: Arc<State>) -> Router {
+    Router::new()
+        .route("/v1/global/{tenant}", get(tenant_view))
+        .route("/v1/over-limit", get(over_limit))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .with_state(state)
+}
+
+/// An RFC 9457 problem detail.
+#[derive(Debug, Serialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+}
+
+impl Problem {
+    pub fn new(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Self {
+        Problem {
+            kind: format!("https://tierlimit.dev/problems/{kind}"),
+            title: title.to_owned(),
+            status: status.as_u16(),
+            detail: detail.into(),
+        }
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = serde_json::to_vec(&self).unwrap_or_default();
+        (
+            status,
+            [(header::CONTENT_TYPE, "application/problem+json")],
+            body,
+        )
+            .into_response()
+    }
+}
+
+/// One day of a tenant's global counter.
+#[derive(Debug, Serialize)]
+pub struct DayView {
+    pub day: u32,
+    pub date: String,
+    pub total: u64,
+    pub limit: Option<u64>,
+    pub remaining: Option<u64>,
+    pub over_limit: bool,
+    pub parts: Vec<ActorPart>,
+    /// Net count per region (all epochs of a region together).
+    pub regions: BTreeMap<String, u64>,
+}
+
+impl DayView {
+    fn new(day: u32, counter: Option<&Counter>, limit: Option<u64>) -> Self {
+        let total = counter.map_or(0, Counter::total);
+        DayView {
+            day,
+            date: day::to_iso(day),
+            total,
+            limit,
+            remaining: limit.map(|l| l.saturating_sub(total)),
+            over_limit: limit.is_some_and(|l| total >= l),
+            parts: counter.map(Counter::parts).unwrap_or_default(),
+            regions: counter.map(Counter::regions).unwrap_or_default(),
+        }
+    }
+}
+
+/// `GET /v1/global/{tenant}`.
+#[derive(Debug, Serialize)]
+pub struct TenantView {
+    pub tenant: String,
+    /// The deltas partition the tenant lives on.
+    pub partition: i32,
+    /// Whether this instance is assigned that partition.
+    pub owned: bool,
+    /// Whether the partition has been rebuilt (the numbers are complete).
+    pub caught_up: bool,
+    pub today: DayView,
+    pub yesterday: DayView,
+}
+
+async fn tenant_view(
+    AxumState(state): AxumState<AppState>,
+    Path(tenant): Path<String>,
+) -> Response {
+    if let Err(e) = tierlimit_shared::validate::tenant(&tenant) {
+        return Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-tenant",
+            "Invalid tenant id",
+            e.to_string(),
+        )
+        .into_response();
+    }
+    let limit = state.limit_of(&tenant);
+    let today = day::today();
+    let yesterday = today.saturating_sub(1);
+    let partition = partition_of(&tenant, state.kafka().partitions);
+    let core = state.lock();
+    let view = TenantView {
+        partition,
+        owned: core.progress.is_assigned(partition),
+        caught_up: core.progress.is_caught_up(partition),
+        today: DayView::new(today, core.merged.get(&tenant, today), limit),
+        yesterday: DayView::new(yesterday, core.merged.get(&tenant, yesterday), limit),
+        tenant,
+    };
+    drop(core);
+    Json(view).into_response()
+}
+
+#[derive(Debug, Serialize)]
+pub struct OverLimitTenant {
+    pub tenant: String,
+    pub total: u64,
+    pub limit: u64,
+}
+
+/// `GET /v1/over-limit`.
+#[derive(Debug, Serialize)]
+pub struct OverLimitView {
+    pub day: u32,
+    pub date: String,
+    /// Tenants of this instance's partitions at or over their limit today,
+    /// ordered by tenant id.
+    pub tenants: Vec<OverLimitTenant>,
+}
+
+async fn over_limit(AxumState(state): AxumState<AppState>) -> Json<OverLimitView> {
+    let today = day::today();
+    let config = state.live().load();
+    let mut tenants: Vec<OverLimitTenant> = {
+        let core = state.lock();
+        core.merged
+            .day(today)
+            .filter_map(|(tenant, c)| {
+                let limit = config.policy(tenant).and_then(|p| p.global)?;
+                let total = c.total();
+                (total >= limit).then(|| OverLimitTenant {
+                    tenant: tenant.to_owned(),
+                    total,
+                    limit,
+                })
+            })
+            .collect()
+    };
+    tenants.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+    Json(OverLimitView {
+        day: today,
+        date: day::to_iso(today),
+        tenants,
+    })
+}
+
+async fn metrics(AxumState(state): AxumState<AppState>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+#[derive(Debug, Serialize)]
+struct ReadyView {
+    ready: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    membership: Membership,
+    partitions: Vec<PartitionProgress>,
+}
+
+async fn readyz(AxumState(state): AxumState<AppState>) -> Response {
+    let (readiness, membership, partitions) = {
+        let core = state.lock();
+        (
+            core.progress.readiness(),
+            core.progress.membership(),
+            core.progress.partitions().cloned().collect(),
+        )
+    };
+    let (status, ready, reason) = match readiness {
+        Readiness::Ready => (StatusCode::OK, true, None),
+        Readiness::NotReady(reason) => (StatusCode::SERVICE_UNAVAILABLE, false, Some(reason)),
+    };
+    (
+        status,
+        Json(ReadyView {
+            ready,
+            reason,
+            membership,
+            partitions,
+        }),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use http_body_util::BodyExt;
+    use tierlimit_shared::messages::{actor, now_ms, Delta};
+    use tower::ServiceExt;
+
+    use crate::state::tests::state;
+
+    async fn get(router: &Router, uri: &str) -> (StatusCode, String, serde_json::Value) {
+        let response = router
+            .clone()
+            .oneshot(Request::get(uri).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let content_type = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+        (status, content_type, json)
+    }
+
+    fn rebuilt_state() -> Arc<State> {
+        let s = state();
+        let g = s.on_assign(&[0, 1, 2, 3]);
+        for p in 0..4 {
+            s.on_watermarks(p, g, 0, 0);
+        }
+        s
+    }
+
+    #[tokio::test]
+    async fn tenant_view_sums_regions_and_parts() {
+        let s = rebuilt_state();
+        let today = day::today();
+        let p = partition_of("acme", 4);
+        s.on_delta(
+            p,
+            0,
+            &Delta::new("acme", today, actor("eu", "a"), 70, 5, now_ms()),
+        );
+        s.on_delta(
+            p,
+            1,
+            &Delta::new("acme", today, actor("eu", "b"), 10, 0, now_ms()),
+        );
+        s.on_delta(
+            p,
+            2,
+            &Delta::new("acme", today, actor("us", "c"), 30, 0, now_ms()),
+        );
+        s.on_delta(
+            p,
+            3,
+            &Delta::new("acme", today - 1, actor("us", "c"), 7, 0, now_ms()),
+        );
+        let router = router(s);
+        let (status, _, v) = get(&router, "/v1/global/acme").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(v["tenant"], "acme");
+        assert_eq!(v["owned"], true);
+        assert_eq!(v["today"]["total"], 105);
+        assert_eq!(v["today"]["limit"], 100);
+        assert_eq!(v["today"]["remaining"], 0);
+        assert_eq!(v["today"]["over_limit"], true);
+        assert_eq!(v["today"]["date"], day::to_iso(today));
+        assert_eq!(v["today"]["regions"]["eu"], 75);
+        assert_eq!(v["today"]["regions"]["us"], 30);
+        assert_eq!(v["today"]["parts"].as_array().unwrap().len(), 3);
+        assert_eq!(v["yesterday"]["total"], 7);
+        assert_eq!(v["yesterday"]["over_limit"], false);
+
+        let (status, _, v) = get(&router, "/v1/over-limit").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(v["tenants"][0]["tenant"], "acme");
+        assert_eq!(v["tenants"].as_array().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn unknown_tenant_is_zero() {
+        let router = router(rebuilt_state());
+        let (status, _, v) = get(&router, "/v1/global/nobody").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(v["today"]["total"], 0);
+        assert_eq!(v["today"]["over_limit"], false);
+        assert_eq!(v["today"]["parts"], serde_json::json!([]));
+    }
+
+    #[tokio::test]
+    async fn invalid_tenant_is_a_problem() {
+        let router = router(state());
+        let (status, content_type, v) = get(&router, "/v1/global/a:b").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(content_type, "application/problem+json");
+        assert_eq!(v["status"], 400);
+        assert!(v["type"].as_str().unwrap().ends_with("invalid-tenant"));
+        assert!(v["title"].is_string());
+        assert!(v["detail"].as_str().unwrap().contains(':'));
+    }
+
+    #[tokio::test]
+    async fn readiness_follows_the_rebuild() {
+        let s = state();
+        let router = router(s.clone());
+        let (status, _, v) = get(&router, "/readyz").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(v["ready"], false);
+        assert!(v["reason"].as_str().unwrap().contains("assignment"));
+        let g = s.on_assign(&[1]);
+        let (status, _, v) = get(&router, "/readyz").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(v["reason"].as_str().unwrap().contains("partition 1"));
+        s.on_watermarks(1, g, 0, 0);
+        let (status, _, v) = get(&router, "/readyz").await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(v["partitions"][0]["caught_up"], true);
+        let (status, _, _) = get(&router, "/healthz").await;
+        assert_eq!(status, StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn metrics_are_prometheus_text() {
+        let router = router(state());
+        let response = router
+            .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        assert!(text.contains("# TYPE tierlimit_aggregator_deltas_consumed_total counter"));
+    }
+
+    #[tokio::test]
+    async fn root_is_free() {
+        let router = router(state());
+        let (status, _, _) = get(&router, "/").await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+    }
+}

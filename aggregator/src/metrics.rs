@@ -1,0 +1,236 @@
+//! Prometheus metrics of the aggregator, in a registry of its own (so a test
+//! can run several instances in one process, and nothing global leaks in).
+//!
+//! Every name starts with `tierlimit_aggregator_`.
+
+use prometheus::{
+    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+const PREFIX: &str = "tierlimit_aggregator";
+
+/// Every metric the aggregator exports.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// Deltas decoded and handed to the merge.
+    pub deltas_consumed: IntCounter,
+    /// Deltas that changed a counter (the rest were duplicates or replays).
+    pub merges_applied: IntCounter,
+    /// Decoded deltas dropped, by reason (`expired`, `future`, `unassigned`).
+    pub deltas_ignored: IntCounterVec,
+    /// Messages that could not be decoded (skipped).
+    pub undecodable: IntCounter,
+    /// Deltas found on a partition other than `partition_of(tenant)`: the
+    /// producers' `kafka.partitions` does not match the topic's.
+    pub misrouted: IntCounter,
+    /// Live deltas below what their actor already published (out-of-order
+    /// publishers of one actor); see [`crate::merge::Merge::stale`].
+    pub stale_deltas: IntCounter,
+    /// Global updates acknowledged by the broker.
+    pub broadcasts_produced: IntCounter,
+    /// Global updates the broker did not take (retried next interval).
+    pub broadcasts_failed: IntCounter,
+    /// Tenants at or over their global limit today.
+    pub over_limit_tenants: IntGauge,
+    /// (tenant, day) counters held in memory.
+    pub tracked_counters: IntGauge,
+    /// High watermark minus position, per assigned partition.
+    pub consumer_lag: IntGaugeVec,
+    /// Assigned partitions.
+    pub assigned_partitions: IntGauge,
+    /// Whether the instance is ready (1) or rebuilding (0).
+    pub ready: IntGauge,
+    /// Unix time (seconds) of the newest delta seen per region.
+    pub region_last_delta: GaugeVec,
+    /// Age of a delta when merged (now − its `ts_ms`), live traffic only.
+    pub delta_age: Histogram,
+    /// Configuration reloads by result (`ok`, `error`).
+    pub config_reloads: IntCounterVec,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn name(n: &str) -> String {
+    format!("{PREFIX}_{n}")
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let counter = |n: &str, help: &str| {
+            let c = IntCounter::new(name(n), help).expect("valid metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let counter_vec = |n: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name(n), help), labels).expect("valid metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let gauge = |n: &str, help: &str| {
+            let g = IntGauge::new(name(n), help).expect("valid metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        let deltas_consumed = counter(
+            "deltas_consumed_total",
+            "Deltas decoded from the deltas topic.",
+        );
+        let merges_applied = counter(
+            "merges_applied_total",
+            "Deltas that changed a merged counter (duplicates and replays do not).",
+        );
+        let deltas_ignored = counter_vec(
+            "deltas_ignored_total",
+            "Decoded deltas dropped, by reason: expired (day past retention), future (day ahead of today + 1), unassigned.",
+            &["reason"],
+        );
+        let undecodable = counter(
+            "undecodable_messages_total",
+            "Messages on the deltas topic that could not be decoded and were skipped.",
+        );
+        let misrouted = counter(
+            "misrouted_deltas_total",
+            "Deltas on a partition other than the tenant's: producers and topic disagree on the partition count.",
+        );
+        let stale_deltas = counter(
+            "stale_deltas_total",
+            "Live deltas below what their actor already published: publishers of one actor reached Kafka out of order \
+             (harmless for the merge; on a compacted topic the key's latest message understates the actor until its next delta).",
+        );
+        let broadcasts_produced = counter(
+            "broadcasts_produced_total",
+            "Global updates acknowledged by the broker.",
+        );
+        let broadcasts_failed = counter(
+            "broadcasts_failed_total",
+            "Global updates that could not be produced (kept dirty and retried).",
+        );
+        let over_limit_tenants = gauge(
+            "over_limit_tenants",
+            "Tenants at or over their global limit today.",
+        );
+        let tracked_counters = gauge("tracked_counters", "(tenant, day) counters held in memory.");
+        let consumer_lag = IntGaugeVec::new(
+            Opts::new(
+                name("consumer_lag"),
+                "Messages between the consumer position and the high watermark.",
+            ),
+            &["partition"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(consumer_lag.clone()))
+            .expect("unique metric");
+        let assigned_partitions = gauge(
+            "assigned_partitions",
+            "Deltas partitions assigned to this instance.",
+        );
+        let ready = gauge(
+            "ready",
+            "1 once every assigned partition has been rebuilt, else 0.",
+        );
+        let region_last_delta = GaugeVec::new(
+            Opts::new(
+                name("region_last_delta_timestamp_seconds"),
+                "Unix time of the newest delta seen per region (from the delta's ts_ms).",
+            ),
+            &["region"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(region_last_delta.clone()))
+            .expect("unique metric");
+        let delta_age = Histogram::with_opts(
+            HistogramOpts::new(
+                name("delta_age_seconds"),
+                "Age of a delta when merged (now − ts_ms), for partitions already rebuilt.",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+            ]),
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(delta_age.clone()))
+            .expect("unique metric");
+        let config_reloads = counter_vec(
+            "config_reloads_total",
+            "Configuration reloads on SIGHUP, by result.",
+            &["result"],
+        );
+        Metrics {
+            registry,
+            deltas_consumed,
+            merges_applied,
+            deltas_ignored,
+            undecodable,
+            misrouted,
+            stale_deltas,
+            broadcasts_produced,
+            broadcasts_failed,
+            over_limit_tenants,
+            tracked_counters,
+            consumer_lag,
+            assigned_partitions,
+            ready,
+            region_last_delta,
+            delta_age,
+            config_reloads,
+        }
+    }
+
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// The registry in the Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_else(|e| format!("# failed to encode metrics: {e}\n"))
+    }
+
+    /// Drops the lag series of partitions no longer assigned, so a dashboard
+    /// does not show a frozen lag for a partition another instance now owns.
+    pub fn forget_partitions(&self, partitions: &[i32]) {
+        for p in partitions {
+            let _ = self.consumer_lag.remove_label_values(&[&p.to_string()]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_prefixed_names() {
+        let m = Metrics::new();
+        m.deltas_consumed.inc();
+        m.consumer_lag.with_label_values(&["3"]).set(7);
+        m.region_last_delta.with_label_values(&["eu"]).set(1.5);
+        m.delta_age.observe(0.2);
+        let text = m.render();
+        assert!(text.contains("tierlimit_aggregator_deltas_consumed_total 1"));
+        assert!(text.contains("tierlimit_aggregator_consumer_lag{partition=\"3\"} 7"));
+        assert!(text.contains("tierlimit_aggregator_delta_age_seconds_bucket"));
+        m.forget_partitions(&[3]);
+        assert!(!m.render().contains("consumer_lag{partition=\"3\"}"));
+        for line in m.render().lines().filter(|l| !l.starts_with('#')) {
+            assert!(line.starts_with("tierlimit_aggregator_"), "{line}");
+        }
+    }
+}

@@ -1,0 +1,456 @@
+//! The state every task of the aggregator shares, and the rules that tie the
+//! merge, the catch-up progress and the broadcast together.
+//!
+//! The merged counters and the catch-up progress sit behind **one** mutex on
+//! purpose: "may this counter be broadcast?" depends on both, and a
+//! rebalance can revoke and re-assign a partition between any two steps of
+//! the broadcaster. Under one lock, a counter is taken for broadcast only if
+//! its partition is caught up *at that instant*, so a half-rebuilt counter can
+//! never be published. Critical sections are short (no I/O under the lock).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tierlimit_shared::config::{ConfigError, KafkaConfig};
+use tierlimit_shared::day;
+use tierlimit_shared::messages::{now_ms, partition_of, Delta};
+use tierlimit_shared::reload::Live;
+use tokio::sync::Notify;
+
+use crate::merge::{Applied, Merged, TenantDay};
+use crate::metrics::Metrics;
+use crate::progress::{Progress, Readiness};
+
+/// What the lock protects.
+#[derive(Debug)]
+pub struct Core {
+    pub merged: Merged,
+    pub progress: Progress,
+}
+
+/// Shared by the consumer, the broadcaster, the HTTP handlers and the
+/// housekeeping task.
+pub struct State {
+    live: Live,
+    pub metrics: Metrics,
+    /// Kafka settings the process started with; topics and partition count
+    /// cannot change without a restart (the consumer is subscribed, the
+    /// partition of a tenant depends on them).
+    kafka: KafkaConfig,
+    core: Mutex<Core>,
+    /// Woken when a counter crosses its limit: it is broadcast at once
+    /// instead of at the next interval.
+    urgent: Notify,
+    /// Set on a configuration reload: limits may have changed, so today's
+    /// counters are broadcast again with the new limit and flag.
+    limits_changed: AtomicBool,
+}
+
+impl State {
+    pub fn new(live: Live, metrics: Metrics) -> Arc<Self> {
+        let config = live.load();
+        let kafka = config.config.kafka.clone();
+        let retention = config.config.aggregator.retention_days;
+        Arc::new(State {
+            live,
+            metrics,
+            kafka,
+            core: Mutex::new(Core {
+                merged: Merged::new(retention),
+                progress: Progress::new(),
+            }),
+            urgent: Notify::new(),
+            limits_changed: AtomicBool::new(false),
+        })
+    }
+
+    /// Locks the merged state. A panic while holding the lock cannot leave
+    /// the CRDT half-updated in a way that matters (every update is a max),
+    /// so a poisoned lock is simply taken over.
+    pub fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn live(&self) -> &Live {
+        &self.live
+    }
+
+    /// The Kafka settings in force (those the process started with).
+    pub fn kafka(&self) -> &KafkaConfig {
+        &self.kafka
+    }
+
+    /// The tenant's daily global limit under the current configuration.
+    pub fn limit_of(&self, tenant: &str) -> Option<u64> {
+        self.live.load().policy(tenant).and_then(|p| p.global)
+    }
+
+    /// Wakes the broadcaster for counters marked urgent.
+    pub fn urgent(&self) -> &Notify {
+        &self.urgent
+    }
+
+    /// Called after every SIGHUP reload attempt.
+    pub fn on_reload(&self, result: Result<(), &ConfigError>) {
+        match result {
+            Ok(()) => {
+                self.metrics.config_reloads.with_label_values(&["ok"]).inc();
+                self.limits_changed.store(true, Ordering::Release);
+                let now = self.live.load();
+                let same_kafka = serde_json::to_value(&now.config.kafka).ok()
+                    == serde_json::to_value(&self.kafka).ok();
+                if !same_kafka {
+                    tracing::warn!(
+                        "kafka settings changed on reload; they take effect only after a restart"
+                    );
+                }
+                tracing::info!("limits may have changed; today's counters will be broadcast again");
+            }
+            Err(_) => {
+                self.metrics
+                    .config_reloads
+                    .with_label_values(&["error"])
+                    .inc();
+            }
+        }
+    }
+
+    /// Whether limits changed since the last call.
+    pub fn take_limits_changed(&self) -> bool {
+        self.limits_changed.swap(false, Ordering::AcqRel)
+    }
+
+    /// Starts the rebuild of newly assigned partitions: whatever this
+    /// instance held for them is dropped and re-read from the beginning.
+    /// Returns the generation to quote with their watermarks.
+    pub fn on_assign(&self, partitions: &[i32]) -> u64 {
+        let mut core = self.lock();
+        let dropped = core.merged.drop_partitions(partitions);
+        let generation = core.progress.assign(partitions);
+        self.metrics
+            .assigned_partitions
+            .set(core.progress.assigned_partitions().len() as i64);
+        self.metrics
+            .ready
+            .set(i64::from(core.progress.readiness() == Readiness::Ready));
+        drop(core);
+        // Cooperative rebalancing hands out empty increments; say nothing.
+        if !partitions.is_empty() {
+            tracing::info!(
+                ?partitions,
+                dropped,
+                "partitions assigned; rebuilding them from the beginning"
+            );
+        }
+        generation
+    }
+
+    /// Drops the state of revoked partitions; `None` revokes everything
+    /// (eager rebalance, error, or close).
+    pub fn on_revoke(&self, partitions: Option<&[i32]>) {
+        let mut core = self.lock();
+        let revoked = match partitions {
+            Some(ps) => {
+                core.progress.revoke(ps);
+                ps.to_vec()
+            }
+            None => core.progress.revoke_all(),
+        };
+        let dropped = core.merged.drop_partitions(&revoked);
+        self.metrics
+            .assigned_partitions
+            .set(core.progress.assigned_partitions().len() as i64);
+        self.metrics.tracked_counters.set(core.merged.len() as i64);
+        self.metrics
+            .ready
+            .set(i64::from(core.progress.readiness() == Readiness::Ready));
+        drop(core);
+        self.metrics.forget_partitions(&revoked);
+        if !revoked.is_empty() {
+            tracing::info!(partitions = ?revoked, dropped, "partitions revoked; their counters are dropped");
+        }
+    }
+
+    /// Records the high watermark a rebuild must reach.
+    pub fn on_watermarks(&self, partition: i32, generation: u64, low: i64, high: i64) {
+        let mut core = self.lock();
+        if core.progress.set_target(partition, generation, low, high) {
+            self.caught_up(&mut core, partition);
+        }
+    }
+
+    /// The fetcher reached the end of `partition`.
+    pub fn on_end_of_partition(&self, partition: i32) {
+        let mut core = self.lock();
+        if core.progress.reached_end(partition) {
+            self.caught_up(&mut core, partition);
+        }
+    }
+
+    /// A message that is not a delta was skipped; it still counts as read.
+    pub fn on_skipped(&self, partition: i32, offset: i64) {
+        let mut core = self.lock();
+        if core.progress.consumed(partition, offset) {
+            self.caught_up(&mut core, partition);
+        }
+    }
+
+    /// Merges a delta read at (`partition`, `offset`).
+    pub fn on_delta(&self, partition: i32, offset: i64, delta: &Delta) {
+        let m = &self.metrics;
+        m.deltas_consumed.inc();
+        if partition_of(&delta.tenant, self.kafka.partitions) != partition {
+            m.misrouted.inc();
+        }
+        let limit = self.limit_of(&delta.tenant);
+        let today = day::today();
+        let mut core = self.lock();
+        if !core.progress.is_assigned(partition) {
+            // Only possible in a race with a revocation; the next owner
+            // reads the partition from the beginning anyway.
+            m.deltas_ignored.with_label_values(&["unassigned"]).inc();
+            return;
+        }
+        // Before catch-up the deltas are history being replayed: no urgent
+        // broadcasts (the counter is partial), no age observations (they
+        // would measure how old the topic is, not how fresh the pipeline).
+        let live_traffic = core.progress.is_caught_up(partition);
+        let mut wake = false;
+        match core.merged.apply(partition, delta, today) {
+            Applied::Changed {
+                before,
+                after,
+                stale,
+            } => {
+                m.merges_applied.inc();
+                if stale && live_traffic {
+                    m.stale_deltas.inc();
+                }
+                if live_traffic && limit.is_some_and(|l| before < l && after >= l) {
+                    core.merged
+                        .mark_urgent(&TenantDay::new(delta.tenant.as_str(), delta.day));
+                    wake = true;
+                }
+            }
+            Applied::Unchanged { stale } => {
+                if stale && live_traffic {
+                    m.stale_deltas.inc();
+                }
+            }
+            Applied::Expired => m.deltas_ignored.with_label_values(&["expired"]).inc(),
+            Applied::Future => m.deltas_ignored.with_label_values(&["future"]).inc(),
+        }
+        if core.progress.consumed(partition, offset) {
+            self.caught_up(&mut core, partition);
+        }
+        drop(core);
+
+        let region = tierlimit_shared::messages::actor_region(&delta.actor);
+        // Label only configured regions: the label set must not be driven
+        // by whatever a producer writes.
+        let label = if self.live.load().config.regions.contains_key(region) {
+            region
+        } else {
+            "unknown"
+        };
+        let gauge = m.region_last_delta.with_label_values(&[label]);
+        let ts = delta.ts_ms as f64 / 1000.0;
+        if ts > gauge.get() {
+            gauge.set(ts);
+        }
+        if live_traffic {
+            let age_ms = now_ms().saturating_sub(delta.ts_ms);
+            m.delta_age.observe(age_ms as f64 / 1000.0);
+        }
+        if wake {
+            self.urgent.notify_one();
+        }
+    }
+
+    /// A partition finished its rebuild: today's counters of it are
+    /// broadcast once, so a global topic that lost data is refilled.
+    fn caught_up(&self, core: &mut Core, partition: i32) {
+        let today = day::today();
+        let marked = core.merged.mark_day_dirty(today, Some(&[partition]));
+        let ready = core.progress.readiness() == Readiness::Ready;
+        self.metrics.ready.set(i64::from(ready));
+        tracing::info!(
+            partition,
+            counters_today = marked,
+            ready,
+            "partition rebuilt from the deltas topic"
+        );
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        self.lock().progress.readiness()
+    }
+
+    /// Periodic upkeep: drops expired days and refreshes the gauges that
+    /// are cheaper to compute than to maintain incrementally.
+    pub fn housekeeping(&self) {
+        let today = day::today();
+        let config = self.live.load();
+        let mut core = self.lock();
+        core.merged
+            .set_retention(config.config.aggregator.retention_days);
+        let expired = core.merged.expire(today);
+        let over = core
+            .merged
+            .day(today)
+            .filter(|(tenant, c)| {
+                config
+                    .policy(tenant)
+                    .and_then(|p| p.global)
+                    .is_some_and(|limit| c.total() >= limit)
+            })
+            .count();
+        let tracked = core.merged.len();
+        let ready = core.progress.readiness() == Readiness::Ready;
+        drop(core);
+        if expired > 0 {
+            tracing::info!(expired, "dropped counters past the retention window");
+        }
+        self.metrics.over_limit_tenants.set(over as i64);
+        self.metrics.tracked_counters.set(tracked as i64);
+        self.metrics.ready.set(i64::from(ready));
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use tierlimit_shared::config::Config;
+    use tierlimit_shared::messages::actor;
+
+    pub(crate) const CONFIG: &str = r#"
+cluster = "test"
+[kafka]
+brokers = "127.0.0.1:1"
+partitions = 4
+[regions.eu]
+redis_url = "redis://127.0.0.1:6379"
+[regions.us]
+redis_url = "redis://127.0.0.1:6379"
+[plans.small]
+global = { limit = 100 }
+[plans.unlimited]
+[tenants.acme]
+plan = "small"
+[tenants.free]
+plan = "unlimited"
+[unknown_tenants]
+policy = "plan"
+plan = "small"
+"#;
+
+    pub(crate) fn state() -> Arc<State> {
+        let loaded = Config::from_toml(CONFIG).expect("test config is valid");
+        State::new(tierlimit_shared::reload::live(loaded), Metrics::new())
+    }
+
+    fn d(tenant: &str, region: &str, p: u64) -> Delta {
+        Delta::new(tenant, day::today(), actor(region, "e1"), p, 0, now_ms())
+    }
+
+    #[test]
+    fn deltas_of_unassigned_partitions_are_ignored() {
+        let s = state();
+        s.on_delta(0, 0, &d("acme", "eu", 5));
+        assert!(s.lock().merged.is_empty());
+        assert_eq!(
+            s.metrics
+                .deltas_ignored
+                .with_label_values(&["unassigned"])
+                .get(),
+            1
+        );
+    }
+
+    #[test]
+    fn nothing_is_broadcast_before_catch_up() {
+        let s = state();
+        let p = partition_of("acme", 4);
+        let g = s.on_assign(&[p]);
+        s.on_delta(p, 0, &d("acme", "eu", 5));
+        // Crossing during the rebuild is not urgent.
+        s.on_delta(p, 1, &d("acme", "us", 500));
+        {
+            let mut core = s.lock();
+            let Core { merged, progress } = &mut *core;
+            assert!(!merged.has_urgent());
+            assert!(merged
+                .take_dirty(false, |p| progress.is_caught_up(p))
+                .is_empty());
+        }
+        s.on_watermarks(p, g, 0, 2);
+        assert_eq!(s.readiness(), Readiness::Ready);
+        let mut core = s.lock();
+        let Core { merged, progress } = &mut *core;
+        let taken = merged.take_dirty(false, |p| progress.is_caught_up(p));
+        assert_eq!(taken.len(), 1);
+        assert_eq!(taken[0].1.total(), 505);
+    }
+
+    #[test]
+    fn crossing_the_limit_is_urgent_once_caught_up() {
+        let s = state();
+        let p = partition_of("acme", 4);
+        let g = s.on_assign(&[p]);
+        s.on_watermarks(p, g, 0, 0);
+        s.on_delta(p, 0, &d("acme", "eu", 99));
+        assert!(!s.lock().merged.has_urgent());
+        s.on_delta(p, 1, &d("acme", "us", 1));
+        assert!(s.lock().merged.has_urgent());
+        // Unlimited tenants never cross.
+        let q = partition_of("free", 4);
+        let g = s.on_assign(&[q]);
+        s.on_watermarks(q, g, 0, 0);
+        s.lock().merged.take_dirty(true, |_| true);
+        s.on_delta(q, 0, &d("free", "eu", 1_000_000));
+        assert!(!s.lock().merged.has_urgent());
+    }
+
+    #[test]
+    fn revocation_drops_state_and_readiness() {
+        let s = state();
+        let g = s.on_assign(&[0, 1]);
+        s.on_watermarks(0, g, 0, 0);
+        s.on_watermarks(1, g, 0, 0);
+        assert_eq!(s.readiness(), Readiness::Ready);
+        s.on_delta(0, 0, &d("t0", "eu", 1));
+        s.on_delta(1, 0, &d("t1", "eu", 1));
+        s.on_revoke(Some(&[0]));
+        assert_eq!(s.lock().merged.len(), 1);
+        s.on_revoke(None);
+        assert!(s.lock().merged.is_empty());
+        assert!(matches!(s.readiness(), Readiness::NotReady(_)));
+    }
+
+    #[test]
+    fn skipped_messages_advance_the_rebuild() {
+        let s = state();
+        let g = s.on_assign(&[3]);
+        s.on_watermarks(3, g, 0, 1);
+        assert!(matches!(s.readiness(), Readiness::NotReady(_)));
+        s.on_skipped(3, 0);
+        assert_eq!(s.readiness(), Readiness::Ready);
+    }
+
+    #[test]
+    fn housekeeping_counts_over_limit_tenants() {
+        let s = state();
+        let g = s.on_assign(&[0, 1, 2, 3]);
+        for p in 0..4 {
+            s.on_watermarks(p, g, 0, 0);
+        }
+        for (i, t) in ["acme", "other", "free"].iter().enumerate() {
+            s.on_delta(partition_of(t, 4), i as i64, &d(t, "eu", 100));
+        }
+        s.housekeeping();
+        // acme (plan) and other (unknown → plan small) are at 100; free has no limit.
+        assert_eq!(s.metrics.over_limit_tenants.get(), 2);
+        assert_eq!(s.metrics.tracked_counters.get(), 3);
+        assert_eq!(s.metrics.ready.get(), 1);
+    }
+}
