@@ -32,7 +32,10 @@ impl World {
     async fn new(regions: &[&str], plans: &str) -> World {
         let tansu = Tansu::start();
         tansu.create_topics(&[DELTAS, GLOBAL], PARTITIONS).await;
-        let redis: Vec<(String, Redis)> = regions.iter().map(|r| (r.to_string(), Redis::start())).collect();
+        let redis: Vec<(String, Redis)> = regions
+            .iter()
+            .map(|r| (r.to_string(), Redis::start()))
+            .collect();
         let mut toml = format!(
             r#"
 cluster = "test"
@@ -51,12 +54,20 @@ policy = "deny"
             tansu.brokers()
         );
         for (name, r) in &redis {
-            toml += &format!("[regions.{name}]\nredis_url = \"{}\"\nexpected_nodes = 2\n", r.url());
+            toml += &format!(
+                "[regions.{name}]\nredis_url = \"{}\"\nexpected_nodes = 2\n",
+                r.url()
+            );
         }
         toml += plans;
         let dir = temp_dir();
         let cfg = write_config(dir.path(), &toml);
-        World { tansu, redis, cfg, _dir: dir }
+        World {
+            tansu,
+            redis,
+            cfg,
+            _dir: dir,
+        }
     }
 
     fn redis(&self, region: &str) -> &Redis {
@@ -69,7 +80,10 @@ policy = "deny"
         for (_, r) in &self.redis {
             let mut con = r.client().await;
             let (p, n): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-                .arg(format!("tl:{{{tenant}}}:g:{}", tierlimit_shared::day::today()))
+                .arg(format!(
+                    "tl:{{{tenant}}}:g:{}",
+                    tierlimit_shared::day::today()
+                ))
                 .arg("p")
                 .arg("n")
                 .query_async(&mut con)
@@ -82,12 +96,18 @@ policy = "deny"
 }
 
 async fn ready(url: String) -> bool {
-    reqwest::get(url).await.map(|r| r.status() == 200).unwrap_or(false)
+    reqwest::get(url)
+        .await
+        .map(|r| r.status() == 200)
+        .unwrap_or(false)
 }
 
 async fn node_ready(n: &RegionNode) {
     let url = n.url("/readyz");
-    wait_until(&format!("{} ready", n.node_id), DEADLINE, || ready(url.clone())).await;
+    wait_until(&format!("{} ready", n.node_id), DEADLINE, || {
+        ready(url.clone())
+    })
+    .await;
 }
 
 async fn agg_ready(a: &Aggregator) {
@@ -96,7 +116,12 @@ async fn agg_ready(a: &Aggregator) {
 }
 
 async fn check(http: &reqwest::Client, url: &str, tenant: &str) -> (u16, Value) {
-    match http.post(url).json(&json!({ "tenant": tenant })).send().await {
+    match http
+        .post(url)
+        .json(&json!({ "tenant": tenant }))
+        .send()
+        .await
+    {
         Ok(r) => {
             let s = r.status().as_u16();
             (s, r.json().await.unwrap_or(Value::Null))
@@ -106,12 +131,28 @@ async fn check(http: &reqwest::Client, url: &str, tenant: &str) -> (u16, Value) 
 }
 
 async fn agg_total(a: &Aggregator, tenant: &str) -> Option<u64> {
-    let v: Value = a.http.get(a.url(&format!("/v1/global/{tenant}"))).send().await.ok()?.json().await.ok()?;
+    let v: Value = a
+        .http
+        .get(a.url(&format!("/v1/global/{tenant}")))
+        .send()
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()?;
     v["today"]["total"].as_u64()
 }
 
 async fn agg_metric(a: &Aggregator, name: &str) -> u64 {
-    let text = a.http.get(a.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let text = a
+        .http
+        .get(a.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     text.lines()
         .filter(|l| l.starts_with(name))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -132,7 +173,12 @@ impl Traffic {
         let mut tasks = Vec::new();
         for url in urls {
             for _ in 0..clients {
-                let (stop, allowed, url, tenant) = (stop.clone(), allowed.clone(), url.clone(), tenant.to_string());
+                let (stop, allowed, url, tenant) = (
+                    stop.clone(),
+                    allowed.clone(),
+                    url.clone(),
+                    tenant.to_string(),
+                );
                 tasks.push(tokio::spawn(async move {
                     let http = reqwest::Client::new();
                     while !stop.load(Ordering::Relaxed) {
@@ -149,7 +195,11 @@ impl Traffic {
                 }));
             }
         }
-        Traffic { stop, allowed, tasks }
+        Traffic {
+            stop,
+            allowed,
+            tasks,
+        }
     }
 
     async fn stop(self) -> u64 {
@@ -173,7 +223,10 @@ async fn wait_total(a: &Aggregator, tenant: &str, want: u64) {
         }
     })
     .await;
-    assert!(r.is_ok(), "aggregator total for {tenant} should converge to {want}, last seen {last:?}");
+    assert!(
+        r.is_ok(),
+        "aggregator total for {tenant} should converge to {want}, last seen {last:?}"
+    );
 }
 
 const GLOBAL_ONLY: &str = r#"
@@ -223,17 +276,24 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
     for t in tasks {
         allowed += t.await.unwrap();
     }
-    assert!(allowed >= 300, "both regions together reach the limit (allowed {allowed})");
+    assert!(
+        allowed >= 300,
+        "both regions together reach the limit (allowed {allowed})"
+    );
     // Once the broadcast arrives, both regions deny from the view alone.
     for n in [&eu, &us] {
         let url = n.url("/v1/check");
-        wait_until(&format!("{} denies from the broadcast view", n.region), DEADLINE, || {
-            let url = url.clone();
-            async move {
-                let (s, body) = check(&reqwest::Client::new(), &url, "hot").await;
-                s == 429 && body["mode"] == "view" && body["violated-policy"] == "global"
-            }
-        })
+        wait_until(
+            &format!("{} denies from the broadcast view", n.region),
+            DEADLINE,
+            || {
+                let url = url.clone();
+                async move {
+                    let (s, body) = check(&reqwest::Client::new(), &url, "hot").await;
+                    s == 429 && body["mode"] == "view" && body["violated-policy"] == "global"
+                }
+            },
+        )
         .await;
     }
     println!(
@@ -243,11 +303,27 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
     );
     // The aggregator's total is exactly the number of allowed requests.
     wait_total(&agg, "hot", allowed).await;
-    let v: Value = agg.http.get(agg.url("/v1/global/hot")).send().await.unwrap().json().await.unwrap();
+    let v: Value = agg
+        .http
+        .get(agg.url("/v1/global/hot"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["today"]["over_limit"], true);
     let regions = v["today"]["regions"].as_object().unwrap();
     assert_eq!(regions.len(), 2, "both regions' parts: {v}");
-    let over: Value = agg.http.get(agg.url("/v1/over-limit")).send().await.unwrap().json().await.unwrap();
+    let over: Value = agg
+        .http
+        .get(agg.url("/v1/over-limit"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert!(over.to_string().contains("\"hot\""), "{over}");
     // Refunds come off the global count exactly.
     let r = eu
@@ -279,11 +355,13 @@ async fn duplicates_reordering_and_garbage_change_nothing() {
 
     // Read back every delta produced so far.
     let mut cc = w.tansu.client_config();
-    cc.set("group.id", "dup-reader").set("enable.partition.eof", "true");
+    cc.set("group.id", "dup-reader")
+        .set("enable.partition.eof", "true");
     let reader: BaseConsumer = cc.create().unwrap();
     let mut tpl = TopicPartitionList::new();
     for p in 0..PARTITIONS {
-        tpl.add_partition_offset(DELTAS, p, Offset::Beginning).unwrap();
+        tpl.add_partition_offset(DELTAS, p, Offset::Beginning)
+            .unwrap();
     }
     reader.assign(&tpl).unwrap();
     let mut records: Vec<(i32, Vec<u8>, Vec<u8>)> = Vec::new();
@@ -292,7 +370,11 @@ async fn duplicates_reordering_and_garbage_change_nothing() {
     while eof.len() < PARTITIONS as usize {
         assert!(start.elapsed() < DEADLINE, "reading the deltas topic back");
         match reader.poll(Duration::from_millis(100)) {
-            Some(Ok(m)) => records.push((m.partition(), m.key().unwrap().to_vec(), m.payload().unwrap().to_vec())),
+            Some(Ok(m)) => records.push((
+                m.partition(),
+                m.key().unwrap().to_vec(),
+                m.payload().unwrap().to_vec(),
+            )),
             Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
                 eof.insert(p);
             }
@@ -307,7 +389,10 @@ async fn duplicates_reordering_and_garbage_change_nothing() {
     for _ in 0..3 {
         for (p, k, v) in records.iter().rev() {
             producer
-                .send(FutureRecord::to(DELTAS).partition(*p).key(k).payload(v), Duration::from_secs(5))
+                .send(
+                    FutureRecord::to(DELTAS).partition(*p).key(k).payload(v),
+                    Duration::from_secs(5),
+                )
                 .await
                 .unwrap();
             sent += 1;
@@ -320,19 +405,30 @@ async fn duplicates_reordering_and_garbage_change_nothing() {
     ];
     for g in garbage {
         producer
-            .send(FutureRecord::to(DELTAS).partition(0).key("garbage").payload(g), Duration::from_secs(5))
+            .send(
+                FutureRecord::to(DELTAS)
+                    .partition(0)
+                    .key("garbage")
+                    .payload(g),
+                Duration::from_secs(5),
+            )
             .await
             .unwrap();
     }
     wait_until("the aggregator consumed the replays", DEADLINE, || async {
-        agg_metric(&agg, "tierlimit_aggregator_deltas_consumed_total").await >= consumed_before + sent
+        agg_metric(&agg, "tierlimit_aggregator_deltas_consumed_total").await
+            >= consumed_before + sent
     })
     .await;
     wait_until("undecodable messages counted", DEADLINE, || async {
         agg_metric(&agg, "tierlimit_aggregator_undecodable_messages_total").await >= 3
     })
     .await;
-    assert_eq!(agg_total(&agg, "t").await, Some(allowed), "replays change nothing");
+    assert_eq!(
+        agg_total(&agg, "t").await,
+        Some(allowed),
+        "replays change nothing"
+    );
     // And the consumer goes on: new traffic still converges.
     let traffic = Traffic::start(&[eu.url("/v1/check")], "t", 2);
     wait_until("more traffic", DEADLINE, || {
@@ -399,7 +495,10 @@ async fn region_node_killed_mid_traffic_loses_nothing() {
     wait_total(&agg, "t", truth).await;
     // Clients saw at most what was charged; the difference is requests in
     // flight on node a when it died (at most one per client).
-    assert!(seen <= truth && truth <= seen + 3, "seen {seen}, charged {truth}");
+    assert!(
+        seen <= truth && truth <= seen + 3,
+        "seen {seen}, charged {truth}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -418,7 +517,10 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
     let before = traffic.stop().await;
     wait_total(&agg, "t", before).await;
     let mut con = w.redis("eu").client().await;
-    redis::cmd("FLUSHALL").query_async::<()>(&mut con).await.unwrap();
+    redis::cmd("FLUSHALL")
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
     wait_until("traffic after the flush", DEADLINE, || {
         let a = traffic.allowed.clone();
@@ -427,7 +529,15 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
     .await;
     let after = traffic.stop().await;
     wait_total(&agg, "t", before + after).await;
-    let v: Value = agg.http.get(agg.url("/v1/global/t")).send().await.unwrap().json().await.unwrap();
+    let v: Value = agg
+        .http
+        .get(agg.url("/v1/global/t"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let eu_actors = v["today"]["parts"]
         .as_array()
         .unwrap()
@@ -436,6 +546,8 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
         .count();
     assert_eq!(eu_actors, 2, "the flush started a second eu actor: {v}");
     // The node never stopped serving.
-    let health = wait_for("eu healthz", DEADLINE, || async { ready(eu.url("/healthz")).await.then_some(()) });
+    let health = wait_for("eu healthz", DEADLINE, || async {
+        ready(eu.url("/healthz")).await.then_some(())
+    });
     health.await;
 }

@@ -302,7 +302,11 @@ async fn sliding_log_takes_a_large_cost_atomically() {
     c.region = (4, 10_000, 3_600_000, 10_000);
     assert_eq!(int(&run(&mut con, "log", &c).await.unwrap()[0]), 1);
     assert_eq!(int(&run(&mut con, "log", &c).await.unwrap()[0]), 1);
-    let n: u64 = redis::cmd("ZCARD").arg("tl:{log}:r:_").query_async(&mut con).await.unwrap();
+    let n: u64 = redis::cmd("ZCARD")
+        .arg("tl:{log}:r:_")
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert_eq!(n, 10_000);
     let r = run(&mut con, "log", &Call { cost: 1, ..c }).await.unwrap();
     assert_eq!(int(&r[0]), 0);
@@ -316,6 +320,10 @@ async fn a_cost_above_the_limit_is_never_retryable() {
         let mut c = Call::check(11);
         c.region = (code, 10, 60_000, 10);
         let r = run(&mut con, &format!("big{code}"), &c).await.unwrap();
-        assert_eq!((int(&r[0]), int(&r[2])), (0, -1), "algorithm {code}: retry -1 means never");
+        assert_eq!(
+            (int(&r[0]), int(&r[2])),
+            (0, -1),
+            "algorithm {code}: retry -1 means never"
+        );
     }
 }

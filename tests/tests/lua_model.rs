@@ -1,0 +1,203 @@
+//! Differential test: the decision script in a real redis-server against the
+//! Rust model (`tierlimit_shared::algorithm::TierState`), over random
+//! sequences of checks, refunds and peeks for every algorithm.
+//!
+//! The script reads its clock from Redis `TIME`; here that one call is
+//! replaced (in the test only) by two keys the test sets, so both sides see
+//! the same microsecond. Any difference in allowed, retry-after, remaining or
+//! reset fails the test with the scenario that produced it.
+
+use harness::Redis;
+use redis::Value;
+use tierlimit_shared::algorithm::TierState;
+use tierlimit_shared::config::{Algorithm, Limit};
+
+const DECIDE: &str = include_str!("../../region-node/src/lua/decide.lua");
+const ALGORITHMS: [Algorithm; 4] = [
+    Algorithm::FixedWindow,
+    Algorithm::SlidingWindow,
+    Algorithm::TokenBucket,
+    Algorithm::SlidingLog,
+];
+
+/// xorshift64: a seeded, reproducible sequence (the seed is printed).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+}
+
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::Int(i) => *i,
+        other => panic!("expected an integer, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn script_matches_the_model() {
+    let fake_clock = "local t = { redis.call('GET', 'fake:s'), redis.call('GET', 'fake:us') }";
+    let source = DECIDE.replace("local t = redis.call('TIME')", fake_clock);
+    assert_ne!(source, DECIDE, "the script's clock call was not found");
+    let script = redis::Script::new(&source);
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+
+    let seed: u64 = std::env::var("LUA_MODEL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x9E37_79B9_7F4A_7C15);
+    let scenarios: u64 = std::env::var("LUA_MODEL_SCENARIOS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(400);
+    println!("seed {seed}, {scenarios} scenarios (LUA_MODEL_SEED / LUA_MODEL_SCENARIOS)");
+    let mut rng = Rng(seed);
+    let mut ops = 0u64;
+    let mut mismatches = Vec::new();
+
+    for sc in 0..scenarios {
+        redis::cmd("FLUSHDB")
+            .query_async::<()>(&mut con)
+            .await
+            .unwrap();
+        let algorithm = ALGORITHMS[rng.below(4) as usize];
+        let window_ms = match rng.below(4) {
+            0 => rng.range(1, 50),
+            1 => rng.range(50, 3000),
+            2 => [1000, 7000, 60_000, 5_400_000][rng.below(4) as usize],
+            _ => rng.range(1, 100_000),
+        };
+        let limit = match rng.below(3) {
+            0 => rng.range(1, 5),
+            1 => rng.range(1, 50),
+            _ => rng.range(1, 1000),
+        };
+        let (limit, burst) = if algorithm == Algorithm::TokenBucket {
+            let limit = limit.min(window_ms * 1000);
+            (limit, rng.range(1, limit * 2 + 3))
+        } else {
+            (limit, limit)
+        };
+        let l = Limit {
+            limit,
+            window_ms,
+            algorithm,
+            burst,
+        };
+        let mut model = TierState::new(&l);
+        let mut now_us: u64 = 1_700_000_000_000_000 + rng.below(1_000_000_000_000);
+        for _ in 0..rng.range(1, 80) {
+            ops += 1;
+            let scale = match rng.below(4) {
+                0 => 1,
+                1 => 1000,
+                2 => window_ms * 1000 / 10 + 1,
+                _ => window_ms * 1000,
+            };
+            now_us += 1 + rng.below(scale * 2);
+            let op = match rng.below(10) {
+                0..=6 => "check",
+                7..=8 => "refund",
+                _ => "peek",
+            };
+            let cost = match (op, rng.below(3)) {
+                ("peek", _) => 0,
+                (_, 0) => 1,
+                (_, 1) => rng.range(1, limit.max(burst) + 1),
+                _ => rng.range(1, 4),
+            };
+            redis::pipe()
+                .cmd("SET")
+                .arg("fake:s")
+                .arg(now_us / 1_000_000)
+                .ignore()
+                .cmd("SET")
+                .arg("fake:us")
+                .arg(now_us % 1_000_000)
+                .ignore()
+                .query_async::<()>(&mut con)
+                .await
+                .unwrap();
+            let day = now_us / 1000 / 86_400_000;
+            let reply: Vec<Value> = script
+                .key("n")
+                .key("r")
+                .key("d")
+                .key("g0")
+                .key("g1")
+                .key("g2")
+                .arg(op)
+                .arg(cost)
+                .arg(algorithm.code())
+                .arg(limit)
+                .arg(window_ms)
+                .arg(burst)
+                // No region tier, no global tier, no broadcast, no cap.
+                .arg(&[0u64; 4][..])
+                .arg(&[0u64; 2][..])
+                .arg(-1)
+                .arg(format!("ep{ops}"))
+                .arg("t")
+                .arg(day)
+                .arg(100_000)
+                .invoke_async(&mut con)
+                .await
+                .unwrap();
+            let ev = model.evaluate(&l, now_us, cost);
+            let (allowed, retry, remaining, reset) = (
+                int(&reply[0]) == 1,
+                int(&reply[2]),
+                int(&reply[4]),
+                int(&reply[5]),
+            );
+            let mut bad = Vec::new();
+            if op == "check" {
+                if allowed != ev.allowed {
+                    bad.push("allowed");
+                }
+                if retry != ev.retry_ms.map_or(-1, |r| r as i64) {
+                    bad.push("retry");
+                }
+            }
+            let model_remaining = if op == "check" {
+                ev.remaining
+            } else {
+                model.evaluate(&l, now_us, 0).remaining
+            };
+            if remaining != model_remaining as i64 {
+                bad.push("remaining");
+            }
+            if reset != ev.reset_ms as i64 {
+                bad.push("reset");
+            }
+            if !bad.is_empty() && mismatches.len() < 10 {
+                mismatches.push(format!(
+                    "scenario {sc} {l:?} {op} cost {cost} at {now_us}: {bad:?}; script allowed={allowed} retry={retry} remaining={remaining} reset={reset}; model {ev:?}"
+                ));
+            }
+            match op {
+                "check" if ev.allowed => model.commit(&l, now_us, cost),
+                "refund" => model.refund(&l, now_us, cost),
+                _ => {}
+            }
+        }
+    }
+    println!("{ops} operations compared");
+    assert!(
+        mismatches.is_empty(),
+        "script and model disagree:\n{}",
+        mismatches.join("\n")
+    );
+}
