@@ -147,6 +147,9 @@ pub struct Request<'a> {
     pub cost: u64,
 }
 
+/// The live configuration, the tenant's policy and the key it counts by.
+type Resolved<'r> = (arc_swap::Guard<Arc<Loaded>>, Arc<Policy>, &'r str);
+
 pub struct Decider {
     live: Live,
     store: Arc<Store>,
@@ -224,7 +227,7 @@ impl Decider {
         let decision = match self.store.decide(&cmd).await {
             Ok(reply) => {
                 let r = parse_reply(reply);
-                self.from_reply(&req, &policy, key, r, now)
+                self.reply_decision(&req, &policy, key, r, now)
             }
             // 3. Redis unavailable: the plan's fail mode.
             Err(e) => self.fail_mode(&req, &cfg, &policy, key, now, e)?,
@@ -242,7 +245,7 @@ impl Decider {
         );
         self.metrics.refunds.inc();
         match self.store.decide(&cmd).await {
-            Ok(reply) => Ok(self.from_reply(&req, &policy, key, parse_reply(reply), now)),
+            Ok(reply) => Ok(self.reply_decision(&req, &policy, key, parse_reply(reply), now)),
             Err(_) => match policy.on_store_error {
                 StoreErrorMode::Closed => Err(DecideError::Unavailable),
                 StoreErrorMode::Open => Ok(self.open_decision(&req, &policy, key, now)),
@@ -270,7 +273,7 @@ impl Decider {
         let reply = self.store.decide(&cmd).await.ok().map(parse_reply);
         let view = self.view.get(tenant, today);
         let d = match &reply {
-            Some(r) => self.from_reply(&req, &policy, k, r.clone(), now),
+            Some(r) => self.reply_decision(&req, &policy, k, r.clone(), now),
             None => self.open_decision(&req, &policy, k, now),
         };
         Ok(Usage {
@@ -294,10 +297,7 @@ impl Decider {
         })
     }
 
-    fn resolve<'r>(
-        &self,
-        req: &Request<'r>,
-    ) -> Result<(arc_swap::Guard<Arc<Loaded>>, Arc<Policy>, &'r str), DecideError> {
+    fn resolve<'r>(&self, req: &Request<'r>) -> Result<Resolved<'r>, DecideError> {
         validate::tenant(req.tenant)?;
         if let Some(k) = req.key {
             validate::key(k)?;
@@ -409,7 +409,7 @@ impl Decider {
         Some(own + glimit.saturating_sub(total) / regions)
     }
 
-    fn from_reply(
+    fn reply_decision(
         &self,
         req: &Request<'_>,
         policy: &Policy,

@@ -172,6 +172,9 @@ impl<S: Send + Sync> FromRequestParts<S> for ContentType {
 
 type Parsed<'a> = (Cow<'a, str>, Option<Cow<'a, str>>, u64);
 
+// The error is the cold path (a refused request); boxing it would cost the
+// hot path nothing but add noise to every caller.
+#[allow(clippy::result_large_err)]
 fn parse_body<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Parsed<'a>, Problem> {
     let ct = content_type
         .0
@@ -201,6 +204,7 @@ fn parse_body<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Parsed<'
     Ok((tenant, b.key, b.cost.unwrap_or(1)))
 }
 
+#[allow(clippy::result_large_err)]
 fn parse_query(q: &HashMap<String, String>) -> Result<(String, Option<String>, u64), Problem> {
     if let Some(unknown) = q
         .keys()

@@ -6,11 +6,14 @@
 //! trip for a pooled connection. The script is loaded once and reloaded by
 //! `redis::Script` when Redis answers NOSCRIPT (a restart or `SCRIPT FLUSH`).
 //!
-//! When a call fails or exceeds `store_timeout`, the breaker opens: decisions
-//! go straight to the plan's fail mode without waiting on Redis, and a single
+//! A call that fails or exceeds `store_timeout` takes the plan's fail mode
+//! for that request. The breaker opens — every decision goes straight to its
+//! fail mode without waiting on Redis — on a connection-level error, or after
+//! [`TIMEOUTS_TO_OPEN`] consecutive timeouts (one slow call under a load
+//! spike should not flip a whole node into fail mode). While open, a single
 //! probe task PINGs every `store_retry_interval` until Redis answers again.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +28,9 @@ use crate::metrics::Metrics;
 pub const DECIDE_LUA: &str = include_str!("lua/decide.lua");
 /// Removes published dirty entries unless they changed since they were read.
 pub const ACK_LUA: &str = include_str!("lua/ack.lua");
+
+/// Consecutive timeouts that open the breaker.
+pub const TIMEOUTS_TO_OPEN: u32 = 3;
 
 #[derive(Debug, Error)]
 pub enum StoreError {
@@ -58,6 +64,8 @@ pub struct Store {
     /// labelled child up hashes the labels and takes a lock on every call.
     decide_seconds: prometheus::Histogram,
     up: AtomicBool,
+    /// Timeouts since the last successful call.
+    timeouts: AtomicU32,
     timeout: Duration,
     retry_interval: Duration,
     wake_probe: Notify,
@@ -89,6 +97,7 @@ impl Store {
             ack: redis::Script::new(ACK_LUA),
             decide_seconds: metrics.redis_seconds.with_label_values(&["decide"]),
             up: AtomicBool::new(true),
+            timeouts: AtomicU32::new(0),
             timeout,
             retry_interval,
             wake_probe: Notify::new(),
@@ -210,13 +219,22 @@ impl Store {
                 .with_label_values(&[op])
                 .observe(elapsed),
         }
-        if let Err(e) = &result {
-            self.metrics
-                .redis_errors
-                .with_label_values(&[op, e.kind()])
-                .inc();
-            if e.is_unavailability() {
-                self.mark_down(e);
+        match &result {
+            Ok(_) => self.timeouts.store(0, Ordering::Relaxed),
+            Err(e) => {
+                self.metrics
+                    .redis_errors
+                    .with_label_values(&[op, e.kind()])
+                    .inc();
+                let open = match e {
+                    StoreError::Timeout(_) => {
+                        self.timeouts.fetch_add(1, Ordering::Relaxed) + 1 >= TIMEOUTS_TO_OPEN
+                    }
+                    other => other.is_unavailability(),
+                };
+                if open {
+                    self.mark_down(e);
+                }
             }
         }
         result
@@ -246,6 +264,7 @@ impl Store {
             )
             .await;
             if matches!(ping, Ok(Ok(_))) {
+                self.timeouts.store(0, Ordering::Relaxed);
                 self.up.store(true, Ordering::Relaxed);
                 self.metrics.store_up.set(1);
                 tracing::info!("Redis answers again; leaving fail mode");

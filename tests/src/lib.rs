@@ -300,6 +300,13 @@ fn start_child(cmd: &Cmd, log_path: &Path) -> Child {
             if libc::getppid() != parent {
                 return Err(io::Error::other("parent exited during spawn"));
             }
+            // Children start with default dispositions for the signals the
+            // tests send, even when the test runner was started with them
+            // ignored (nohup, some CI runners): an ignored SIGHUP is
+            // inherited across exec and would silently defeat reload tests.
+            for sig in [libc::SIGHUP, libc::SIGINT, libc::SIGTERM, libc::SIGQUIT] {
+                libc::signal(sig, libc::SIG_DFL);
+            }
             Ok(())
         });
     }

@@ -44,7 +44,7 @@ brokers = "{}"
 partitions = {PARTITIONS}
 [node]
 flush_interval = "100ms"
-store_timeout = "200ms"
+store_timeout = "2s"
 [aggregator]
 broadcast_interval = "100ms"
 group_id = "agg-test"

@@ -11,7 +11,12 @@ use std::time::Duration;
 use harness::{temp_dir, wait_for, wait_until, write_config, Redis, RegionNode};
 use serde_json::{json, Value};
 
-const ALGORITHMS: [&str; 4] = ["fixed_window", "sliding_window", "token_bucket", "sliding_log"];
+const ALGORITHMS: [&str; 4] = [
+    "fixed_window",
+    "sliding_window",
+    "token_bucket",
+    "sliding_log",
+];
 
 fn config(redis: &Redis, extra: &str) -> String {
     format!(
@@ -20,7 +25,7 @@ cluster = "test"
 [kafka]
 brokers = "127.0.0.1:1"
 [node]
-store_timeout = "100ms"
+store_timeout = "2s"
 store_retry_interval = "50ms"
 [regions.eu]
 redis_url = "{}"
@@ -183,10 +188,25 @@ plan = "p"
     let (s, body) = check(&n, "t", 4).await;
     assert_eq!(s, 200);
     assert_eq!(remaining(&body, "region"), 2);
-    let region = body["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "region").unwrap().clone();
-    assert!(region["reset_ms"].as_u64().unwrap() <= 7000, "a 7s window resets within 7s: {region}");
+    let region = body["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "region")
+        .unwrap()
+        .clone();
+    assert!(
+        region["reset_ms"].as_u64().unwrap() <= 7000,
+        "a 7s window resets within 7s: {region}"
+    );
     assert_eq!(region["window_ms"], 7000);
-    let node = body["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "node").unwrap().clone();
+    let node = body["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "node")
+        .unwrap()
+        .clone();
     assert_eq!(node["window_ms"], 90 * 60 * 1000);
     // The 7s window may roll over between requests; only check while inside it.
     let (s, _) = check(&n, "t", 4).await;
@@ -240,20 +260,90 @@ plan = "p"
     let n = RegionNode::start(&cfg, "eu", "a").await;
     let long = "x".repeat(65);
     let cases: Vec<(&str, String, &str, u16)> = vec![
-        ("missing tenant", r#"{"cost":1}"#.into(), "application/json", 400),
-        ("oversize tenant", format!(r#"{{"tenant":"{long}"}}"#), "application/json", 400),
-        ("malformed tenant", r#"{"tenant":"t:x"}"#.into(), "application/json", 400),
-        ("hash-tag tenant", r#"{"tenant":"t}x{"}"#.into(), "application/json", 400),
-        ("bad key", r#"{"tenant":"t","key":"a b"}"#.into(), "application/json", 400),
-        ("cost 0", r#"{"tenant":"t","cost":0}"#.into(), "application/json", 400),
-        ("negative cost", r#"{"tenant":"t","cost":-1}"#.into(), "application/json", 400),
-        ("fractional cost", r#"{"tenant":"t","cost":1.5}"#.into(), "application/json", 400),
-        ("huge cost", r#"{"tenant":"t","cost":99999999999999999999}"#.into(), "application/json", 400),
-        ("over max cost", r#"{"tenant":"t","cost":1000000000001}"#.into(), "application/json", 400),
-        ("invalid JSON", r#"{"tenant":"#.into(), "application/json", 400),
-        ("unknown field", r#"{"tenant":"t","cots":1}"#.into(), "application/json", 400),
-        ("wrong content type", r#"{"tenant":"t"}"#.into(), "text/plain", 415),
-        ("unknown tenant", r#"{"tenant":"nobody"}"#.into(), "application/json", 403),
+        (
+            "missing tenant",
+            r#"{"cost":1}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "oversize tenant",
+            format!(r#"{{"tenant":"{long}"}}"#),
+            "application/json",
+            400,
+        ),
+        (
+            "malformed tenant",
+            r#"{"tenant":"t:x"}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "hash-tag tenant",
+            r#"{"tenant":"t}x{"}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "bad key",
+            r#"{"tenant":"t","key":"a b"}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "cost 0",
+            r#"{"tenant":"t","cost":0}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "negative cost",
+            r#"{"tenant":"t","cost":-1}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "fractional cost",
+            r#"{"tenant":"t","cost":1.5}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "huge cost",
+            r#"{"tenant":"t","cost":99999999999999999999}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "over max cost",
+            r#"{"tenant":"t","cost":1000000000001}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "invalid JSON",
+            r#"{"tenant":"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "unknown field",
+            r#"{"tenant":"t","cots":1}"#.into(),
+            "application/json",
+            400,
+        ),
+        (
+            "wrong content type",
+            r#"{"tenant":"t"}"#.into(),
+            "text/plain",
+            415,
+        ),
+        (
+            "unknown tenant",
+            r#"{"tenant":"nobody"}"#.into(),
+            "application/json",
+            403,
+        ),
     ];
     for (what, body, ct, want) in &cases {
         let r = n
@@ -266,16 +356,25 @@ plan = "p"
             .unwrap();
         assert_eq!(r.status().as_u16(), *want, "{what}");
         assert_eq!(
-            r.headers()["content-type"], "application/problem+json",
+            r.headers()["content-type"],
+            "application/problem+json",
             "{what}"
         );
         let p: Value = r.json().await.unwrap();
         assert_eq!(p["status"], *want, "{what}: {p}");
-        assert!(p["type"].as_str().unwrap().starts_with("https://"), "{what}: {p}");
+        assert!(
+            p["type"].as_str().unwrap().starts_with("https://"),
+            "{what}: {p}"
+        );
         assert!(!p["detail"].as_str().unwrap().is_empty(), "{what}");
     }
     // Field named for field errors.
-    let r = n.http.get(n.url("/v1/check?tenant=t&cost=abc")).send().await.unwrap();
+    let r = n
+        .http
+        .get(n.url("/v1/check?tenant=t&cost=abc"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
     let p: Value = r.json().await.unwrap();
     assert_eq!(p["field"], "cost");
@@ -284,7 +383,12 @@ plan = "p"
     // Nothing was charged by any of it.
     assert_eq!(remaining(&usage(&n, "t").await, "region"), 10);
     // The forward-auth form works for a good request.
-    let r = n.http.get(n.url("/v1/check?tenant=t&cost=2")).send().await.unwrap();
+    let r = n
+        .http
+        .get(n.url("/v1/check?tenant=t&cost=2"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     assert!(r.headers().contains_key("ratelimit-policy"));
     assert_eq!(remaining(&usage(&n, "t").await, "region"), 8);
@@ -308,21 +412,49 @@ plan = "p"
         ),
     );
     let n = RegionNode::start(&cfg, "eu", "a").await;
-    let r = n.http.post(n.url("/v1/check")).json(&json!({"tenant":"t"})).send().await.unwrap();
+    let r = n
+        .http
+        .post(n.url("/v1/check"))
+        .json(&json!({"tenant":"t"}))
+        .send()
+        .await
+        .unwrap();
     let h = r.headers();
-    assert_eq!(h["ratelimit-policy"], "\"node\";q=2;w=3600, \"region\";q=600;w=60");
-    assert!(h["ratelimit"].to_str().unwrap().starts_with("\"node\";r=1;t="));
+    assert_eq!(
+        h["ratelimit-policy"],
+        "\"node\";q=2;w=3600, \"region\";q=600;w=60"
+    );
+    assert!(h["ratelimit"]
+        .to_str()
+        .unwrap()
+        .starts_with("\"node\";r=1;t="));
     assert_eq!(h["x-ratelimit-limit"], "2");
     assert_eq!(h["x-ratelimit-remaining"], "1");
     check(&n, "t", 1).await;
-    let r = n.http.post(n.url("/v1/check")).json(&json!({"tenant":"t"})).send().await.unwrap();
+    let r = n
+        .http
+        .post(n.url("/v1/check"))
+        .json(&json!({"tenant":"t"}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 429);
-    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(retry > 0 && retry <= 3600);
     let p: Value = r.json().await.unwrap();
     assert_eq!(p["violated-policy"], "node");
     // A cost that can never fit: 429 without Retry-After.
-    let r = n.http.post(n.url("/v1/check")).json(&json!({"tenant":"t","cost":3})).send().await.unwrap();
+    let r = n
+        .http
+        .post(n.url("/v1/check"))
+        .json(&json!({"tenant":"t","cost":3}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 429);
     assert!(!r.headers().contains_key("retry-after"));
 }
@@ -369,7 +501,13 @@ plan = "local"
         assert_eq!(body["mode"], "open");
     }
     // closed: 503 problem+json naming the store.
-    let r = n.http.post(n.url("/v1/check")).json(&json!({"tenant":"c"})).send().await.unwrap();
+    let r = n
+        .http
+        .post(n.url("/v1/check"))
+        .json(&json!({"tenant":"c"}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 503);
     assert_eq!(r.headers()["content-type"], "application/problem+json");
     // local: region limit 10 / 2 expected nodes = 5 on this node.
@@ -379,17 +517,30 @@ plan = "local"
         assert_eq!(body["mode"], "local", "{body}");
         allowed += usize::from(s == 200);
     }
-    assert_eq!(allowed, 5, "local mode enforces the node's share of the region limit");
-    let m = n.http.get(n.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(
+        allowed, 5,
+        "local mode enforces the node's share of the region limit"
+    );
+    let m = n
+        .http
+        .get(n.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(m.contains("tierlimit_store_up 0"), "store_up gauge drops");
     assert!(m.contains("tierlimit_fail_mode_decisions_total{mode=\"local\"}"));
     let r = n.http.get(n.url("/readyz")).send().await.unwrap();
     assert_eq!(r.status(), 503, "not ready without Redis");
     // Redis comes back (empty): the node returns to it by itself.
     redis.restart_empty();
-    wait_until("the node decides with Redis again", Duration::from_secs(10), || async {
-        check(&n, "c", 1).await.1["mode"] == "redis"
-    })
+    wait_until(
+        "the node decides with Redis again",
+        Duration::from_secs(10),
+        || async { check(&n, "c", 1).await.1["mode"] == "redis" },
+    )
     .await;
     let (s, body) = check(&n, "l", 1).await;
     assert_eq!((s, body["mode"].as_str()), (200, Some("redis")));
@@ -405,7 +556,12 @@ async fn sighup_reload_good_and_bad() {
     let cfg = write_config(dir.path(), &config(&redis, &plan(5)));
     let n = RegionNode::start(&cfg, "eu", "a").await;
     let limit = |v: &Value| {
-        v["tiers"].as_array().unwrap().iter().find(|t| t["tier"] == "region").unwrap()["limit"]
+        v["tiers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tier"] == "region")
+            .unwrap()["limit"]
             .as_u64()
             .unwrap()
     };
@@ -417,14 +573,82 @@ async fn sighup_reload_good_and_bad() {
     })
     .await;
     // An invalid file: the old configuration stays, the process lives on.
-    write_config(dir.path(), &config(&redis, "[plans.p]\nregion = { limit = 0, window = \"1h\" }\n[tenants.t]\nplan = \"p\"\n"));
+    write_config(
+        dir.path(),
+        &config(
+            &redis,
+            "[plans.p]\nregion = { limit = 0, window = \"1h\" }\n[tenants.t]\nplan = \"p\"\n",
+        ),
+    );
     n.proc.hup();
-    let m = wait_for("the refused reload is counted", Duration::from_secs(5), || async {
-        let m = n.http.get(n.url("/metrics")).send().await.ok()?.text().await.ok()?;
-        m.contains("tierlimit_config_reloads_total{result=\"refused\"} 1").then_some(m)
-    })
+    let m = wait_for(
+        "the refused reload is counted",
+        Duration::from_secs(5),
+        || async {
+            let m = n
+                .http
+                .get(n.url("/metrics"))
+                .send()
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            m.contains("tierlimit_config_reloads_total{result=\"refused\"} 1")
+                .then_some(m)
+        },
+    )
     .await;
     assert!(m.contains("tierlimit_config_reloads_total{result=\"ok\"} 1"));
     assert_eq!(limit(&usage(&n, "t").await), 7);
-    assert!(n.proc.log().contains("plans.p.region.limit"), "the log names the bad key");
+    assert!(
+        n.proc.log().contains("plans.p.region.limit"),
+        "the log names the bad key"
+    );
+}
+
+/// One slow Redis call takes the fail mode for that request only; the
+/// breaker opens after consecutive timeouts (`store::TIMEOUTS_TO_OPEN`).
+#[tokio::test]
+async fn one_slow_call_does_not_open_the_breaker_three_do() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = config(
+        &redis,
+        r#"
+[plans.p]
+region = { limit = 1000, window = "1h" }
+on_store_error = "open"
+[tenants.t]
+plan = "p"
+"#,
+    )
+    .replace(r#"store_timeout = "2s""#, r#"store_timeout = "100ms""#);
+    let cfg = write_config(dir.path(), &cfg);
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    let mut admin = redis.client().await;
+    let store_up = || async {
+        let m = n.http.get(n.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        m.lines().find(|l| l.starts_with("tierlimit_store_up ")).unwrap().to_string()
+    };
+    assert_eq!(check(&n, "t", 1).await.1["mode"], "redis");
+    // Redis stalls for 500 ms: one request times out and is answered open.
+    redis::cmd("CLIENT").arg("PAUSE").arg(500).arg("ALL").query_async::<()>(&mut admin).await.unwrap();
+    assert_eq!(check(&n, "t", 1).await.1["mode"], "open");
+    assert_eq!(store_up().await, "tierlimit_store_up 1", "a single timeout keeps the breaker closed");
+    wait_until("Redis answers again", Duration::from_secs(5), || async {
+        check(&n, "t", 1).await.1["mode"] == "redis"
+    })
+    .await;
+    // A longer stall: three consecutive timeouts open the breaker.
+    redis::cmd("CLIENT").arg("PAUSE").arg(3000).arg("ALL").query_async::<()>(&mut admin).await.unwrap();
+    for _ in 0..3 {
+        assert_eq!(check(&n, "t", 1).await.1["mode"], "open");
+    }
+    assert_eq!(store_up().await, "tierlimit_store_up 0");
+    // The pause ends by itself (an UNPAUSE would be paused too).
+    wait_until("the probe closes the breaker", Duration::from_secs(10), || async {
+        store_up().await == "tierlimit_store_up 1"
+    })
+    .await;
 }
