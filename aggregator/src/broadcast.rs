@@ -9,8 +9,9 @@
 //!
 //! A counter is only published when its partition has been rebuilt (see
 //! [`crate::progress`]): a partial total would move the regions' view
-//! backwards. The producer is idempotent, so retries inside librdkafka never
-//! duplicate or reorder messages of one partition; an update that still fails
+//! backwards. The producer keeps one request in flight, so retries inside
+//! librdkafka never reorder messages of one partition (a duplicate is
+//! harmless: the view merges per actor by max); an update that still fails
 //! is marked dirty again and goes out, with the then-current value, at the
 //! next interval. Nothing is lost, nothing older overwrites anything newer.
 
@@ -65,11 +66,10 @@ pub struct Broadcaster {
 }
 
 impl Broadcaster {
-    /// Creates the idempotent producer. Fails only on an invalid client
+    /// Creates the ordered producer (see `ordered_producer_config`). Fails only on an invalid client
     /// configuration: the brokers are not contacted yet.
     pub fn new(kafka: &KafkaConfig, state: Arc<State>) -> Result<Self, KafkaError> {
-        let producer = tierlimit_shared::kafka::client_config(kafka)
-            .set("enable.idempotence", "true")
+        let producer = tierlimit_shared::kafka::ordered_producer_config(kafka)
             .create_with_context(LogContext::new())?;
         Ok(Broadcaster {
             producer,

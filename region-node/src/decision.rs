@@ -28,7 +28,7 @@ use tierlimit_shared::reload::Live;
 use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
-use crate::local::{Local, LocalTier};
+use crate::local::{Charge, Local, LocalTier};
 use crate::metrics::Metrics;
 use crate::store::{Store, StoreError};
 use crate::view::View;
@@ -252,8 +252,10 @@ impl Decider {
                 StoreErrorMode::Local => {
                     let nodes = self.expected_nodes(&cfg);
                     self.local
-                        .refund(&policy, nodes, req.tenant, key, req.cost, now * 1000, today);
-                    Ok(self.open_decision(&req, &policy, key, now))
+                        .refund(&policy, nodes, local_charge(&req, key, now, today));
+                    let mut d = self.open_decision(&req, &policy, key, now);
+                    d.mode = Mode::Local;
+                    Ok(d)
                 }
             },
         }
@@ -373,7 +375,11 @@ impl Decider {
                 Some(c) => cmd.arg(c),
                 None => cmd.arg(-1i64),
             };
-            cmd.arg(epoch).arg(t).arg(today).arg(ttl);
+            cmd.arg(epoch)
+                .arg(t)
+                .arg(today)
+                .arg(ttl)
+                .arg(self.store.deadline_ms(now));
             if let Some(e) = e {
                 for (epoch, part) in e.region_parts(&self.region) {
                     cmd.arg(epoch).arg(part);
@@ -513,7 +519,7 @@ impl Decider {
                 let nodes = self.expected_nodes(cfg);
                 let (allowed, node, region) =
                     self.local
-                        .check(policy, nodes, req.tenant, key, req.cost, now * 1000, today);
+                        .check(policy, nodes, local_charge(req, key, now, today));
                 let mut tiers = Vec::new();
                 let mut denied_by = None;
                 let mut retry: Option<u64> = Some(0);
@@ -574,6 +580,16 @@ impl Decider {
             })
             .inc();
         d
+    }
+}
+
+fn local_charge<'a>(req: &Request<'a>, key: &'a str, now_ms: u64, day: u32) -> Charge<'a> {
+    Charge {
+        tenant: req.tenant,
+        key,
+        cost: req.cost,
+        now_us: now_ms * 1000,
+        day,
     }
 }
 

@@ -7,6 +7,7 @@
 //! reached the high watermark; the view's age is the time since that was
 //! last confirmed, which also makes a node cut off from Kafka visible.
 
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,7 +37,7 @@ async fn follow(
     config: &Config,
     node: &str,
     view: &Arc<View>,
-    metrics: &Metrics,
+    metrics: &Arc<Metrics>,
 ) -> Result<(), String> {
     let topic = config.kafka.global_topic.clone();
     let mut cc = tierlimit_shared::kafka::client_config(&config.kafka);
@@ -45,7 +46,10 @@ async fn follow(
     cc.set("group.id", format!("tierlimit-follower-{node}"))
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
-        .set("fetch.wait.max.ms", "50");
+        .set("fetch.wait.max.ms", "50")
+        // A fetch in flight when the link is cut would otherwise hold the
+        // connection for librdkafka's default 60 s.
+        .set("socket.timeout.ms", "10000");
     let consumer: Arc<StreamConsumer> = Arc::new(cc.create().map_err(|e| e.to_string())?);
 
     let partitions = {
@@ -74,52 +78,77 @@ async fn follow(
     consumer.assign(&tpl).map_err(|e| e.to_string())?;
     tracing::info!(%topic, partitions = partitions.len(), "following broadcasts from the beginning");
 
-    let mut positions: Vec<i64> = vec![0; partitions.len()];
-    let mut check = tokio::time::interval(FRESHNESS_CHECK);
-    loop {
-        tokio::select! {
-            msg = consumer.recv() => {
-                let msg = msg.map_err(|e| e.to_string())?;
-                if let Some(i) = partitions.iter().position(|p| *p == msg.partition()) {
-                    positions[i] = msg.offset() + 1;
-                }
-                match msg.payload().map(GlobalUpdate::decode) {
-                    Some(Ok(u)) => {
-                        view.apply(&u);
-                        metrics.broadcasts_received.inc();
-                    }
-                    _ => {
-                        metrics.broadcasts_undecodable.inc();
-                        tracing::warn!(partition = msg.partition(), offset = msg.offset(), "skipping undecodable broadcast");
-                    }
-                }
+    // The receive loop only applies broadcasts; freshness is checked by a
+    // separate task, so a slow watermark query (a cut, a slow link) never
+    // holds back consumption.
+    let positions: Arc<Vec<AtomicI64>> = Arc::new(partitions.iter().map(|_| AtomicI64::new(0)).collect());
+    let checker = tokio::spawn(freshness_loop(
+        Arc::clone(&consumer),
+        topic.clone(),
+        partitions.clone(),
+        Arc::clone(&positions),
+        Arc::clone(view),
+        Arc::clone(metrics),
+    ));
+    let result = loop {
+        let msg = match consumer.recv().await {
+            Ok(m) => m,
+            Err(e) => break Err(e.to_string()),
+        };
+        if let Some(i) = partitions.iter().position(|p| *p == msg.partition()) {
+            positions[i].store(msg.offset() + 1, Ordering::Relaxed);
+        }
+        match msg.payload().map(GlobalUpdate::decode) {
+            Some(Ok(u)) => {
+                view.apply(&u);
+                metrics.broadcasts_received.inc();
             }
-            _ = check.tick() => {
-                let c = Arc::clone(&consumer);
-                let t = topic.clone();
-                let ps = partitions.clone();
-                let pos = positions.clone();
-                let caught_up = tokio::task::spawn_blocking(move || {
-                    ps.iter().zip(pos).all(|(p, mine)| {
-                        match c.fetch_watermarks(&t, *p, Duration::from_secs(1)) {
-                            Ok((low, high)) => high <= low || mine >= high,
-                            Err(_) => false,
-                        }
-                    })
-                })
-                .await
-                .unwrap_or(false);
-                let now = now_ms();
-                if caught_up {
-                    view.mark_fresh(now);
-                    metrics.view_caught_up.set(1);
-                }
-                if let Some(age) = view.age_ms(now) {
-                    metrics.view_age_seconds.set(age as f64 / 1000.0);
-                }
-                view.prune(day::today().saturating_sub(1));
-                metrics.view_entries.set(view.len() as i64);
+            _ => {
+                metrics.broadcasts_undecodable.inc();
+                tracing::warn!(partition = msg.partition(), offset = msg.offset(), "skipping undecodable broadcast");
             }
         }
+    };
+    checker.abort();
+    result
+}
+
+/// Every [`FRESHNESS_CHECK`], asks the broker for every partition's high
+/// watermark (concurrently, off the async threads) and marks the view fresh
+/// when the follower's positions have reached all of them.
+async fn freshness_loop(
+    consumer: Arc<StreamConsumer>,
+    topic: String,
+    partitions: Vec<i32>,
+    positions: Arc<Vec<AtomicI64>>,
+    view: Arc<View>,
+    metrics: Arc<Metrics>,
+) {
+    let mut tick = tokio::time::interval(FRESHNESS_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        let checks = partitions.iter().enumerate().map(|(i, p)| {
+            let (c, t, p) = (Arc::clone(&consumer), topic.clone(), *p);
+            let positions = Arc::clone(&positions);
+            tokio::task::spawn_blocking(move || match c.fetch_watermarks(&t, p, Duration::from_secs(1)) {
+                Ok((low, high)) => high <= low || positions[i].load(Ordering::Relaxed) >= high,
+                Err(_) => false,
+            })
+        });
+        let mut caught_up = true;
+        for check in checks.collect::<Vec<_>>() {
+            caught_up &= check.await.unwrap_or(false);
+        }
+        let now = now_ms();
+        if caught_up {
+            view.mark_fresh(now);
+            metrics.view_caught_up.set(1);
+        }
+        if let Some(age) = view.age_ms(now) {
+            metrics.view_age_seconds.set(age as f64 / 1000.0);
+        }
+        view.prune(day::today().saturating_sub(1));
+        metrics.view_entries.set(view.len() as i64);
     }
 }

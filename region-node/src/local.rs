@@ -15,10 +15,23 @@ use std::sync::Mutex;
 use tierlimit_shared::algorithm::{Evaluation, TierState};
 use tierlimit_shared::config::{Limit, Policy};
 
+/// (tenant, key, tier) → the limit a state was last used with, and the state.
+type TierStates = HashMap<(String, String, u8), (Limit, TierState)>;
+
+/// One request as local mode sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Charge<'a> {
+    pub tenant: &'a str,
+    /// The counting key (`_` unless the plan is key-scoped).
+    pub key: &'a str,
+    pub cost: u64,
+    pub now_us: u64,
+    pub day: u32,
+}
+
 /// Per-process limiter used when Redis is down.
 pub struct Local {
-    /// (tenant, key, tier) → the limit the state was last used with, and the state.
-    tiers: Mutex<HashMap<(String, String, u8), (Limit, TierState)>>,
+    tiers: Mutex<TierStates>,
     counts: Mutex<HashMap<(String, u32), (u64, u64)>>,
     /// Actor id of this process' local-mode counts.
     pub actor: String,
@@ -49,12 +62,15 @@ impl Local {
         &self,
         policy: &Policy,
         expected_nodes: u32,
-        tenant: &str,
-        key: &str,
-        cost: u64,
-        now_us: u64,
-        day: u32,
+        c: Charge<'_>,
     ) -> (bool, Option<LocalTier>, Option<LocalTier>) {
+        let Charge {
+            tenant,
+            key,
+            cost,
+            now_us,
+            day,
+        } = c;
         let limits = [
             policy.node.clone(),
             policy.region.as_ref().map(|r| r.share(expected_nodes)),
@@ -92,16 +108,14 @@ impl Local {
     }
 
     /// Gives back units charged in local mode (never below zero).
-    pub fn refund(
-        &self,
-        policy: &Policy,
-        expected_nodes: u32,
-        tenant: &str,
-        key: &str,
-        cost: u64,
-        now_us: u64,
-        day: u32,
-    ) {
+    pub fn refund(&self, policy: &Policy, expected_nodes: u32, c: Charge<'_>) {
+        let Charge {
+            tenant,
+            key,
+            cost,
+            now_us,
+            day,
+        } = c;
         let limits = [
             policy.node.clone(),
             policy.region.as_ref().map(|r| r.share(expected_nodes)),

@@ -59,10 +59,8 @@ impl Publisher {
         local: Arc<Local>,
         metrics: Arc<Metrics>,
     ) -> Result<Publisher, rdkafka::error::KafkaError> {
-        let mut cc = tierlimit_shared::kafka::client_config(&config.kafka);
-        cc.set("enable.idempotence", "true")
-            .set("linger.ms", "5")
-            .set("message.timeout.ms", "15000")
+        let mut cc = tierlimit_shared::kafka::ordered_producer_config(&config.kafka);
+        cc.set("message.timeout.ms", "15000")
             .set("request.timeout.ms", "5000");
         Ok(Publisher {
             store,

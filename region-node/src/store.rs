@@ -13,7 +13,7 @@
 //! spike should not flip a whole node into fail mode). While open, a single
 //! probe task PINGs every `store_retry_interval` until Redis answers again.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,6 +66,10 @@ pub struct Store {
     up: AtomicBool,
     /// Timeouts since the last successful call.
     timeouts: AtomicU32,
+    /// Redis' clock minus ours, in ms, learnt from every decision reply
+    /// (`i64::MIN` until the first). Lets the node express a deadline in
+    /// Redis' clock without trusting the two clocks to agree.
+    clock_offset_ms: AtomicI64,
     timeout: Duration,
     retry_interval: Duration,
     wake_probe: Notify,
@@ -98,6 +102,7 @@ impl Store {
             decide_seconds: metrics.redis_seconds.with_label_values(&["decide"]),
             up: AtomicBool::new(true),
             timeouts: AtomicU32::new(0),
+            clock_offset_ms: AtomicI64::new(i64::MIN),
             timeout,
             retry_interval,
             wake_probe: Notify::new(),
@@ -141,8 +146,31 @@ impl Store {
                 other => other,
             }
         };
-        self.call_timed("decide", Some(&self.decide_seconds), fut)
-            .await
+        let reply = self
+            .call_timed("decide", Some(&self.decide_seconds), fut)
+            .await?;
+        // Reply field 4 is the script's `now_ms` (Redis TIME).
+        if let Some(Value::Int(redis_now)) = reply.get(3) {
+            let offset = redis_now - tierlimit_shared::messages::now_ms() as i64;
+            self.clock_offset_ms.store(offset, Ordering::Relaxed);
+        }
+        // Denied tier 4: the call reached Redis after its deadline and did
+        // nothing; for the caller that is a timeout.
+        if let Some(Value::Int(4)) = reply.get(1) {
+            return Err(StoreError::Timeout(self.timeout));
+        }
+        Ok(reply)
+    }
+
+    /// The deadline (ms, in Redis' clock) for a decision sent now: past it
+    /// the script refuses to charge, because the node will have given up and
+    /// answered from its fail mode. 0 (no deadline) until the clock offset
+    /// is known.
+    pub fn deadline_ms(&self, now_ms: u64) -> i64 {
+        match self.clock_offset_ms.load(Ordering::Relaxed) {
+            i64::MIN => 0,
+            offset => now_ms as i64 + offset + self.timeout.as_millis() as i64,
+        }
     }
 
     /// Any command, under the same timeout and breaker as decisions.

@@ -29,12 +29,13 @@ impl Entry {
         &'a self,
         region: &'a str,
     ) -> impl Iterator<Item = (&'a str, u64)> + 'a {
-        self.parts.iter().filter_map(move |(actor, (p, n))| {
-            (actor_region(actor) == region).then(|| {
-                let epoch = actor.split_once('/').map(|(_, e)| e).unwrap_or("");
+        self.parts
+            .iter()
+            .filter(move |(actor, _)| actor_region(actor) == region)
+            .map(|(actor, (p, n))| {
+                let epoch = actor.split_once('/').map_or("", |(_, e)| e);
                 (epoch, p.saturating_sub(*n))
             })
-        })
     }
 }
 

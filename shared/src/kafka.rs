@@ -25,6 +25,26 @@ pub fn client_config(k: &KafkaConfig) -> ClientConfig {
     c
 }
 
+/// A producer config for tierlimit's topics: ordered per partition, durable,
+/// and deliberately **not** idempotent.
+///
+/// What correctness needs is order, not de-duplication: every message is a
+/// cumulative value merged by max, so a duplicate is harmless. But one
+/// publisher's messages for a key must stay in order, because compaction
+/// keeps the last message per key. `max.in.flight.requests.per.connection=1`
+/// gives that order through retries on any Kafka-protocol broker. The
+/// idempotent producer would give it too, but it bumps its producer epoch
+/// after a message times out (a long partition), which some brokers handle
+/// badly (Tansu 0.6.0 panics on it). Nothing here depends on it.
+pub fn ordered_producer_config(k: &KafkaConfig) -> ClientConfig {
+    let mut c = client_config(k);
+    c.set("enable.idempotence", "false")
+        .set("max.in.flight.requests.per.connection", "1")
+        .set("acks", "all")
+        .set("linger.ms", "5");
+    c
+}
+
 /// Creates the deltas and global topics if they do not exist.
 ///
 /// `compact` asks for `cleanup.policy=compact` on both (what production

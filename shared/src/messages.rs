@@ -130,7 +130,7 @@ impl Delta {
     /// largest. Several nodes of a region publish the same actor, and their
     /// messages may reach Kafka in any order, so with a per-actor key a lower
     /// value could be the one compaction keeps. One node's values for an
-    /// actor only grow and go through one idempotent producer in order, so
+    /// actor only grow and go through one producer in order (one request in flight), so
     /// per (actor, node) the latest message is also the largest, and the
     /// aggregator's max over all of them is the truth.
     pub fn key(&self) -> String {

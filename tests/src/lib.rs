@@ -1167,3 +1167,7 @@ impl Aggregator {
         self.port
     }
 }
+
+pub mod cluster;
+pub mod history;
+pub mod topology;

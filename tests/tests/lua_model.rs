@@ -152,6 +152,7 @@ async fn script_matches_the_model() {
                 .arg("t")
                 .arg(day)
                 .arg(100_000)
+                .arg(0) // no deadline
                 .invoke_async(&mut con)
                 .await
                 .unwrap();

@@ -24,6 +24,7 @@ struct Call<'a> {
     bc_total: u64,
     cap: i64,
     node_day: u32,
+    deadline: i64,
     mine: Vec<(&'a str, u64)>,
 }
 
@@ -38,6 +39,7 @@ impl<'a> Call<'a> {
             bc_total: 0,
             cap: -1,
             node_day: today(),
+            deadline: 0,
             mine: vec![],
         }
     }
@@ -67,7 +69,8 @@ async fn run(
         .arg("epochcand")
         .arg(tenant)
         .arg(d)
-        .arg(86400 * 3);
+        .arg(86400 * 3)
+        .arg(c.deadline);
     for (e, p) in &c.mine {
         inv.arg(*e).arg(*p);
     }
@@ -326,4 +329,22 @@ async fn a_cost_above_the_limit_is_never_retryable() {
             "algorithm {code}: retry -1 means never"
         );
     }
+}
+
+#[tokio::test]
+async fn a_call_past_its_deadline_charges_nothing() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let mut c = Call::check(1);
+    c.region = (1, 10, 3_600_000, 10);
+    c.global = 100;
+    // A deadline already passed in Redis' clock: refused, nothing written.
+    c.deadline = 1;
+    let r = run(&mut con, "late", &c).await.unwrap();
+    assert_eq!((int(&r[0]), int(&r[1])), (0, 4), "expired");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut con).await.unwrap();
+    assert!(keys.is_empty(), "nothing written: {keys:?}");
+    // A deadline in the future: charged as usual.
+    c.deadline = i64::MAX / 2;
+    assert_eq!(int(&run(&mut con, "late", &c).await.unwrap()[0]), 1);
 }

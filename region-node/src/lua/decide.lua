@@ -24,9 +24,13 @@
 -- ARGV[16] the day the node computed (KEYS[5] is for this day); if Redis'
 --          clock says otherwise the broadcast is not for this day (others=0)
 -- ARGV[17] TTL of the PN counter in seconds
--- ARGV[18..] pairs: epoch, part — this region's actors in the broadcast
+-- ARGV[18] deadline in Redis' clock, ms (0 = none): a call that reaches Redis
+--          after it does nothing and answers denied_tier 4. The node gave
+--          up on it at its store_timeout and answered from its fail mode, so
+--          charging it now would count the request twice.
+-- ARGV[19..] pairs: epoch, part — this region's actors in the broadcast
 --
--- Returns: { allowed, denied_tier(0 none,1 node,2 region,3 global),
+-- Returns: { allowed, denied_tier(0 none,1 node,2 region,3 global,4 expired),
 --            retry_ms, now_ms,
 --            node_remaining, node_reset_ms,
 --            region_remaining, region_reset_ms,
@@ -44,6 +48,11 @@ local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now_us / 1000)
 
 local function int(x) return string.format('%.0f', x) end
+
+local deadline = tonumber(ARGV[18]) or 0
+if deadline > 0 and now_ms > deadline then
+  return { 0, 4, 0, now_ms, -1, 0, -1, 0, 0, 0, '', 0, -1 }
+end
 
 -- Each algorithm: eval(key, limit, window_ms, burst, cost) returns
 --   ok, remaining (before this request), reset_ms, retry_ms, commit_fn, refund_fn
@@ -233,7 +242,7 @@ if glimit > 0 then
   local others = 0
   if day == node_day then
     local mine = 0
-    for i = 18, #ARGV, 2 do
+    for i = 19, #ARGV, 2 do
       if ARGV[i] == epoch then mine = tonumber(ARGV[i + 1]) end
     end
     others = tonumber(ARGV[12]) - mine

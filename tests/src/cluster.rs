@@ -1,0 +1,752 @@
+//! A whole tierlimit deployment on a [`Topology`]: a `core` host running the
+//! Tansu broker and the aggregator, and three region hosts (`eu`, `us`,
+//! `ap`), each with its own `redis-server` and two region-nodes. Every
+//! process runs inside its host's network namespace; the test process (root
+//! namespace) drives per-region traffic through the bridge and records a
+//! [`History`].
+//!
+//! Ports are fixed (each host has its own network stack): Kafka 9092 and
+//! the aggregator 9100 on core; Redis 6379 and nodes 9000/9001 on each
+//! region host.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
+use serde_json::Value;
+use tempfile::TempDir;
+
+use crate::history::{now_us, Client, History, Outcome};
+use crate::topology::Topology;
+use crate::{bin_path, client_config, tansu_bin, temp_dir, write_config, Proc, START_DEADLINE};
+
+pub const REGIONS: [&str; 3] = ["eu", "us", "ap"];
+pub const NODE_IDS: [&str; 2] = ["a", "b"];
+pub const NODE_PORTS: [u16; 2] = [9000, 9001];
+pub const REDIS_PORT: u16 = 6379;
+pub const KAFKA_PORT: u16 = 9092;
+pub const AGG_PORT: u16 = 9100;
+pub const PARTITIONS: i32 = 4;
+pub const DELTAS: &str = "tierlimit.deltas";
+pub const GLOBAL: &str = "tierlimit.global";
+/// Deadline for convergence and readiness waits.
+pub const DEADLINE: Duration = Duration::from_secs(45);
+
+/// The region-node metrics the fault checks watch. `publish_lag_seconds`
+/// is derived: sample time minus `tierlimit_last_publish_timestamp_ms` (the
+/// wall clock of the last flush Kafka fully acknowledged).
+pub const WATCHED: [&str; 6] = [
+    "tierlimit_deltas_failed_total",
+    "tierlimit_view_age_seconds",
+    "tierlimit_dirty_entries",
+    "publish_lag_seconds",
+    "tierlimit_store_up",
+    "tierlimit_epoch_changes_total",
+];
+
+/// One test at a time per process: a cluster is 13 processes on 2 cores,
+/// and the overshoot bounds assume the machine is not shared with another
+/// cluster of the same suite.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A region-node process.
+#[derive(Debug)]
+pub struct Node {
+    pub region: String,
+    pub id: String,
+    pub proc: Proc,
+    /// `http://ip:port`
+    pub base: String,
+}
+
+impl Node {
+    /// `region/id`
+    pub fn name(&self) -> String {
+        format!("{}/{}", self.region, self.id)
+    }
+}
+
+/// What a test can vary.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// `[plans.*]` and `[tenants.*]` tables.
+    pub plans: String,
+    /// Extra lines of the `[node]` table (e.g. `max_staleness = "1s"`).
+    pub node_extra: String,
+    /// Extra lines of the `[kafka.client]` table (librdkafka settings).
+    pub kafka_extra: String,
+}
+
+/// The deployment. Fields drop in order: processes first, then the network.
+pub struct Cluster {
+    pub aggregators: Vec<Proc>,
+    pub nodes: Vec<Node>,
+    pub redis: Vec<(String, Proc)>,
+    pub tansu: Proc,
+    pub topo: Topology,
+    pub config: PathBuf,
+    pub history: History,
+    pub dir: TempDir,
+    pub started: Instant,
+    /// Keep the log directory when dropped (set by a failing check).
+    pub keep_logs: bool,
+    http: reqwest::Client,
+    _serial: tokio::sync::MutexGuard<'static, ()>,
+}
+
+fn metadata_ok(brokers: &str) -> bool {
+    let Ok(c) = client_config(brokers).create::<BaseConsumer>() else {
+        return false;
+    };
+    c.client()
+        .fetch_metadata(None, Duration::from_millis(1000))
+        .map(|md| !md.brokers().is_empty())
+        .unwrap_or(false)
+}
+
+fn topics_ready(brokers: &str) -> bool {
+    let Ok(c) = client_config(brokers).create::<BaseConsumer>() else {
+        return false;
+    };
+    [DELTAS, GLOBAL].iter().all(|topic| {
+        c.client()
+            .fetch_metadata(Some(topic), Duration::from_millis(2000))
+            .map(|md| {
+                md.topics().iter().any(|t| {
+                    t.name() == *topic
+                        && t.error().is_none()
+                        && t.partitions().len() == PARTITIONS as usize
+                        && t.partitions().iter().all(|p| p.error().is_none() && p.leader() >= 0)
+                })
+            })
+            .unwrap_or(false)
+    })
+}
+
+/// Polls `f` until true or `deadline`; panics naming `what`.
+pub async fn wait(what: &str, deadline: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    loop {
+        if f().await {
+            return;
+        }
+        if start.elapsed() > deadline {
+            panic!("timed out after {deadline:?} waiting until {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+impl Cluster {
+    /// Builds the network, starts every process and waits until every node
+    /// and the aggregator are ready.
+    pub async fn start(spec: Spec) -> Cluster {
+        let serial = SERIAL.lock().await;
+        let mut hosts = vec!["core"];
+        hosts.extend(REGIONS);
+        let topo = Topology::new(&hosts);
+        let dir = temp_dir();
+        let core = topo.host("core").clone();
+        let brokers = core.addr(KAFKA_PORT);
+
+        let mut toml = format!(
+            r#"cluster = "partitions"
+[kafka]
+brokers = "{brokers}"
+partitions = {PARTITIONS}
+[kafka.client]
+"reconnect.backoff.ms" = "50"
+"reconnect.backoff.max.ms" = "500"
+{kafka_extra}
+[node]
+flush_interval = "100ms"
+store_timeout = "250ms"
+store_retry_interval = "200ms"
+{node_extra}
+[aggregator]
+broadcast_interval = "100ms"
+group_id = "tierlimit-aggregator"
+session_timeout = "2s"
+[unknown_tenants]
+policy = "deny"
+"#,
+            node_extra = spec.node_extra,
+            kafka_extra = spec.kafka_extra,
+        );
+        for r in REGIONS {
+            toml += &format!(
+                "[regions.{r}]\nredis_url = \"redis://{}/\"\nexpected_nodes = 2\n",
+                topo.host(r).addr(REDIS_PORT)
+            );
+        }
+        toml += &spec.plans;
+        let config = write_config(dir.path(), &toml);
+
+        // Broker.
+        let tansu_dir = dir.path().join("tansu");
+        std::fs::create_dir_all(&tansu_dir).unwrap();
+        let url = format!("tcp://{brokers}");
+        let tansu = topo
+            .cmd("core", tansu_bin())
+            .arg("broker")
+            .args(["--kafka-cluster-id", "tierlimit-partitions"])
+            .args(["--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "sqlite://tansu.db"])
+            .current_dir(&tansu_dir)
+            .env("RUST_LOG", std::env::var("TANSU_LOG").unwrap_or_else(|_| "warn".into()))
+            .log_file(dir.path().join("tansu.log"))
+            .spawn();
+        // Redis per region.
+        let mut redis = Vec::new();
+        for r in REGIONS {
+            let rdir = dir.path().join(format!("redis-{r}"));
+            std::fs::create_dir_all(&rdir).unwrap();
+            let p = topo
+                .cmd(r, std::env::var_os("REDIS_SERVER_BIN").unwrap_or_else(|| "redis-server".into()))
+                .args(["--port", &REDIS_PORT.to_string(), "--bind", "0.0.0.0"])
+                .args(["--protected-mode", "no", "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(&rdir)
+                .log_file(dir.path().join(format!("redis-{r}.log")))
+                .spawn();
+            redis.push((r.to_string(), p));
+        }
+        let mut cluster = Cluster {
+            aggregators: Vec::new(),
+            nodes: Vec::new(),
+            redis,
+            tansu,
+            topo,
+            config,
+            history: History::new(),
+            dir,
+            started: Instant::now(),
+            keep_logs: false,
+            http: reqwest::Client::builder()
+                .no_proxy()
+                .timeout(Duration::from_secs(2))
+                .build()
+                .unwrap(),
+            _serial: serial,
+        };
+        let b = brokers.clone();
+        wait("Tansu answers metadata on the core address", START_DEADLINE, async || {
+            let b = b.clone();
+            tokio::task::spawn_blocking(move || metadata_ok(&b)).await.unwrap_or(false)
+        })
+        .await;
+        create_topics(&brokers).await;
+        for r in REGIONS {
+            let url = cluster.redis_url(r);
+            wait(&format!("redis of {r} answers"), START_DEADLINE, async || ping(&url).await).await;
+        }
+        cluster.aggregators.push(cluster.aggregator_cmd().spawn());
+        for r in REGIONS {
+            for i in 0..NODE_IDS.len() {
+                let p = cluster.node_cmd(r, i).spawn();
+                cluster.nodes.push(Node {
+                    region: r.to_string(),
+                    id: NODE_IDS[i].to_string(),
+                    proc: p,
+                    base: format!("http://{}", cluster.topo.host(r).addr(NODE_PORTS[i])),
+                });
+            }
+        }
+        cluster.wait_all_ready().await;
+        cluster.started = Instant::now();
+        cluster
+    }
+
+    fn aggregator_cmd(&self) -> crate::Cmd {
+        let listen = self.topo.host("core").addr(AGG_PORT);
+        self.topo
+            .cmd("core", bin_path("aggregator"))
+            .arg("--config")
+            .arg(&self.config)
+            .args(["--listen", &listen])
+            .env("RUST_LOG", "info")
+            .log_file(self.dir.path().join("aggregator.log"))
+    }
+
+    fn node_cmd(&self, region: &str, i: usize) -> crate::Cmd {
+        let listen = self.topo.host(region).addr(NODE_PORTS[i]);
+        self.topo
+            .cmd(region, bin_path("region-node"))
+            .arg("--config")
+            .arg(&self.config)
+            .args(["--region", region, "--node-id", NODE_IDS[i], "--listen", &listen])
+            .env("RUST_LOG", std::env::var("TIERLIMIT_NODE_LOG").unwrap_or_else(|_| "info".into()))
+            .label(format!("region-node[{region}/{}]", NODE_IDS[i]))
+            .log_file(self.dir.path().join(format!("node-{region}-{}.log", NODE_IDS[i])))
+    }
+
+    pub fn agg_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.topo.host("core").addr(AGG_PORT))
+    }
+
+    pub fn redis_url(&self, region: &str) -> String {
+        format!("redis://{}/", self.topo.host(region).addr(REDIS_PORT))
+    }
+
+    pub fn node(&self, region: &str, id: &str) -> &Node {
+        self.nodes
+            .iter()
+            .find(|n| n.region == region && n.id == id)
+            .unwrap_or_else(|| panic!("no node {region}/{id}"))
+    }
+
+    pub fn node_mut(&mut self, region: &str, id: &str) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.region == region && n.id == id)
+            .unwrap_or_else(|| panic!("no node {region}/{id}"))
+    }
+
+    /// Seconds since the cluster was ready (for log lines).
+    pub fn t(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    pub fn log(&self, what: &str) {
+        println!("[{:7.2}s] {what}", self.t());
+    }
+
+    async fn get_status(&self, url: &str) -> Option<u16> {
+        self.http.get(url).send().await.ok().map(|r| r.status().as_u16())
+    }
+
+    pub async fn get_json(&self, url: &str) -> Option<Value> {
+        self.http.get(url).send().await.ok()?.json().await.ok()
+    }
+
+    /// Waits until every node and the aggregator answer `/readyz` 200.
+    pub async fn wait_all_ready(&self) {
+        for n in &self.nodes {
+            let url = format!("{}/readyz", n.base);
+            wait(&format!("{} ready", n.name()), DEADLINE, async || self.get_status(&url).await == Some(200)).await;
+        }
+        self.wait_aggregator_ready().await;
+    }
+
+    pub async fn wait_aggregator_ready(&self) {
+        let url = self.agg_url("/readyz");
+        wait("the aggregator ready", DEADLINE, async || self.get_status(&url).await == Some(200)).await;
+    }
+
+    /// Waits up to `deadline` for `/readyz` 200; the error gives its last answer.
+    pub async fn try_wait_node_ready(&self, region: &str, id: &str, deadline: Duration) -> Result<Duration, String> {
+        let url = format!("{}/readyz", self.node(region, id).base);
+        let start = Instant::now();
+        loop {
+            let r = self.http.get(&url).send().await;
+            let (status, body) = match r {
+                Ok(r) => (r.status().as_u16(), r.text().await.unwrap_or_default()),
+                Err(e) => (0, e.to_string()),
+            };
+            if status == 200 {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() > deadline {
+                return Err(format!("GET /readyz still {status} {body} after {deadline:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn wait_node_ready(&self, region: &str, id: &str) {
+        let url = format!("{}/readyz", self.node(region, id).base);
+        wait(&format!("{region}/{id} ready"), DEADLINE, async || self.get_status(&url).await == Some(200)).await;
+    }
+
+    // -----------------------------------------------------------------
+    // Faults on processes
+    // -----------------------------------------------------------------
+
+    pub fn kill_aggregator(&mut self) {
+        self.aggregators[0].kill9();
+    }
+
+    /// Starts the aggregator again (same command, same log).
+    pub fn restart_aggregator(&mut self) {
+        self.aggregators[0].respawn();
+    }
+
+    pub fn kill_node(&mut self, region: &str, id: &str) {
+        self.node_mut(region, id).proc.kill9();
+    }
+
+    pub fn restart_node(&mut self, region: &str, id: &str) {
+        self.node_mut(region, id).proc.respawn();
+    }
+
+    /// kill -9 the region's Redis and start it again with no data.
+    pub async fn restart_redis_empty(&mut self, region: &str) {
+        let url = self.redis_url(region);
+        let p = &mut self.redis.iter_mut().find(|(r, _)| r == region).unwrap().1;
+        p.kill9();
+        p.respawn();
+        wait(&format!("redis of {region} back"), START_DEADLINE, async || ping(&url).await).await;
+    }
+
+    // -----------------------------------------------------------------
+    // Observations
+    // -----------------------------------------------------------------
+
+    /// The aggregator's total for `tenant` today, if it owns the tenant's
+    /// partition and has rebuilt it.
+    pub async fn aggregator_total(&self, tenant: &str) -> Option<u64> {
+        let v = self.get_json(&self.agg_url(&format!("/v1/global/{tenant}"))).await?;
+        if v["owned"] == false || v["caught_up"] == false {
+            return None;
+        }
+        v["today"]["total"].as_u64()
+    }
+
+    pub async fn aggregator_view(&self, tenant: &str) -> Value {
+        self.get_json(&self.agg_url(&format!("/v1/global/{tenant}")))
+            .await
+            .unwrap_or(Value::Null)
+    }
+
+    /// Waits until the aggregator's total for `tenant` is `want`.
+    pub async fn wait_global(&self, tenant: &str, want: u64) {
+        let start = Instant::now();
+        let mut last = None;
+        while start.elapsed() < DEADLINE {
+            last = self.aggregator_total(tenant).await;
+            if last == Some(want) {
+                self.log(&format!("aggregator total of {tenant} = {want} (converged in {:?})", start.elapsed()));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "aggregator total for {tenant} should converge to {want}, last seen {last:?}; view: {}",
+            self.aggregator_view(tenant).await
+        );
+    }
+
+    /// Today's `(epoch, p, n)` of `tenant` in `region`'s Redis.
+    pub async fn redis_counter(&self, region: &str, tenant: &str) -> Option<(String, u64, u64)> {
+        let mut con = redis_con(&self.redis_url(region)).await?;
+        let key = format!("tl:{{{tenant}}}:g:{}", tierlimit_shared::day::today());
+        let (e, p, n): (Option<String>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(&key)
+            .arg("e")
+            .arg("p")
+            .arg("n")
+            .query_async(&mut con)
+            .await
+            .ok()?;
+        Some((e?, p.unwrap_or(0), n.unwrap_or(0)))
+    }
+
+    /// Σ over regions of today's P − N in Redis: what the regions charged
+    /// (current epochs only).
+    pub async fn redis_truth(&self, tenant: &str) -> u64 {
+        let mut sum = 0;
+        for r in REGIONS {
+            if let Some((_, p, n)) = self.redis_counter(r, tenant).await {
+                sum += p - n;
+            }
+        }
+        sum
+    }
+
+    /// A fixed-window tier state in a region's Redis: (window index, count).
+    pub async fn redis_window(&self, region: &str, key: &str) -> Option<(u64, u64)> {
+        let mut con = redis_con(&self.redis_url(region)).await?;
+        let (w, c): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(key)
+            .arg("w")
+            .arg("c")
+            .query_async(&mut con)
+            .await
+            .ok()?;
+        Some((w?, c.unwrap_or(0)))
+    }
+
+    /// Sum of every series of `name` in the node's `/metrics`.
+    pub async fn node_metric(&self, node: &Node, name: &str) -> Option<f64> {
+        let text = self.node_metrics_text(node).await?;
+        Some(metric_value(&text, name))
+    }
+
+    pub async fn node_metrics_text(&self, node: &Node) -> Option<String> {
+        self.http.get(format!("{}/metrics", node.base)).send().await.ok()?.text().await.ok()
+    }
+
+    pub async fn aggregator_metric(&self, name: &str) -> Option<f64> {
+        let text = self.http.get(self.agg_url("/metrics")).send().await.ok()?.text().await.ok()?;
+        Some(metric_value(&text, name))
+    }
+
+    /// Every process log that mentions a panic, as "label: line".
+    pub fn panics(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let procs = self
+            .aggregators
+            .iter()
+            .chain(self.nodes.iter().map(|n| &n.proc))
+            .chain(self.redis.iter().map(|(_, p)| p))
+            .chain(std::iter::once(&self.tansu));
+        for p in procs {
+            for line in p.log().lines() {
+                if line.contains("panicked") {
+                    out.push(format!("{}: {line}", p.label()));
+                }
+            }
+        }
+        out
+    }
+
+    pub fn assert_no_panics(&self) {
+        let p = self.panics();
+        assert!(p.is_empty(), "processes panicked:\n{}", p.join("\n"));
+    }
+
+    // -----------------------------------------------------------------
+    // Load
+    // -----------------------------------------------------------------
+
+    /// Clients, one per node of `regions` (all regions if empty).
+    pub fn clients(&self, regions: &[&str]) -> Vec<Client> {
+        self.nodes
+            .iter()
+            .filter(|n| regions.is_empty() || regions.contains(&n.region.as_str()))
+            .map(|n| Client::new(self.history.clone(), &n.region, &n.id, &n.base))
+            .collect()
+    }
+
+    /// Paced traffic: for each node of `regions` (all if empty), one client
+    /// checking `tenant` (cost 1) `rate` times a second; if `refund_every` is
+    /// n > 0, every n-th allowed check is followed by a refund of 1.
+    pub fn load(&self, tenant: &str, regions: &[&str], rate: f64, refund_every: u32) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for c in self.clients(regions) {
+            let (stop, tenant) = (stop.clone(), tenant.to_string());
+            tasks.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut allowed = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    match c.check(&tenant, 1).await {
+                        Outcome::Ok { .. } => {
+                            allowed += 1;
+                            if refund_every > 0 && allowed.is_multiple_of(refund_every) {
+                                c.refund(&tenant, 1).await;
+                            }
+                        }
+                        Outcome::Unknown(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                        _ => {}
+                    }
+                }
+            }));
+        }
+        Load { stop, tasks }
+    }
+
+    /// Samples [`WATCHED`] on every node every 200 ms until stopped.
+    pub fn sample_metrics(self: &Cluster) -> Sampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
+        let targets: Vec<(String, String)> = self.nodes.iter().map(|n| (n.name(), n.base.clone())).collect();
+        let http = self.http.clone();
+        let (s2, samples2) = (stop.clone(), samples.clone());
+        let task = tokio::spawn(async move {
+            while !s2.load(Ordering::Relaxed) {
+                for (name, base) in &targets {
+                    let Ok(r) = http.get(format!("{base}/metrics")).timeout(Duration::from_millis(500)).send().await
+                    else {
+                        continue;
+                    };
+                    let Ok(text) = r.text().await else { continue };
+                    let t = now_us();
+                    let mut s = samples2.lock().unwrap();
+                    for m in WATCHED {
+                        let value = if m == "publish_lag_seconds" {
+                            publish_lag(&text, t)
+                        } else {
+                            metric_value(&text, m)
+                        };
+                        s.push(Sample { t_us: t, node: name.clone(), metric: m, value });
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Sampler { stop, samples, task: Some(task) }
+    }
+}
+
+impl Drop for Cluster {
+    /// Keeps the logs of a failed test (or of every test with
+    /// `TIERLIMIT_KEEP_LOGS=1`) and says where they are.
+    fn drop(&mut self) {
+        let keep = self.keep_logs
+            || std::env::var_os("TIERLIMIT_KEEP_LOGS").is_some_and(|v| !v.is_empty() && v != "0");
+        if keep || std::thread::panicking() {
+            let dir = std::mem::replace(&mut self.dir, temp_dir());
+            let path = dir.keep();
+            eprintln!("cluster: logs kept in {}", path.display());
+        }
+    }
+}
+
+async fn create_topics(brokers: &str) {
+    let admin: AdminClient<DefaultClientContext> = client_config(brokers).create().expect("admin client");
+    let topics: Vec<NewTopic> = [DELTAS, GLOBAL]
+        .iter()
+        .map(|t| NewTopic::new(t, PARTITIONS, TopicReplication::Fixed(1)))
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+    for r in admin.create_topics(topics.iter(), &opts).await.expect("CreateTopics") {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((name, code)) => panic!("cannot create topic {name}: {code}"),
+        }
+    }
+    let b = brokers.to_string();
+    wait("topics have partitions with leaders", START_DEADLINE, async || {
+        let b = b.clone();
+        tokio::task::spawn_blocking(move || topics_ready(&b)).await.unwrap_or(false)
+    })
+    .await;
+}
+
+async fn redis_con(url: &str) -> Option<redis::aio::MultiplexedConnection> {
+    let client = redis::Client::open(url).ok()?;
+    tokio::time::timeout(Duration::from_secs(2), client.get_multiplexed_async_connection())
+        .await
+        .ok()?
+        .ok()
+}
+
+async fn ping(url: &str) -> bool {
+    let Some(mut c) = redis_con(url).await else { return false };
+    redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
+}
+
+/// Seconds since the node's last fully acknowledged flush, at `now_us`.
+pub fn publish_lag(text: &str, now_us: u64) -> f64 {
+    let last_ms = metric_value(text, "tierlimit_last_publish_timestamp_ms");
+    if last_ms <= 0.0 {
+        return f64::INFINITY;
+    }
+    (now_us as f64 / 1000.0 - last_ms).max(0.0) / 1000.0
+}
+
+/// Sum of every sample of metric `name` (exact name, any labels) in a
+/// Prometheus text exposition.
+pub fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Paced traffic started by [`Cluster::load`].
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    pub async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.expect("load task panicked");
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub t_us: u64,
+    pub node: String,
+    pub metric: &'static str,
+    pub value: f64,
+}
+
+/// Metric samples taken by [`Cluster::sample_metrics`].
+pub struct Sampler {
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Sampler {
+    pub async fn stop(mut self) -> Samples {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+        Samples(self.samples.lock().unwrap().clone())
+    }
+}
+
+/// The samples, with the questions the fault checks ask of them.
+#[derive(Debug, Clone)]
+pub struct Samples(pub Vec<Sample>);
+
+impl Samples {
+    fn of<'a>(&'a self, node: &'a str, metric: &'a str) -> impl Iterator<Item = &'a Sample> + 'a {
+        self.0.iter().filter(move |s| s.node == node && s.metric == metric)
+    }
+
+    /// Largest value of `metric` on `node` sampled in `[from, to]` (µs).
+    pub fn max_in(&self, node: &str, metric: &str, from: u64, to: u64) -> Option<f64> {
+        self.of(node, metric)
+            .filter(|s| s.t_us >= from && s.t_us <= to)
+            .map(|s| s.value)
+            .reduce(f64::max)
+    }
+
+    /// Smallest value of `metric` on `node` sampled in `[from, to]` (µs).
+    pub fn min_in(&self, node: &str, metric: &str, from: u64, to: u64) -> Option<f64> {
+        self.of(node, metric)
+            .filter(|s| s.t_us >= from && s.t_us <= to)
+            .map(|s| s.value)
+            .reduce(f64::min)
+    }
+
+    /// Last value of `metric` on `node` sampled at or before `at` (µs).
+    pub fn at(&self, node: &str, metric: &str, at: u64) -> Option<f64> {
+        self.of(node, metric).filter(|s| s.t_us <= at).last().map(|s| s.value)
+    }
+
+    /// The last sample of `metric` on `node`.
+    pub fn last(&self, node: &str, metric: &str) -> Option<f64> {
+        self.of(node, metric).last().map(|s| s.value)
+    }
+
+    /// Per node: value before, max during, last value after — for the log.
+    pub fn table(&self, metric: &str, fault: (u64, u64)) -> String {
+        let mut nodes: BTreeMap<&str, ()> = BTreeMap::new();
+        for s in &self.0 {
+            nodes.insert(&s.node, ());
+        }
+        let mut out = format!("{metric} (before / max during fault / last):");
+        for n in nodes.keys() {
+            out += &format!(
+                " {n}={:?}/{:?}/{:?}",
+                self.at(n, metric, fault.0),
+                self.max_in(n, metric, fault.0, fault.1),
+                self.last(n, metric)
+            );
+        }
+        out
+    }
+}

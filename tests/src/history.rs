@@ -1,0 +1,690 @@
+//! Histories of client operations and the checker that judges them, in the
+//! manner of Jepsen: every client records what it asked and what it was
+//! told; after the run the checker verifies the system's promises against
+//! that record (and against the regions' Redis, the ground truth of what was
+//! charged), exactly, not approximately.
+//!
+//! An operation whose answer never arrived (connection reset by a killed
+//! node, timeout) is recorded as [`Outcome::Unknown`]: it may or may not have
+//! been applied, and every check treats it as either, bounding the result by
+//! the number of such operations instead of guessing.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+/// Microseconds since the Unix epoch on this machine's clock, which every
+/// server of the test (each region's Redis included) shares.
+pub fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Check,
+    Refund,
+}
+
+/// What the client was told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// 200. `mode` is how the node decided: `redis`, `local`, `open`.
+    Ok { mode: String },
+    /// 429, with the tier that denied and the mode (`redis`, `view`, `local`).
+    Denied { tier: String, mode: String },
+    /// 503: the region's Redis is down and the plan fails closed.
+    Unavailable,
+    /// No answer (connection error, timeout) or an unexpected status: the
+    /// operation may or may not have taken effect.
+    Unknown(String),
+}
+
+/// One tier as reported in a reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierInfo {
+    pub tier: String,
+    pub limit: u64,
+    pub remaining: u64,
+    pub reset_ms: u64,
+    pub window_ms: u64,
+}
+
+/// One client operation.
+#[derive(Debug, Clone)]
+pub struct Event {
+    /// When the request was sent and when the answer arrived (µs since the
+    /// epoch): the decision happened somewhere in between.
+    pub start_us: u64,
+    pub end_us: u64,
+    pub region: String,
+    pub node: String,
+    pub tenant: String,
+    pub cost: u64,
+    pub op: Op,
+    pub outcome: Outcome,
+    pub tiers: Vec<TierInfo>,
+}
+
+impl Event {
+    pub fn allowed(&self) -> bool {
+        matches!(self.outcome, Outcome::Ok { .. })
+    }
+
+    pub fn unknown(&self) -> bool {
+        matches!(self.outcome, Outcome::Unknown(_))
+    }
+
+    pub fn mode(&self) -> Option<&str> {
+        match &self.outcome {
+            Outcome::Ok { mode } | Outcome::Denied { mode, .. } => Some(mode),
+            _ => None,
+        }
+    }
+
+    /// Allowed and counted in the global tier (by the decision script, or
+    /// by a node's local actor). `open` mode allows without counting.
+    pub fn counted(&self) -> bool {
+        matches!(&self.outcome, Outcome::Ok { mode } if mode == "redis" || mode == "local")
+    }
+
+    /// Answered from a fail mode (`open`, `local`, 503) after waiting at
+    /// least `slow_us`: the node gave up on a Redis call whose outcome it
+    /// does not know.
+    pub fn answered_after_store_timeout(&self, slow_us: u64) -> bool {
+        let fail_mode = matches!(&self.outcome, Outcome::Ok { mode } if mode == "open" || mode == "local")
+            || self.outcome == Outcome::Unavailable;
+        fail_mode && self.end_us - self.start_us >= slow_us
+    }
+
+    pub fn tier(&self, name: &str) -> Option<&TierInfo> {
+        self.tiers.iter().find(|t| t.tier == name)
+    }
+}
+
+/// A shared, append-only history.
+#[derive(Debug, Clone, Default)]
+pub struct History(Arc<Mutex<Vec<Event>>>);
+
+impl History {
+    pub fn new() -> History {
+        History::default()
+    }
+
+    pub fn push(&self, e: Event) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(e);
+    }
+
+    /// A copy of every event so far, in completion order.
+    pub fn events(&self) -> Vec<Event> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Sum of costs of checks of `tenant` allowed so far.
+    pub fn allowed(&self, tenant: &str) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|e| e.op == Op::Check && e.tenant == tenant && e.allowed())
+            .map(|e| e.cost)
+            .sum()
+    }
+}
+
+/// A client of one region-node that records every operation.
+#[derive(Debug, Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    history: History,
+    pub region: String,
+    pub node: String,
+    /// `http://ip:port`
+    pub base: String,
+}
+
+impl Client {
+    pub fn new(history: History, region: &str, node: &str, base: &str) -> Client {
+        Client {
+            http: reqwest::Client::builder()
+                .no_proxy()
+                .timeout(Duration::from_secs(3))
+                .pool_max_idle_per_host(4)
+                .build()
+                .expect("reqwest client"),
+            history,
+            region: region.into(),
+            node: node.into(),
+            base: base.into(),
+        }
+    }
+
+    pub async fn check(&self, tenant: &str, cost: u64) -> Outcome {
+        self.call(Op::Check, tenant, cost).await
+    }
+
+    pub async fn refund(&self, tenant: &str, cost: u64) -> Outcome {
+        self.call(Op::Refund, tenant, cost).await
+    }
+
+    async fn call(&self, op: Op, tenant: &str, cost: u64) -> Outcome {
+        let path = match op {
+            Op::Check => "/v1/check",
+            Op::Refund => "/v1/refund",
+        };
+        let start_us = now_us();
+        let res = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .json(&serde_json::json!({ "tenant": tenant, "cost": cost }))
+            .send()
+            .await;
+        let (outcome, tiers) = match res {
+            Err(e) => (Outcome::Unknown(e.to_string()), Vec::new()),
+            Ok(r) => {
+                let status = r.status().as_u16();
+                match r.json::<Value>().await {
+                    Err(e) => (Outcome::Unknown(format!("status {status}, body: {e}")), Vec::new()),
+                    Ok(body) => {
+                        let tiers = parse_tiers(&body);
+                        let mode = body["mode"].as_str().unwrap_or("").to_string();
+                        let outcome = match status {
+                            200 => Outcome::Ok { mode },
+                            429 => Outcome::Denied {
+                                tier: body["violated-policy"].as_str().unwrap_or("").to_string(),
+                                mode,
+                            },
+                            503 => Outcome::Unavailable,
+                            s => Outcome::Unknown(format!("status {s}: {body}")),
+                        };
+                        (outcome, tiers)
+                    }
+                }
+            }
+        };
+        let end_us = now_us();
+        self.history.push(Event {
+            start_us,
+            end_us,
+            region: self.region.clone(),
+            node: self.node.clone(),
+            tenant: tenant.into(),
+            cost,
+            op,
+            outcome: outcome.clone(),
+            tiers,
+        });
+        outcome
+    }
+}
+
+fn parse_tiers(body: &Value) -> Vec<TierInfo> {
+    body["tiers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|t| TierInfo {
+                    tier: t["tier"].as_str().unwrap_or("").into(),
+                    limit: t["limit"].as_u64().unwrap_or(0),
+                    remaining: t["remaining"].as_u64().unwrap_or(0),
+                    reset_ms: t["reset_ms"].as_u64().unwrap_or(0),
+                    window_ms: t["window_ms"].as_u64().unwrap_or(0),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+// ---------------------------------------------------------------------------
+// Summary
+// ---------------------------------------------------------------------------
+
+/// Counts per (region, node, outcome) of `tenant`'s checks, for the log.
+pub fn summary(events: &[Event], tenant: &str) -> String {
+    let mut m: BTreeMap<(String, String), BTreeMap<String, u64>> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.tenant == tenant) {
+        let k = match (&e.op, &e.outcome) {
+            (Op::Refund, Outcome::Ok { mode }) => format!("refund-{mode}"),
+            (Op::Refund, _) => "refund-other".into(),
+            (Op::Check, Outcome::Ok { mode }) => format!("ok-{mode}"),
+            (Op::Check, Outcome::Denied { tier, mode }) => format!("denied-{tier}-{mode}"),
+            (Op::Check, Outcome::Unavailable) => "503".into(),
+            (Op::Check, Outcome::Unknown(_)) => "unknown".into(),
+        };
+        *m.entry((e.region.clone(), e.node.clone()))
+            .or_default()
+            .entry(k)
+            .or_default() += e.cost;
+    }
+    let mut s = format!("history of tenant {tenant}:\n");
+    for ((r, n), counts) in m {
+        let parts: Vec<String> = counts.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let _ = writeln!(s, "  {r}/{n}: {}", parts.join(" "));
+    }
+    s
+}
+
+// ---------------------------------------------------------------------------
+// Check 1: node and region tiers never exceed their limit in any window
+// ---------------------------------------------------------------------------
+
+/// Which fixed window of length `w` ms a decision fell in, from the client's
+/// time bracket and the `reset_ms` the server reported: the window ends
+/// `reset_ms` after the decision, so its end is a multiple of `w` within
+/// `[start + reset, end + reset]`. `None` if that bracket holds no multiple
+/// or several (only when a request took longer than a window).
+pub fn window_of(start_us: u64, end_us: u64, reset_ms: u64, w: u64) -> Result<u64, String> {
+    let lo = start_us / 1000 + reset_ms;
+    let hi = end_us.div_ceil(1000) + reset_ms;
+    let first = lo.div_ceil(w);
+    let last = hi / w;
+    match last.checked_sub(first) {
+        Some(0) => Ok(first - 1),
+        Some(n) => Err(format!("{} candidate windows", n + 1)),
+        None => Err(format!(
+            "no window end in [{lo}, {hi}] ms (w {w} ms): the server's clock disagrees with ours"
+        )),
+    }
+}
+
+/// What one tier did, per scope and window.
+#[derive(Debug, Default)]
+pub struct TierReport {
+    pub tier: String,
+    pub limit: u64,
+    /// (scope, window index) → units allowed there.
+    pub usage: BTreeMap<(String, u64), u64>,
+    /// Allowed operations that could not be placed in one window.
+    pub unplaced: Vec<String>,
+    /// Windows where more than `limit` was allowed: the violations.
+    pub violations: Vec<String>,
+    /// Allowed units not checked because their window overlaps a skipped
+    /// time range (e.g. the region's Redis lost its counters then).
+    pub skipped: u64,
+}
+
+impl TierReport {
+    pub fn max_usage(&self) -> u64 {
+        self.usage.values().copied().max().unwrap_or(0)
+    }
+
+    /// Windows that were filled to the limit (proof the tier really bit).
+    pub fn full_windows(&self) -> usize {
+        self.usage.values().filter(|u| **u >= self.limit).count()
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "{} tier (limit {} per window): {} (scope, window) pairs, max usage {}, {} full, {} unplaced, {} skipped, {} violations",
+            self.tier,
+            self.limit,
+            self.usage.len(),
+            self.max_usage(),
+            self.full_windows(),
+            self.unplaced.len(),
+            self.skipped,
+            self.violations.len()
+        )
+    }
+}
+
+/// Checks that the `tier` ("node" or "region") of `tenant`, a fixed window
+/// of `limit` per `window_ms`, never allowed more than `limit` in one window
+/// of one scope (a node for the node tier, a region for the region tier),
+/// counting only decisions made in the given modes (`redis`: the shared
+/// tiers; `local`: each node on its own, where the region tier is the
+/// node's share, so pass the share as `limit` and "node" scoping via
+/// `per_node`). Windows overlapping one of the `skip` ranges (µs) are not
+/// checked.
+#[allow(clippy::too_many_arguments)]
+pub fn check_fixed_window_tier(
+    events: &[Event],
+    tenant: &str,
+    tier: &str,
+    limit: u64,
+    window_ms: u64,
+    modes: &[&str],
+    per_node: bool,
+    skip: &[(u64, u64)],
+) -> TierReport {
+    let mut r = TierReport {
+        tier: format!("{tier} ({})", modes.join("/")),
+        limit,
+        ..TierReport::default()
+    };
+    for e in events {
+        if e.tenant != tenant || e.op != Op::Check || !e.allowed() {
+            continue;
+        }
+        if !e.mode().is_some_and(|m| modes.contains(&m)) {
+            continue;
+        }
+        let Some(t) = e.tier(tier) else {
+            r.unplaced.push(format!("{e:?}: no {tier} tier in the reply"));
+            continue;
+        };
+        assert_eq!(t.window_ms, window_ms, "{tier} tier window in the reply: {e:?}");
+        match window_of(e.start_us, e.end_us, t.reset_ms, window_ms) {
+            Ok(idx) => {
+                let (ws, we) = (idx * window_ms * 1000, (idx + 1) * window_ms * 1000);
+                if skip.iter().any(|(a, b)| *a < we && *b >= ws) {
+                    r.skipped += e.cost;
+                    continue;
+                }
+                let scope = if per_node || tier == "node" {
+                    format!("{}/{}", e.region, e.node)
+                } else {
+                    e.region.clone()
+                };
+                *r.usage.entry((scope, idx)).or_default() += e.cost;
+            }
+            Err(why) => r.unplaced.push(format!("{why}: {e:?}")),
+        }
+    }
+    for ((scope, idx), used) in &r.usage {
+        if *used > limit {
+            r.violations.push(format!(
+                "{tier} tier of {scope}: {used} allowed in window {idx} (limit {limit})"
+            ));
+        }
+    }
+    r
+}
+
+/// Units of `tenant` allowed by Redis in window `idx` of the `tier` within
+/// `scope`, and the units of operations that may have been charged there
+/// without the client being told so: no answer, or a fail-mode answer after
+/// a store timeout of `slow` (overlapping the window).
+pub fn usage_in_window(
+    events: &[Event],
+    tenant: &str,
+    tier: &str,
+    window_ms: u64,
+    idx: u64,
+    slow: Duration,
+    scope: impl Fn(&Event) -> bool,
+) -> (u64, u64) {
+    let slow_us = slow.as_micros() as u64;
+    let (w_start, w_end) = (idx * window_ms * 1000, (idx + 1) * window_ms * 1000);
+    let mut used = 0;
+    let mut unknown = 0;
+    for e in events.iter().filter(|e| e.tenant == tenant && e.op == Op::Check && scope(e)) {
+        if e.allowed() && e.mode() == Some("redis") {
+            if let Some(t) = e.tier(tier) {
+                if window_of(e.start_us, e.end_us, t.reset_ms, window_ms) == Ok(idx) {
+                    used += e.cost;
+                }
+            }
+        } else if (e.unknown() || e.answered_after_store_timeout(slow_us)) && e.start_us < w_end && e.end_us >= w_start {
+            unknown += e.cost;
+        }
+    }
+    (used, unknown)
+}
+
+// ---------------------------------------------------------------------------
+// Check 2: the global count is exact
+// ---------------------------------------------------------------------------
+
+/// What the history says the global count of a tenant must be.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GlobalExpectation {
+    /// Units allowed and counted (modes `redis` and `local`).
+    pub counted: u64,
+    /// Units refunded (answered refunds in modes `redis` and `local`).
+    pub refunded: u64,
+    /// Units allowed in `open` mode (not counted by design).
+    pub open: u64,
+    /// Checks without an answer: each may have been charged.
+    pub unknown_checks: u64,
+    /// Refunds without an answer: each may have been applied.
+    pub unknown_refunds: u64,
+    /// Checks answered from a fail mode (`open`, `local`, 503) after
+    /// waiting for the store timeout: their `EVALSHA` was sent and its
+    /// outcome is unknown to the node, so Redis may have charged them too.
+    pub indeterminate: u64,
+    /// Refunds whose effect the answer does not tell: answered `open` (a
+    /// no-op for an `open` plan, but applied to the node's local actor for a
+    /// `local` plan, which also answers `"mode": "open"`), or answered from
+    /// a fail mode after a store timeout (Redis may have applied it).
+    pub maybe_refunded: u64,
+}
+
+impl GlobalExpectation {
+    /// The exact expected count when nothing is unknown.
+    pub fn net(&self) -> u64 {
+        self.counted - self.refunded
+    }
+
+    /// The range the true count must lie in.
+    pub fn range(&self) -> (u64, u64) {
+        (
+            self.net().saturating_sub(self.unknown_refunds + self.maybe_refunded),
+            self.net() + self.unknown_checks + self.indeterminate,
+        )
+    }
+
+    /// True when the history pins the count to one value.
+    pub fn is_exact(&self) -> bool {
+        self.unknown_checks == 0 && self.unknown_refunds == 0 && self.indeterminate == 0 && self.maybe_refunded == 0
+    }
+}
+
+/// What the history of `tenant` says its global count must be. A check
+/// answered from a fail mode that took at least `store_timeout` waited for
+/// a Redis answer that never came: it counts as [`GlobalExpectation::indeterminate`].
+pub fn global_expectation(events: &[Event], tenant: &str, store_timeout: Duration) -> GlobalExpectation {
+    let mut g = GlobalExpectation::default();
+    let slow = store_timeout.as_micros() as u64;
+    for e in events.iter().filter(|e| e.tenant == tenant) {
+        if e.op == Op::Check && e.answered_after_store_timeout(slow) {
+            g.indeterminate += e.cost;
+        }
+        if e.op == Op::Refund
+            && (matches!(&e.outcome, Outcome::Ok { mode } if mode == "open") || e.answered_after_store_timeout(slow))
+        {
+            g.maybe_refunded += e.cost;
+            continue;
+        }
+        match (e.op, &e.outcome) {
+            (Op::Check, Outcome::Ok { mode }) if mode == "open" => g.open += e.cost,
+            (Op::Check, _) if e.counted() => g.counted += e.cost,
+            (Op::Check, Outcome::Unknown(_)) => g.unknown_checks += e.cost,
+            (Op::Refund, Outcome::Ok { mode }) if mode == "redis" || mode == "local" => g.refunded += e.cost,
+            (Op::Refund, Outcome::Unknown(_)) => g.unknown_refunds += e.cost,
+            _ => {}
+        }
+    }
+    g
+}
+
+// ---------------------------------------------------------------------------
+// Check 3: global overshoot within the design's bound
+// ---------------------------------------------------------------------------
+
+/// The global overshoot of a run and the bound the design gives for it.
+///
+/// The argument: a region enforces `own exact count + others as last seen
+/// ≤ limit`. Take region r's last allowed check, decided at τ_r. Nothing of
+/// r was allowed after it, so the final total is r's count at τ_r plus the
+/// others' final count, and
+/// `total − limit ≤ others(final) − others_seen_by_r(τ_r)`.
+/// r's view at τ_r holds every unit the others allowed before `τ_r − S`,
+/// where S is the staleness of that view (flush, aggregation, broadcast and
+/// transport, plus the length of any fault that stopped it). So the
+/// overshoot is at most what the other regions allowed after `τ_r − S`: the
+/// design's "others' traffic × staleness". This holds for every region that
+/// allowed anything, so the bound is the smallest of them.
+#[derive(Debug, Clone)]
+pub struct Overshoot {
+    pub limit: u64,
+    pub allowed: u64,
+    pub overshoot: u64,
+    /// (region, staleness S of its view, last allowed at (ms since the first
+    /// event), others' units allowed at or after `last − S` = the bound this
+    /// region gives).
+    pub per_region: Vec<(String, Duration, u64, u64)>,
+    pub bound: u64,
+}
+
+impl Overshoot {
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "global overshoot: allowed {} of limit {} => overshoot {}; bound = others' traffic within the staleness = {}\n",
+            self.allowed, self.limit, self.overshoot, self.bound
+        );
+        for (r, st, at, b) in &self.per_region {
+            let _ = writeln!(
+                s,
+                "  {r}: staleness {:.2}s, last allowed at +{:.2}s, others allowed since (last - staleness): {b}",
+                st.as_secs_f64(),
+                *at as f64 / 1000.0
+            );
+        }
+        s
+    }
+
+    pub fn within_bound(&self) -> bool {
+        self.overshoot <= self.bound
+    }
+}
+
+/// Computes [`Overshoot`] for `tenant` (no refunds on it), given the
+/// staleness of each region's view of the others (`staleness(region)`).
+pub fn overshoot(
+    events: &[Event],
+    tenant: &str,
+    limit: u64,
+    staleness: impl Fn(&str) -> Duration,
+) -> Overshoot {
+    let checks: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.tenant == tenant && e.op == Op::Check)
+        .collect();
+    let t0 = checks.iter().map(|e| e.start_us).min().unwrap_or(0);
+    let allowed: u64 = checks.iter().filter(|e| e.counted()).map(|e| e.cost).sum();
+    let mut regions: Vec<String> = checks.iter().map(|e| e.region.clone()).collect();
+    regions.sort();
+    regions.dedup();
+    let mut per_region = Vec::new();
+    for r in &regions {
+        let st = staleness(r);
+        let s_us = st.as_micros() as u64;
+        let Some(last) = checks
+            .iter()
+            .filter(|e| &e.region == r && e.counted())
+            .map(|e| e.start_us)
+            .max()
+        else {
+            continue;
+        };
+        let since = last.saturating_sub(s_us);
+        // Others' units that r's view may have missed: allowed (or maybe
+        // allowed) at or after `since`; plus r's own unanswered checks after
+        // its last known allowed one.
+        let others: u64 = checks
+            .iter()
+            .filter(|e| &e.region != r && (e.counted() || e.unknown()) && e.end_us >= since)
+            .map(|e| e.cost)
+            .sum();
+        let own_unknown: u64 = checks
+            .iter()
+            .filter(|e| &e.region == r && e.unknown() && e.end_us >= last)
+            .map(|e| e.cost)
+            .sum();
+        per_region.push((r.clone(), st, (last - t0) / 1000, others + own_unknown));
+    }
+    let bound = per_region.iter().map(|(_, _, _, b)| *b).min().unwrap_or(0);
+    Overshoot {
+        limit,
+        allowed,
+        overshoot: allowed.saturating_sub(limit),
+        per_region,
+        bound,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_of_places_exactly() {
+        // Decision at 10_500 ms, window 1000: reset 500, window 10.
+        assert_eq!(window_of(10_499_000, 10_501_000, 500, 1000), Ok(10));
+        // Bracket spanning a boundary, resolved by reset.
+        assert_eq!(window_of(10_999_500, 11_000_700, 1, 1000), Ok(10));
+        assert_eq!(window_of(10_999_500, 11_000_700, 1000, 1000), Ok(11));
+        assert!(window_of(10_000_000, 13_000_000, 500, 1000).is_err());
+    }
+
+    fn ev(region: &str, at_ms: u64, outcome: Outcome) -> Event {
+        Event {
+            start_us: at_ms * 1000,
+            end_us: at_ms * 1000 + 1000,
+            region: region.into(),
+            node: "a".into(),
+            tenant: "g".into(),
+            cost: 1,
+            op: Op::Check,
+            outcome,
+            tiers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn expectation_widens_only_for_ambiguous_operations() {
+        let ok = |mode: &str| Outcome::Ok { mode: mode.into() };
+        let mut h = vec![ev("eu", 0, ok("redis")), ev("eu", 10, ok("local")), ev("eu", 20, ok("open"))];
+        let mut refund = ev("eu", 30, ok("redis"));
+        refund.op = Op::Refund;
+        h.push(refund);
+        let g = global_expectation(&h, "g", Duration::from_millis(250));
+        assert_eq!((g.counted, g.refunded, g.open), (2, 1, 1));
+        assert!(g.is_exact());
+        assert_eq!(g.range(), (1, 1));
+        // A local answer after a store timeout may also be charged in Redis;
+        // a refund answered `open` may have been applied locally.
+        let mut slow = ev("eu", 40, ok("local"));
+        slow.end_us = slow.start_us + 300_000;
+        let mut open_refund = ev("eu", 50, ok("open"));
+        open_refund.op = Op::Refund;
+        h.extend([slow, open_refund]);
+        let g = global_expectation(&h, "g", Duration::from_millis(250));
+        assert_eq!((g.indeterminate, g.maybe_refunded), (1, 1));
+        assert_eq!(g.range(), (1, 3));
+    }
+
+    #[test]
+    fn overshoot_bound_is_others_traffic_within_staleness() {
+        let ok = || Outcome::Ok { mode: "redis".into() };
+        let mut h = Vec::new();
+        for t in 0..10 {
+            h.push(ev("eu", t * 100, ok()));
+            h.push(ev("us", t * 100 + 50, ok()));
+        }
+        let s = Duration::from_millis(300);
+        let o = overshoot(&h, "g", 15, |_| s);
+        assert_eq!(o.allowed, 20);
+        assert_eq!(o.overshoot, 5);
+        // eu's last at 900: us allowed at 650, 750, 850, 950 (end ≥ 600).
+        assert_eq!(o.per_region[0], ("eu".to_string(), s, 900, 4));
+        // us's last at 950: eu allowed at 700, 800, 900 (end ≥ 650).
+        assert_eq!(o.per_region[1], ("us".to_string(), s, 950, 3));
+        assert_eq!(o.bound, 3);
+        assert!(!o.within_bound());
+    }
+}

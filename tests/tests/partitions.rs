@@ -1,0 +1,1048 @@
+//! Partition and fault suite: Jepsen-style faults against a real deployment
+//! in network namespaces, judged by a checker of exact histories.
+//!
+//! Every test builds the same topology (`harness::topology`,
+//! `harness::cluster`): a `core` host with the Tansu broker and the
+//! aggregator, and three regions (`eu`, `us`, `ap`), each with its own
+//! `redis-server` and two region-nodes, every process in its host's network
+//! namespace. Paced clients in the test process drive three tenants through
+//! every node and record a history (`harness::history`):
+//!
+//! - `tiers`: node tier 30 / 2 s and region tier 50 / 2 s, fixed windows
+//!   aligned to the wall clock, so "never more than the limit in a window"
+//!   is checkable exactly (each reply's `reset_ms` pins its window);
+//! - `g`: global limit 600 / day, crossed during the fault, to measure the
+//!   global overshoot against the design's bound;
+//! - `t`: a large global limit with a refund after every 10th allowed check,
+//!   for the exact "allowed − refunds" count.
+//!
+//! Then a fault, a heal, and the checks, in this order (each failure is
+//! collected and reported together at the end):
+//!
+//! 1. node and region tiers never allowed more than their limit in any
+//!    window (and the regions' Redis counters agree with the history);
+//! 2. the aggregator's total equals allowed − refunds exactly once healed
+//!    and drained (or, when a request's answer was lost, equals the regions'
+//!    Redis and lies within the in-flight bound of the history);
+//! 3. the global overshoot is within the bound the design gives: the other
+//!    regions' traffic over the staleness of each region's view, computed
+//!    from the history and the measured staleness, and printed;
+//! 4. no process panicked, and the fault's metrics rose during it and fell
+//!    after it healed.
+//!
+//! The suite runs as root (network namespaces, iptables). If the namespaces
+//! cannot be created it fails with the reason; it never skips.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use harness::cluster::{metric_value, publish_lag, Cluster, Load, Sampler, Samples, Spec, NODE_IDS, REGIONS};
+use harness::history::{self, now_us, Op, Outcome};
+
+const G_LIMIT: u64 = 600;
+const NODE_LIMIT: u64 = 30;
+const REGION_LIMIT: u64 = 50;
+const WINDOW_MS: u64 = 2000;
+/// Traffic before the fault.
+const WARMUP: Duration = Duration::from_secs(2);
+/// How long a fault lasts (unless the scenario says otherwise).
+const FAULT: Duration = Duration::from_secs(4);
+/// Traffic after the heal.
+const AFTER: Duration = Duration::from_secs(2);
+/// After a heal, every node must have a fresh view and publish again within
+/// this long.
+const RECOVERY: Duration = Duration::from_secs(10);
+/// A view or publish pipeline counts as fresh below this age.
+const FRESH: f64 = 1.0;
+/// Flush (100 ms) + aggregation and broadcast (100 ms) + transport, plus
+/// the metric sampling period: added to every measured staleness.
+const PIPELINE: Duration = Duration::from_millis(700);
+/// `node.store_timeout` of the test config.
+const STORE_TIMEOUT: Duration = Duration::from_millis(250);
+
+fn plans() -> String {
+    let tiers = format!(
+        r#"node = {{ limit = {NODE_LIMIT}, window = "2s", algorithm = "fixed_window" }}
+region = {{ limit = {REGION_LIMIT}, window = "2s", algorithm = "fixed_window" }}"#
+    );
+    format!(
+        r#"
+[plans.tiers]
+{tiers}
+[plans.global]
+global = {{ limit = {G_LIMIT} }}
+[plans.big]
+global = {{ limit = 100000000 }}
+[plans.fail_open]
+{tiers}
+global = {{ limit = 100000000 }}
+on_store_error = "open"
+[plans.fail_closed]
+{tiers}
+global = {{ limit = 100000000 }}
+on_store_error = "closed"
+[plans.fail_local]
+{tiers}
+global = {{ limit = 100000000 }}
+on_store_error = "local"
+[tenants.tiers]
+plan = "tiers"
+[tenants.g]
+plan = "global"
+[tenants.t]
+plan = "big"
+[tenants.open]
+plan = "fail_open"
+[tenants.closed]
+plan = "fail_closed"
+[tenants.local]
+plan = "fail_local"
+"#
+    )
+}
+
+/// The standard traffic: (tenant, checks per second per node, refund every n-th).
+const STANDARD: &[(&str, f64, u32)] = &[("tiers", 40.0, 0), ("g", 25.0, 0), ("t", 10.0, 10)];
+
+fn all_nodes() -> Vec<String> {
+    REGIONS
+        .iter()
+        .flat_map(|r| NODE_IDS.iter().map(move |n| format!("{r}/{n}")))
+        .collect()
+}
+
+fn region_nodes(r: &str) -> Vec<String> {
+    NODE_IDS.iter().map(|n| format!("{r}/{n}")).collect()
+}
+
+/// A fault window and what it should do to the metrics.
+struct Fault {
+    what: String,
+    start: u64,
+    end: Option<u64>,
+    /// (node, metric, expectation) to meet during the fault.
+    expect: Vec<(String, &'static str, Expect)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Expect {
+    /// The metric reaches at least this value during the fault.
+    RisesTo(f64),
+    /// The metric drops to at most this value during the fault.
+    DipsTo(f64),
+}
+
+/// One run: cluster, traffic, metric sampler, faults, and the failures found.
+struct Scenario {
+    c: Cluster,
+    name: &'static str,
+    loads: Vec<Load>,
+    tenants: Vec<&'static str>,
+    sampler: Option<Sampler>,
+    faults: Vec<Fault>,
+    failures: Vec<String>,
+    /// Time without aggregator broadcasts (aggregator down, paused,
+    /// rebuilding): every region's view of the others is that much staler.
+    aggregator_gap: Duration,
+    /// Time ranges where a region's Redis lost its tier counters.
+    tier_reset: Vec<(u64, u64)>,
+    /// A region whose Redis lost its data at the end of this time range:
+    /// what it charged in the range may not have been published yet, and
+    /// is lost by design (only published counts survive a Redis loss).
+    data_loss: Option<(&'static str, u64, u64)>,
+    /// `node.max_staleness` and when every region lost its view: the
+    /// overshoot is then at most what was allowed from just before that
+    /// until the cap took effect.
+    staleness_cap: Option<(Duration, u64)>,
+    /// Convergence waits left at full length (later ones are short once
+    /// one has failed, so a dead broker does not cost minutes).
+    patience: u32,
+    t0: Instant,
+}
+
+impl Scenario {
+    async fn start(name: &'static str, traffic: &[(&'static str, f64, u32)]) -> Scenario {
+        Self::start_with(name, traffic, "").await
+    }
+
+    async fn start_with(name: &'static str, traffic: &[(&'static str, f64, u32)], node_extra: &str) -> Scenario {
+        let t0 = Instant::now();
+        let c = Cluster::start(Spec {
+            plans: plans(),
+            node_extra: node_extra.into(),
+            kafka_extra: String::new(),
+        })
+        .await;
+        println!("== {name}: cluster ready in {:.1}s (topology slot {})", t0.elapsed().as_secs_f64(), c.topo.slot());
+        let sampler = Some(c.sample_metrics());
+        let loads = traffic.iter().map(|(t, rate, refund)| c.load(t, &[], *rate, *refund)).collect();
+        Scenario {
+            c,
+            name,
+            loads,
+            tenants: traffic.iter().map(|(t, _, _)| *t).collect(),
+            sampler,
+            faults: Vec::new(),
+            failures: Vec::new(),
+            aggregator_gap: Duration::ZERO,
+            tier_reset: Vec::new(),
+            data_loss: None,
+            staleness_cap: None,
+            patience: 1,
+            t0,
+        }
+    }
+
+    async fn hold(&self, d: Duration) {
+        tokio::time::sleep(d).await;
+    }
+
+    fn begin(&mut self, what: &str) {
+        self.c.log(&format!("FAULT: {what}"));
+        self.faults.push(Fault {
+            what: what.into(),
+            start: now_us(),
+            end: None,
+            expect: Vec::new(),
+        });
+    }
+
+    /// During the current fault, `metric` on each of `nodes` must reach `at_least`.
+    fn expect_rise(&mut self, nodes: &[String], metric: &'static str, at_least: f64) {
+        let f = self.faults.last_mut().expect("a fault begun");
+        for n in nodes {
+            f.expect.push((n.clone(), metric, Expect::RisesTo(at_least)));
+        }
+    }
+
+    /// During the current fault, `metric` on each of `nodes` must drop to `at_most`.
+    fn expect_dip(&mut self, nodes: &[String], metric: &'static str, at_most: f64) {
+        let f = self.faults.last_mut().expect("a fault begun");
+        for n in nodes {
+            f.expect.push((n.clone(), metric, Expect::DipsTo(at_most)));
+        }
+    }
+
+    fn end(&mut self) {
+        let f = self.faults.last_mut().expect("a fault begun");
+        f.end = Some(now_us());
+        self.c.log(&format!("HEALED: {}", f.what));
+    }
+
+    fn fail(&mut self, what: String) {
+        println!("FAILED CHECK: {what}");
+        self.failures.push(what);
+    }
+
+    /// Waits until every node in `nodes` has a fresh broadcast view and
+    /// publishes again (both below [`FRESH`] seconds), up to [`RECOVERY`];
+    /// records a failure otherwise. Needs traffic running.
+    async fn expect_recovery(&mut self, nodes: &[String]) {
+        let start = Instant::now();
+        let mut last = BTreeMap::new();
+        loop {
+            let mut stale = Vec::new();
+            for n in nodes {
+                let node = self.c.nodes.iter().find(|x| &x.name() == n).expect("node");
+                let (age, lag) = match self.c.node_metrics_text(node).await {
+                    Some(text) => (metric_value(&text, "tierlimit_view_age_seconds"), publish_lag(&text, now_us())),
+                    None => (f64::INFINITY, f64::INFINITY),
+                };
+                if !(age < FRESH && lag < FRESH) {
+                    stale.push(n.clone());
+                }
+                last.insert(n.clone(), (age, lag));
+            }
+            if stale.is_empty() {
+                self.c.log(&format!("recovered: {nodes:?} fresh {:.2}s after the heal", start.elapsed().as_secs_f64()));
+                return;
+            }
+            if start.elapsed() > RECOVERY {
+                self.fail(format!(
+                    "{}: not recovered {RECOVERY:?} after the heal: (view age s, publish lag s) = {last:?}",
+                    self.name
+                ));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stops the traffic and runs every check; panics listing the failures.
+    async fn finish(self) {
+        self.finish_with(|_, _| {}).await
+    }
+
+    /// [`Scenario::finish`] with an extra check on the metric samples.
+    async fn finish_with(mut self, extra: impl FnOnce(&mut Scenario, &Samples)) {
+        for l in std::mem::take(&mut self.loads) {
+            l.stop().await;
+        }
+        self.c.log("traffic stopped");
+        let ev = self.c.history.events();
+        println!("history: {} operations", ev.len());
+        for t in &self.tenants {
+            print!("{}", history::summary(&ev, t));
+        }
+
+        // 1. Node and region tiers, from the history and against Redis.
+        for tenant in self.tenants.clone() {
+            if tenant == "g" || tenant == "t" {
+                continue;
+            }
+            self.check_tiers(&ev, tenant).await;
+        }
+
+        // 2. The global count, exactly.
+        for tenant in self.tenants.clone() {
+            self.check_global(&ev, tenant).await;
+        }
+
+        let samples = self.sampler.take().expect("sampler").stop().await;
+
+        // 3. Global overshoot within the design's bound.
+        if self.tenants.contains(&"g") {
+            self.check_overshoot(&ev, &samples);
+        }
+
+        // 4. No panics; the fault's metrics rose during it.
+        for p in self.c.panics() {
+            self.fail(format!("panic: {p}"));
+        }
+        self.check_metrics(&samples);
+        extra(&mut self, &samples);
+
+        println!("== {}: {} in {:.1}s", self.name, if self.failures.is_empty() { "ok" } else { "FAILED" }, self.t0.elapsed().as_secs_f64());
+        if !self.failures.is_empty() {
+            // Tear down first (keeping the logs), so the panic below is not
+            // buried under every process's log tail.
+            self.c.keep_logs = true;
+            let Scenario { c, name, failures, .. } = self;
+            drop(c);
+            panic!("{name}: {} failed checks:\n  {}", failures.len(), failures.join("\n  "));
+        }
+    }
+
+    async fn check_tiers(&mut self, ev: &[history::Event], tenant: &str) {
+        let skip = self.tier_reset.clone();
+        for (tier, limit) in [("node", NODE_LIMIT), ("region", REGION_LIMIT)] {
+            let r = history::check_fixed_window_tier(ev, tenant, tier, limit, WINDOW_MS, &["redis"], false, &skip);
+            println!("{tenant}: {}", r.describe());
+            for v in &r.violations {
+                self.fail(format!("{tenant}: {v}"));
+            }
+            if !r.unplaced.is_empty() {
+                self.fail(format!("{tenant}: {} decisions not placed in one window, e.g. {}", r.unplaced.len(), r.unplaced[0]));
+            }
+            if r.full_windows() == 0 && tier == "region" {
+                self.fail(format!("{tenant}: the region tier never filled a window: the test did not exercise it"));
+            }
+        }
+        // In `local` mode each node enforces the node tier and its share of
+        // the region tier on its own.
+        let share = REGION_LIMIT / 2;
+        for (tier, limit) in [("node", NODE_LIMIT), ("region", share)] {
+            let r = history::check_fixed_window_tier(ev, tenant, tier, limit, WINDOW_MS, &["local"], true, &[]);
+            if !r.usage.is_empty() {
+                println!("{tenant}: {}", r.describe());
+            }
+            for v in &r.violations {
+                self.fail(format!("{tenant} (local mode): {v}"));
+            }
+        }
+        // The regions' Redis agree with the history for the last window.
+        for region in REGIONS {
+            let key = format!("tl:{{{tenant}}}:r:_:1");
+            if let Some((w, c)) = self.c.redis_window(region, &key).await {
+                let (seen, unknown) =
+                    history::usage_in_window(ev, tenant, "region", WINDOW_MS, w, STORE_TIMEOUT, |e| e.region == region);
+                if !(seen <= c && c <= seen + unknown && c <= REGION_LIMIT) {
+                    self.fail(format!(
+                        "{tenant}: {region}'s Redis counts {c} in window {w}, the history {seen} (+{unknown} unanswered or timed out), limit {REGION_LIMIT}"
+                    ));
+                }
+            }
+            for id in NODE_IDS {
+                let key = format!("tl:{{{tenant}}}:n:{id}:_:1");
+                if let Some((w, c)) = self.c.redis_window(region, &key).await {
+                    let (seen, unknown) = history::usage_in_window(ev, tenant, "node", WINDOW_MS, w, STORE_TIMEOUT, |e| {
+                        e.region == region && e.node == id
+                    });
+                    if !(seen <= c && c <= seen + unknown && c <= NODE_LIMIT) {
+                        self.fail(format!(
+                            "{tenant}: {region}/{id}'s node counter in Redis is {c} in window {w}, the history {seen} (+{unknown} unanswered or timed out), limit {NODE_LIMIT}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn check_global(&mut self, ev: &[history::Event], tenant: &str) {
+        let g = history::global_expectation(ev, tenant, STORE_TIMEOUT);
+        // Charged just before the region's Redis lost its data, maybe not
+        // yet published: lost by design.
+        let (lost_checks, lost_refunds) = match self.data_loss {
+            Some((region, from, to)) => ev
+                .iter()
+                .filter(|e| e.tenant == tenant && e.region == region && e.mode() == Some("redis") && e.allowed())
+                .filter(|e| e.end_us >= from && e.start_us <= to)
+                .fold((0, 0), |(c, r), e| match e.op {
+                    Op::Check => (c + e.cost, r),
+                    Op::Refund => (c, r + e.cost),
+                }),
+            None => (0, 0),
+        };
+        let (lo, hi) = g.range();
+        let (lo, hi) = (lo.saturating_sub(lost_checks), hi + lost_refunds);
+        let exact = g.is_exact() && lost_checks == 0 && lost_refunds == 0;
+        // Without local actors or lost epochs, the regions' Redis hold every
+        // count: the aggregator must equal their sum exactly.
+        let redis_is_truth = self.data_loss.is_none() && !ev.iter().any(|e| e.tenant == tenant && e.mode() == Some("local"));
+        println!("{tenant}: {g:?}; accepted range {lo}..={hi}");
+        let budget = Duration::from_secs(if self.patience > 0 { 20 } else { 5 });
+        let deadline = Instant::now() + budget;
+        let (mut last, mut truth, mut stable_since) = (None, None, Instant::now());
+        while Instant::now() < deadline {
+            let now = self.c.aggregator_total(tenant).await;
+            if now != last {
+                stable_since = Instant::now();
+            }
+            last = now;
+            if redis_is_truth {
+                truth = Some(self.c.redis_truth(tenant).await);
+            }
+            let ok = match last {
+                Some(t) if exact => t == g.net(),
+                Some(t) => lo <= t && t <= hi && truth.is_none_or(|x| x == t) && stable_since.elapsed() > Duration::from_secs(1),
+                None => false,
+            };
+            if ok {
+                let total = last.unwrap_or(0);
+                self.c.log(&format!(
+                    "{tenant}: aggregator total {total} = allowed {} - refunded {}{}",
+                    g.counted,
+                    g.refunded,
+                    if exact {
+                        " (exact)".to_string()
+                    } else {
+                        format!(
+                            " within {lo}..={hi}: {} checks and {} refunds unanswered, {} checks answered from a fail mode after a store timeout, {} refunds of unknown effect, {lost_checks} charged just before a Redis loss; Redis truth {truth:?}",
+                            g.unknown_checks, g.unknown_refunds, g.indeterminate, g.maybe_refunded
+                        )
+                    }
+                ));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.patience = self.patience.saturating_sub(1);
+        let view = self.c.aggregator_view(tenant).await;
+        self.fail(format!(
+            "{tenant}: aggregator total {last:?}, expected {} (accepted {lo}..={hi}, Redis truth {truth:?}); aggregator view {view}",
+            g.net()
+        ));
+    }
+
+    /// Staleness of `region`'s view of the others: its own view age, the
+    /// other regions' publish lag, the aggregator's silence, the pipeline.
+    fn staleness(&self, samples: &Samples, region: &str) -> Duration {
+        let max_of = |node: &str, metric: &str| {
+            samples
+                .0
+                .iter()
+                .filter(|s| s.node == node && s.metric == metric && s.value.is_finite())
+                .map(|s| s.value)
+                .fold(0.0f64, f64::max)
+        };
+        let view = region_nodes(region)
+            .iter()
+            .map(|n| max_of(n, "tierlimit_view_age_seconds"))
+            .fold(0.0, f64::max);
+        let publish = REGIONS
+            .iter()
+            .filter(|r| **r != region)
+            .flat_map(|r| region_nodes(r))
+            .map(|n| max_of(&n, "publish_lag_seconds"))
+            .fold(0.0, f64::max);
+        println!(
+            "staleness of {region}'s view: own view age <= {view:.2}s + others' publish lag <= {publish:.2}s + aggregator silence {:.2}s + pipeline {:.2}s",
+            self.aggregator_gap.as_secs_f64(),
+            PIPELINE.as_secs_f64()
+        );
+        Duration::from_secs_f64(view + publish) + self.aggregator_gap + PIPELINE
+    }
+
+    fn check_overshoot(&mut self, ev: &[history::Event], samples: &Samples) {
+        let st: BTreeMap<&str, Duration> = REGIONS.iter().map(|r| (*r, self.staleness(samples, r))).collect();
+        let o = history::overshoot(ev, "g", G_LIMIT, |r| st.get(r).copied().unwrap_or(PIPELINE));
+        print!("{}", o.describe());
+        println!(
+            "OVERSHOOT {}: allowed {} of {} (overshoot {}), bound {}",
+            self.name, o.allowed, o.limit, o.overshoot, o.bound
+        );
+        if o.allowed < G_LIMIT {
+            self.fail(format!("g: only {} allowed: the global limit {G_LIMIT} was never reached", o.allowed));
+        }
+        if !o.within_bound() {
+            self.fail(format!("g: overshoot {} exceeds the design's bound {}", o.overshoot, o.bound));
+        }
+        if let Some((max_staleness, cut)) = self.staleness_cap {
+            // Every region spends at most its share of what remained once
+            // its view is older than max_staleness.
+            let (from, to) = (
+                cut.saturating_sub(PIPELINE.as_micros() as u64),
+                cut + (max_staleness + PIPELINE).as_micros() as u64,
+            );
+            let before_cap: u64 = ev
+                .iter()
+                .filter(|e| e.tenant == "g" && e.op == Op::Check && e.counted() && e.end_us >= from && e.start_us <= to)
+                .map(|e| e.cost)
+                .sum();
+            println!(
+                "OVERSHOOT {} with max_staleness {max_staleness:?}: overshoot {} <= allowed before the cap took effect {before_cap}?",
+                self.name, o.overshoot
+            );
+            if o.overshoot > before_cap {
+                self.fail(format!(
+                    "g: with node.max_staleness = {max_staleness:?} the overshoot {} exceeds what was allowed before the cap could apply ({before_cap})",
+                    o.overshoot
+                ));
+            }
+        }
+    }
+
+    fn check_metrics(&mut self, samples: &Samples) {
+        let mut found = Vec::new();
+        for f in &self.faults {
+            let end = f.end.unwrap_or_else(now_us);
+            for m in harness::cluster::WATCHED {
+                if f.expect.iter().any(|(_, x, _)| *x == m) {
+                    println!("{}: {}", f.what, samples.table(m, (f.start, end)));
+                }
+            }
+            // The fault's window, plus one sampling period.
+            let (from, to) = (f.start, end + 300_000);
+            for (node, metric, e) in &f.expect {
+                match *e {
+                    Expect::RisesTo(v) => {
+                        let max = samples.max_in(node, metric, from, to);
+                        if !max.is_some_and(|m| m >= v) {
+                            found.push(format!(
+                                "{}: {metric} on {node} should rise to >= {v} during the fault, max seen {max:?}",
+                                f.what
+                            ));
+                        }
+                    }
+                    Expect::DipsTo(v) => {
+                        let min = samples.min_in(node, metric, from, to);
+                        if !min.is_some_and(|m| m <= v) {
+                            found.push(format!(
+                                "{}: {metric} on {node} should drop to <= {v} during the fault, min seen {min:?}",
+                                f.what
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        for f in found {
+            self.fail(f);
+        }
+    }
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+
+// ---------------------------------------------------------------------------
+// Scenarios
+// ---------------------------------------------------------------------------
+
+/// No fault: the baseline every other scenario is compared with. Every
+/// check holds, and every node's broadcast view stays fresh under load
+/// (so `node.max_staleness` and the overshoot bound mean what they say).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_fault_baseline() {
+    let s = Scenario::start("no_fault_baseline", STANDARD).await;
+    let from = now_us() + 1_000_000;
+    s.hold(Duration::from_secs(8)).await;
+    let to = now_us();
+    s.finish_with(move |s, samples| {
+        for n in all_nodes() {
+            let max = samples.max_in(&n, "tierlimit_view_age_seconds", from, to);
+            println!("{n}: max view age without any fault: {max:?}");
+            if !max.is_some_and(|m| m < FRESH) {
+                s.fail(format!(
+                    "{n}: the broadcast view went stale without any fault (max view age {max:?}s, fresh is < {FRESH}s)"
+                ));
+            }
+        }
+    })
+    .await;
+}
+
+/// One region loses Kafka (broker and aggregator) under load. Its node and
+/// region tiers stay exact; it enforces the global tier from its last view
+/// plus its own exact count; once healed its deltas flow again, its view is
+/// fresh again, and the global count converges exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_cut_from_kafka_then_healed() {
+    let mut s = Scenario::start("region_cut_from_kafka_then_healed", STANDARD).await;
+    s.hold(WARMUP).await;
+    s.begin("eu cut from core (broker + aggregator)");
+    s.c.topo.partition("eu", "core");
+    let eu = region_nodes("eu");
+    s.expect_rise(&eu, "tierlimit_view_age_seconds", secs(FAULT) - 1.0);
+    s.expect_rise(&eu, "publish_lag_seconds", secs(FAULT) - 1.0);
+    s.hold(FAULT).await;
+    s.c.topo.heal();
+    s.end();
+    s.expect_recovery(&eu).await;
+    s.hold(AFTER).await;
+    s.finish().await;
+}
+
+/// Every region loses Kafka at once (broker and aggregator unreachable
+/// from everywhere), with `node.max_staleness = "1s"`: once its view is
+/// older than that, every region spends at most its share of what remained,
+/// so the overshoot is only what was allowed before the cap could apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_region_cut_from_kafka() {
+    let mut s = Scenario::start_with("every_region_cut_from_kafka", STANDARD, r#"max_staleness = "1s""#).await;
+    s.hold(WARMUP).await;
+    s.begin("every region cut from core");
+    for r in REGIONS {
+        s.c.topo.partition(r, "core");
+    }
+    s.staleness_cap = Some((Duration::from_secs(1), now_us()));
+    let all = all_nodes();
+    s.expect_rise(&all, "tierlimit_view_age_seconds", secs(FAULT) - 1.0);
+    s.expect_rise(&all, "publish_lag_seconds", secs(FAULT) - 1.0);
+    s.hold(FAULT).await;
+    s.c.topo.heal();
+    s.end();
+    s.expect_recovery(&all).await;
+    s.hold(AFTER).await;
+    s.finish().await;
+}
+
+/// A region cut from Kafka for longer than the producer's message timeout
+/// (15 s): its deltas now fail (the failure counter rises) and stay dirty
+/// in Redis; after the heal they are published again and the count is
+/// exact. The broker must survive the producer's retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_cut_longer_than_the_message_timeout() {
+    let mut s = Scenario::start("region_cut_longer_than_the_message_timeout", STANDARD).await;
+    s.hold(WARMUP).await;
+    s.begin("eu cut from core for 17s (> message.timeout.ms 15s)");
+    s.c.topo.partition("eu", "core");
+    let eu = region_nodes("eu");
+    s.expect_rise(&eu, "tierlimit_view_age_seconds", 15.0);
+    s.expect_rise(&eu, "publish_lag_seconds", 15.0);
+    s.expect_rise(&eu, "tierlimit_deltas_failed_total", 1.0);
+    s.hold(Duration::from_secs(17)).await;
+    s.c.topo.heal();
+    s.end();
+    s.expect_recovery(&eu).await;
+    s.hold(AFTER).await;
+    s.finish().await;
+}
+
+/// The aggregator is killed (-9) under load and restarted: node and region
+/// tiers are unaffected, the regions go on with their last view, and the
+/// restarted aggregator rebuilds from the topic to the exact count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn aggregator_killed_and_restarted() {
+    let mut s = Scenario::start("aggregator_killed_and_restarted", STANDARD).await;
+    s.hold(WARMUP).await;
+    s.begin("aggregator kill -9, restarted after 4s");
+    let down = Instant::now();
+    s.c.kill_aggregator();
+    s.hold(FAULT).await;
+    s.c.restart_aggregator();
+    s.c.wait_aggregator_ready().await;
+    s.aggregator_gap = down.elapsed();
+    s.end();
+    s.c.log(&format!("aggregator back and rebuilt {:.1}s after the kill", s.aggregator_gap.as_secs_f64()));
+    s.hold(AFTER).await;
+    s.finish().await;
+}
+
+/// The aggregator is frozen (SIGSTOP) for three times
+/// `aggregator.session_timeout` (2 s), then resumed: the group expired its
+/// session, so on resume it rejoins, is assigned again, rebuilds from the
+/// topic, and the count is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn aggregator_paused_past_session_timeout() {
+    let mut s = Scenario::start("aggregator_paused_past_session_timeout", STANDARD).await;
+    let assignments = |c: &Cluster| {
+        c.aggregators[0]
+            .log()
+            .lines()
+            .filter(|l| l.contains("partitions assigned"))
+            .count()
+    };
+    s.hold(WARMUP).await;
+    let before = assignments(&s.c);
+    s.begin("aggregator SIGSTOP for 6s (session timeout 2s)");
+    let down = Instant::now();
+    s.c.aggregators[0].stop();
+    s.hold(Duration::from_secs(6)).await;
+    s.c.aggregators[0].cont();
+    // The member must rejoin and be assigned again (and rebuild).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while assignments(&s.c) <= before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = assignments(&s.c);
+    s.c.wait_aggregator_ready().await;
+    s.aggregator_gap = down.elapsed();
+    s.end();
+    s.c.log(&format!("aggregator assignments: {before} before the pause, {after} after"));
+    if after <= before {
+        s.fail(format!(
+            "paused 3x aggregator.session_timeout, the aggregator was never assigned again after resuming \
+             ({before} assignment(s) before, {after} after)"
+        ));
+    }
+    s.hold(AFTER).await;
+    s.finish().await;
+}
+
+/// A region-node is killed (-9) mid-traffic and restarted: the other node of
+/// its region goes on, nothing it charged is lost (the count lives in
+/// Redis), and clients saw at most what was charged, short of at most the
+/// requests in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_node_killed() {
+    let mut s = Scenario::start("region_node_killed", STANDARD).await;
+    s.hold(WARMUP).await;
+    s.begin("eu/a kill -9, restarted after 4s");
+    s.c.kill_node("eu", "a");
+    let served = |s: &Scenario| s.c.history.events().iter().filter(|e| e.region == "eu" && e.node == "b").count();
+    let b_before = served(&s);
+    s.hold(FAULT).await;
+    let b_after = served(&s);
+    if b_after < b_before + 100 {
+        s.fail(format!("eu/b did not go on serving while eu/a was down ({b_before} -> {b_after} operations)"));
+    }
+    s.c.restart_node("eu", "a");
+    if let Err(e) = s.c.try_wait_node_ready("eu", "a", Duration::from_secs(20)).await {
+        s.fail(format!("the restarted eu/a never became ready: {e}"));
+    }
+    s.end();
+    s.hold(AFTER).await;
+    s.finish().await;
+}
+
+/// The region's Redis is killed and restarted empty under load: a new epoch
+/// (actor) starts, nothing already published is lost or counted twice, the
+/// global count is exact up to what was charged but not yet published when
+/// Redis died, and the nodes report the epoch change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_redis_restarted_empty() {
+    let mut s = Scenario::start("region_redis_restarted_empty", STANDARD).await;
+    s.hold(WARMUP).await;
+    let epoch_before = s.c.redis_counter("eu", "t").await.map(|(e, _, _)| e);
+    s.begin("eu Redis kill -9, restarted empty");
+    let from = now_us();
+    s.c.restart_redis_empty("eu").await;
+    // Charged since the last flush before the kill (flush 100 ms; allow a
+    // slow one) was never published.
+    s.data_loss = Some(("eu", from.saturating_sub(1_000_000), from));
+    s.tier_reset.push((from, now_us()));
+    s.expect_rise(&region_nodes("eu"), "tierlimit_epoch_changes_total", 1.0);
+    s.hold(FAULT).await;
+    s.end();
+    let epoch_after = s.c.redis_counter("eu", "t").await.map(|(e, _, _)| e);
+    if epoch_before.is_none() || epoch_before == epoch_after {
+        s.fail(format!("eu's epoch did not change: {epoch_before:?} -> {epoch_after:?}"));
+    }
+    s.hold(AFTER).await;
+    let view = s.c.aggregator_view("t").await;
+    let eu_epochs = view["today"]["parts"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|p| p["actor"].as_str().is_some_and(|x| x.starts_with("eu/") && !x.starts_with("eu/local-")))
+                .count()
+        })
+        .unwrap_or(0);
+    if eu_epochs < 2 {
+        s.fail(format!("the aggregator should sum two eu epochs (old and new): {view}"));
+    }
+    s.finish().await;
+}
+
+/// The region's Redis becomes unreachable (packets dropped) under load, for
+/// three tenants whose plans fail `open`, `closed` and `local`: open allows
+/// everything uncounted, closed answers 503, local enforces node-local
+/// limits (node tier, region tier ÷ 2 nodes) and counts under a local actor;
+/// all go back to Redis after the heal, and the global count is exact up to
+/// the few checks whose Redis call timed out (their outcome is unknown to
+/// the node; see `timed_out_redis_calls_are_not_applied_after_the_heal`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_redis_unreachable_each_fail_mode() {
+    // No refunds here: a refund taken in `local` mode answers `"mode":
+    // "open"`, so the history could not tell it from an `open` no-op.
+    let traffic: &[(&str, f64, u32)] = &[("open", 20.0, 0), ("closed", 20.0, 0), ("local", 40.0, 0)];
+    let mut s = Scenario::start("region_redis_unreachable_each_fail_mode", traffic).await;
+    s.hold(WARMUP).await;
+    s.begin("eu Redis unreachable (DROP)");
+    s.c.topo.block_port("eu", harness::cluster::REDIS_PORT);
+    let f0 = now_us();
+    let eu = region_nodes("eu");
+    s.expect_dip(&eu, "tierlimit_store_up", 0.0);
+    s.hold(FAULT).await;
+    let f1 = now_us();
+    s.c.topo.heal();
+    s.end();
+    // Every eu node uses Redis again.
+    let start = Instant::now();
+    loop {
+        let mut up = 0;
+        for n in s.c.nodes.iter().filter(|n| n.region == "eu") {
+            if s.c.node_metric(n, "tierlimit_store_up").await == Some(1.0) {
+                up += 1;
+            }
+        }
+        if up == eu.len() {
+            s.c.log(&format!("eu back on Redis {:.2}s after the heal", start.elapsed().as_secs_f64()));
+            break;
+        }
+        if start.elapsed() > RECOVERY {
+            s.fail("eu nodes did not go back to Redis after the heal".into());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    s.hold(AFTER).await;
+    // What eu answered during the fault, per mode (from one store timeout
+    // after the cut, when the breaker has surely opened, to the heal).
+    let ev = s.c.history.events();
+    let during =
+        |e: &&history::Event| e.region == "eu" && e.op == Op::Check && e.start_us > f0 + 1_000_000 && e.end_us < f1;
+    let modes = |tenant: &str| {
+        let mut m: BTreeMap<String, u64> = BTreeMap::new();
+        for e in ev.iter().filter(|e| e.tenant == tenant).filter(during) {
+            let k = match &e.outcome {
+                Outcome::Ok { mode } => format!("ok-{mode}"),
+                Outcome::Denied { tier, mode } => format!("denied-{tier}-{mode}"),
+                Outcome::Unavailable => "503".into(),
+                Outcome::Unknown(_) => "unknown".into(),
+            };
+            *m.entry(k).or_default() += 1;
+        }
+        m
+    };
+    let (open, closed, local) = (modes("open"), modes("closed"), modes("local"));
+    println!("eu during the fault: open {open:?}\n  closed {closed:?}\n  local {local:?}");
+    if !(open.keys().all(|k| k == "ok-open") && open.get("ok-open").is_some_and(|n| *n > 50)) {
+        s.fail(format!("open: every check during the fault should be allowed in open mode: {open:?}"));
+    }
+    if !(closed.keys().all(|k| k == "503") && closed.get("503").is_some_and(|n| *n > 50)) {
+        s.fail(format!("closed: every check during the fault should get 503: {closed:?}"));
+    }
+    if !(local.keys().all(|k| k.ends_with("-local")) && local.get("ok-local").is_some_and(|n| *n > 20)) {
+        s.fail(format!("local: every check during the fault should be decided in local mode: {local:?}"));
+    }
+    if !local.keys().any(|k| k.starts_with("denied-")) {
+        s.fail(format!("local: the node-local limits never denied: {local:?}"));
+    }
+    s.finish().await;
+}
+
+/// 200 ms ± 50 ms of delay each way plus 5% packet loss between one region
+/// and Kafka, through a delaying forwarder inside the region's namespace
+/// (DNAT, transparent to librdkafka): the region keeps publishing and
+/// following, slower, and everything stays exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slow_lossy_link_between_region_and_kafka() {
+    let mut s = Scenario::start("slow_lossy_link_between_region_and_kafka", STANDARD).await;
+    s.hold(WARMUP).await;
+    s.begin("eu <-> core: 200ms +- 50ms delay each way, 5% loss");
+    s.c.topo.delay("eu", "core", harness::cluster::KAFKA_PORT, Duration::from_millis(200), Duration::from_millis(50));
+    s.c.topo.lossy("eu", "core", 0.05);
+    let eu = region_nodes("eu");
+    s.hold(Duration::from_secs(6)).await;
+    let bytes = s.c.topo.delayed_bytes();
+    println!("eu fault rules:\n{}", s.c.topo.fault_counters("eu"));
+    if bytes == 0 {
+        s.fail("no byte went through the delaying forwarder".into());
+    }
+    // Slow, not cut: eu still publishes and follows within a few round trips.
+    let mut behind = Vec::new();
+    for n in s.c.nodes.iter().filter(|n| n.region == "eu") {
+        if let Some(text) = s.c.node_metrics_text(n).await {
+            let (age, lag) = (metric_value(&text, "tierlimit_view_age_seconds"), publish_lag(&text, now_us()));
+            println!("{} on the slow link: view age {age:.2}s, publish lag {lag:.2}s", n.name());
+            if !(age < 3.0 && lag < 3.0) {
+                behind.push(format!("{} fell behind on a slow (not cut) link: view age {age:.2}s, publish lag {lag:.2}s", n.name()));
+            }
+        }
+    }
+    for b in behind {
+        s.fail(b);
+    }
+    s.c.topo.heal();
+    s.end();
+    s.c.log(&format!("{bytes} bytes went through the delaying forwarder"));
+    s.expect_recovery(&eu).await;
+    s.hold(AFTER).await;
+    s.finish().await;
+}
+
+/// A region is cut from Kafka, the aggregator is killed, and the partition
+/// heals while the restarted aggregator is rebuilding: the cut region's
+/// backlog and the rebuild meet, and the count is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn partition_heals_while_aggregator_restarts() {
+    let mut s = Scenario::start("partition_heals_while_aggregator_restarts", STANDARD).await;
+    s.hold(WARMUP).await;
+    s.begin("eu cut from core; aggregator kill -9; restart; heal during the rebuild");
+    let down = Instant::now();
+    s.c.topo.partition("eu", "core");
+    s.hold(Duration::from_secs(2)).await;
+    s.c.kill_aggregator();
+    s.hold(Duration::from_secs(2)).await;
+    s.c.restart_aggregator();
+    // Heal as soon as the new aggregator answers HTTP, before it is ready.
+    let url = s.c.agg_url("/healthz");
+    let http = harness::http_client();
+    harness::cluster::wait("the restarted aggregator answers", harness::cluster::DEADLINE, async || {
+        http.get(&url).send().await.is_ok()
+    })
+    .await;
+    let ready_before_heal =
+        http.get(s.c.agg_url("/readyz")).send().await.map(|r| r.status().as_u16() == 200).unwrap_or(false);
+    s.c.topo.heal();
+    s.c.log(&format!("healed; aggregator ready before the heal: {ready_before_heal}"));
+    s.c.wait_aggregator_ready().await;
+    s.aggregator_gap = down.elapsed();
+    s.end();
+    let eu = region_nodes("eu");
+    s.expect_recovery(&eu).await;
+    s.hold(AFTER).await;
+    s.finish().await;
+}
+
+/// Focused: a decision whose Redis call timed out was answered from the fail
+/// mode (here `local`, and counted under the node's local actor). It must
+/// not be charged in Redis as well once the network heals. The cut here
+/// separates the nodes from their Redis but not the test, which reads
+/// Redis during the cut: whatever Redis charges after that, with no traffic
+/// running, was sent before the cut and delivered after the heal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn timed_out_redis_calls_are_not_applied_after_the_heal() {
+    let traffic: &[(&str, f64, u32)] = &[("t", 40.0, 0)];
+    let mut s = Scenario::start("timed_out_redis_calls_are_not_applied_after_the_heal", traffic).await;
+    s.hold(Duration::from_secs(1)).await;
+    s.begin("eu nodes cut from their Redis (DROP) 4s; traffic stops during the cut");
+    s.c.topo.block_port_locally("eu", harness::cluster::REDIS_PORT);
+    s.hold(Duration::from_secs(2)).await;
+    for l in std::mem::take(&mut s.loads) {
+        l.stop().await;
+    }
+    // Nothing runs now, and the nodes cannot reach Redis; the test can.
+    let during = s.c.redis_counter("eu", "t").await.map(|(_, p, _)| p);
+    s.hold(Duration::from_secs(2)).await;
+    let still_during = s.c.redis_counter("eu", "t").await.map(|(_, p, _)| p);
+    s.c.topo.heal();
+    s.end();
+    s.hold(Duration::from_secs(6)).await;
+    let after = s.c.redis_counter("eu", "t").await.map(|(_, p, _)| p);
+    let ev = s.c.history.events();
+    let charged_by_redis: u64 = ev
+        .iter()
+        .filter(|e| e.region == "eu" && e.tenant == "t" && e.op == Op::Check && e.mode() == Some("redis") && e.allowed())
+        .map(|e| e.cost)
+        .sum();
+    let timed_out: Vec<String> = ev
+        .iter()
+        .filter(|e| e.region == "eu" && e.mode() == Some("local") && e.end_us - e.start_us >= STORE_TIMEOUT.as_micros() as u64)
+        .map(|e| format!("{}/{} answered `local` after {:.0}ms", e.region, e.node, (e.end_us - e.start_us) as f64 / 1000.0))
+        .collect();
+    println!(
+        "eu's Redis P of t: {during:?} during the cut, {still_during:?} 2s later, {after:?} 6s after the heal (no traffic since the cut); \
+         checks answered from Redis: {charged_by_redis}; answered from the fail mode after a store timeout: {timed_out:?}"
+    );
+    if after != Some(charged_by_redis) {
+        s.fail(format!(
+            "eu's Redis charged {after:?} units of t, the clients were answered from Redis for {charged_by_redis}: \
+             {} request(s) answered from the `local` fail mode after their EVALSHA timed out were charged in Redis too \
+             ({during:?} during the cut, {after:?} after the heal: {})",
+            after.unwrap_or(0).saturating_sub(charged_by_redis),
+            if after > still_during { "applied after the heal, from the node's old connection" } else { "applied before the timeout" }
+        ));
+    }
+    s.finish().await;
+}
+
+/// Self-test of the fault injection: a partition cuts TCP between two
+/// namespaces and a heal restores it; the delaying forwarder adds its delay
+/// on both ways, transparently (same address and port); processes started
+/// in a namespace are the program itself (`ip netns exec` execs in place,
+/// so `PR_SET_PDEATHSIG` and the pid are the program's).
+#[test]
+fn topology_self_test() {
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    let topo = harness::topology::Topology::new(&["a", "b"]);
+    let b = topo.host("b").clone();
+    // An echo server on b:7000.
+    let server = harness::topology::spawn_in_namespace(&b.ns, {
+        let addr = SocketAddr::from((b.ip, 7000));
+        move || {
+            let l = TcpListener::bind(addr).expect("bind echo");
+            for conn in l.incoming().take(3) {
+                let Ok(mut c) = conn else { continue };
+                let mut buf = [0u8; 64];
+                while let Ok(n) = c.read(&mut buf) {
+                    if n == 0 || c.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    // Round trip from a, in milliseconds, or the error.
+    let rtt = |topo: &harness::topology::Topology| {
+        let ns = topo.host("a").ns.clone();
+        let to = SocketAddr::from((topo.host("b").ip, 7000));
+        harness::topology::in_namespace(&ns, move || -> Result<f64, String> {
+            let mut c = TcpStream::connect_timeout(&to, Duration::from_secs(1)).map_err(|e| e.to_string())?;
+            c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let t = Instant::now();
+            c.write_all(b"ping").map_err(|e| e.to_string())?;
+            let mut buf = [0u8; 4];
+            c.read_exact(&mut buf).map_err(|e| e.to_string())?;
+            Ok(t.elapsed().as_secs_f64() * 1000.0)
+        })
+        .unwrap()
+    };
+    let direct = rtt(&topo).expect("a reaches b");
+    topo.partition("a", "b");
+    let cut = rtt(&topo);
+    assert!(cut.is_err(), "a partition cuts a from b: {cut:?}");
+    topo.heal();
+    topo.delay("a", "b", 7000, Duration::from_millis(200), Duration::from_millis(50));
+    let slow = rtt(&topo).expect("a reaches b through the forwarder");
+    assert!(topo.delayed_bytes() >= 4, "the bytes went through the forwarder");
+    assert!((300.0..=700.0).contains(&slow), "two delayed ways of 150..250ms each, got {slow:.1}ms (direct {direct:.1}ms)");
+    topo.heal();
+    println!("round trip a -> b: direct {direct:.2}ms, partitioned {cut:?}, delayed {slow:.1}ms");
+    // `ip netns exec` runs the program itself, in the namespace.
+    let mut p = topo.cmd("a", "sleep").arg("30").spawn();
+    std::thread::sleep(Duration::from_millis(200));
+    let comm = std::fs::read_to_string(format!("/proc/{}/comm", p.pid())).unwrap();
+    assert_eq!(comm.trim(), "sleep", "the pid is the program's, not a wrapper's");
+    let ns_of = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+    assert_ne!(ns_of(&p.pid().to_string()), ns_of("self"), "it runs in the namespace");
+    p.kill9();
+    drop(topo);
+    let _ = server;
+}
