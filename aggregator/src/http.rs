@@ -4,7 +4,8 @@
 //! An aggregator only holds the tenants of the partitions assigned to it, so
 //! the tenant view says whether this instance owns the tenant (and whether it
 //! has finished rebuilding); zeros from a non-owner mean "ask another
-//! instance", not "no traffic". `GET /` is left free for a dashboard.
+//! instance", not "no traffic". `GET /` is the HTML dashboard
+//! ([`crate::dashboard`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -27,6 +28,7 @@ type AppState = Arc<State>;
 /// The routes, ready to be served.
 pub fn router(state: Arc<State>) -> Router {
     Router::new()
+        .route("/", get(crate::dashboard::page))
         .route("/v1/global/{tenant}", get(tenant_view))
         .route("/v1/over-limit", get(over_limit))
         .route("/metrics", get(metrics))
@@ -374,9 +376,20 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn root_is_free() {
-        let router = router(state());
-        let (status, _, _) = get(&router, "/").await;
-        assert_eq!(status, StatusCode::NOT_FOUND);
+    async fn root_is_the_dashboard() {
+        let router = router(rebuilt_state());
+        let response = router
+            .oneshot(Request::get("/?refresh=0").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "text/html; charset=utf-8"
+        );
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let html = String::from_utf8(bytes.to_vec()).unwrap();
+        assert!(html.starts_with("<!DOCTYPE html>"));
+        assert!(!html.contains("http-equiv=\"refresh\""));
     }
 }

@@ -12,8 +12,8 @@
 //!   rebuild from the beginning has come;
 //! - [`state`]: both behind one lock, plus the rules that join them;
 //! - [`consumer`]: the consumer-group member that rebuilds on assignment;
-//! - [`broadcast`]: the coalescing, idempotent producer of global updates;
-//! - [`http`], [`metrics`]: the operator's view.
+//! - [`broadcast`]: the coalescing, ordered producer of global updates;
+//! - [`http`], [`metrics`], [`dashboard`] (`GET /`): the operator's view.
 //!
 //! The process keeps no storage: the deltas topic is the source of truth and
 //! every assignment is rebuilt from it, so a restart, a crash or a rebalance
@@ -21,6 +21,7 @@
 
 pub mod broadcast;
 pub mod consumer;
+pub mod dashboard;
 pub mod http;
 pub mod kafka;
 pub mod merge;

@@ -15,7 +15,8 @@ use tracing_subscriber::EnvFilter;
 #[command(
     version,
     args_conflicts_with_subcommands = true,
-    subcommand_negates_reqs = true
+    subcommand_negates_reqs = true,
+    after_help = AFTER_HELP
 )]
 struct Cli {
     /// Configuration file (TOML).
@@ -33,6 +34,18 @@ struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
 }
+
+const AFTER_HELP: &str = "\
+Environment:
+  TIERLIMIT__SECTION__KEY=value  Override any configuration key before validation, e.g.
+                                 TIERLIMIT__KAFKA__BROKERS=kafka-1:9092 (see regions.example.toml)
+  RUST_LOG                       Log filter [default: info]
+
+Signals: SIGHUP reloads the configuration file (limits and tenants; kafka.* needs a
+restart; an invalid file is refused and the old configuration stays); SIGTERM and
+SIGINT stop after a last broadcast.
+
+HTTP: GET / (dashboard), /v1/global/{tenant}, /v1/over-limit, /metrics, /healthz, /readyz";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -55,7 +68,9 @@ fn init_logging(json: bool) {
     if json {
         builder.json().init();
     } else {
-        builder.init();
+        // Colours only on a terminal: log files and pipes stay plain text.
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        builder.with_ansi(ansi).with_writer(std::io::stderr).init();
     }
 }
 

@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 /// as the environment variable shown; any config value can be overridden
 /// with TIERLIMIT__SECTION__KEY=value (e.g. TIERLIMIT__KAFKA__BROKERS).
 #[derive(Debug, Parser)]
-#[command(version, about, long_about = None)]
+#[command(version, about, after_help = AFTER_HELP)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -34,6 +34,20 @@ struct Cli {
     #[arg(long, env = "TIERLIMIT_LOG_JSON")]
     log_json: bool,
 }
+
+const AFTER_HELP: &str = "\
+Serving needs --config, --region and --node-id (or their environment variables).
+
+Environment:
+  TIERLIMIT__SECTION__KEY=value  Override any configuration key before validation, e.g.
+                                 TIERLIMIT__KAFKA__BROKERS=kafka-1:9092 (see regions.example.toml)
+  RUST_LOG                       Log filter [default: info]
+
+Signals: SIGHUP reloads plans, tenants and unknown-tenant policy (kafka.*, regions.*.redis_url
+and node.* need a restart; an invalid file is refused and the old configuration stays);
+SIGTERM and SIGINT stop gracefully.
+
+HTTP: POST|GET /v1/check, POST /v1/refund, GET /v1/tenants/{tenant}, /metrics, /healthz, /readyz";
 
 #[derive(Debug, Subcommand)]
 enum Command {

@@ -44,7 +44,7 @@ impl Metrics {
         let buckets = vec![
             0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
         ];
-        Metrics {
+        let m = Metrics {
             decisions: reg(
                 &r,
                 IntCounterVec::new(
@@ -222,6 +222,33 @@ impl Metrics {
                 .unwrap(),
             ),
             registry: r,
+        };
+        m.init_labels();
+        m
+    }
+
+    /// Creates the known label combinations at 0, so every family is in
+    /// `/metrics` from the start: `rate()` then sees the first increment, and
+    /// dashboards show 0 rather than "no data".
+    fn init_labels(&self) {
+        for mode in ["open", "closed", "local"] {
+            self.fail_mode.with_label_values(&[mode]);
+        }
+        for op in ["decide", "dirty_read", "dirty_counters", "ack"] {
+            for kind in ["down", "timeout", "redis", "reply"] {
+                self.redis_errors.with_label_values(&[op, kind]);
+            }
+        }
+        for problem in [
+            "invalid-field",
+            "invalid-json",
+            "unsupported-media-type",
+            "unknown-tenant",
+        ] {
+            self.bad_requests.with_label_values(&[problem]);
+        }
+        for result in ["ok", "refused"] {
+            self.config_reloads.with_label_values(&[result]);
         }
     }
 
