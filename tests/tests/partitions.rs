@@ -51,7 +51,7 @@ const FAULT: Duration = Duration::from_secs(4);
 const AFTER: Duration = Duration::from_secs(2);
 /// After a heal, every node must have a fresh view and publish again within
 /// this long.
-const RECOVERY: Duration = Duration::from_secs(10);
+const RECOVERY: Duration = Duration::from_secs(20);
 /// A view or publish pipeline counts as fresh below this age.
 const FRESH: f64 = 1.0;
 /// Flush (100 ms) + aggregation and broadcast (100 ms) + transport, plus
@@ -490,9 +490,12 @@ impl Scenario {
         if let Some((max_staleness, cut)) = self.staleness_cap {
             // Every region spends at most its share of what remained once
             // its view is older than max_staleness.
+            // A node notices staleness up to one freshness check (200 ms)
+            // plus one watermark query timeout (1 s) late.
+            let detection = Duration::from_millis(1200);
             let (from, to) = (
                 cut.saturating_sub(PIPELINE.as_micros() as u64),
-                cut + (max_staleness + PIPELINE).as_micros() as u64,
+                cut + (max_staleness + PIPELINE + detection).as_micros() as u64,
             );
             let before_cap: u64 = ev
                 .iter()
