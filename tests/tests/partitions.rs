@@ -493,8 +493,10 @@ impl Scenario {
             // A node notices staleness up to one freshness check (200 ms)
             // plus one watermark query timeout (1 s) late.
             let detection = Duration::from_millis(1200);
+            // At the cut a node's last view may already be that old too, so
+            // units allowed that long before the cut were not in it either.
             let (from, to) = (
-                cut.saturating_sub(PIPELINE.as_micros() as u64),
+                cut.saturating_sub((PIPELINE + detection).as_micros() as u64),
                 cut + (max_staleness + PIPELINE + detection).as_micros() as u64,
             );
             let before_cap: u64 = ev
