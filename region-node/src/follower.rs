@@ -81,7 +81,8 @@ async fn follow(
     // The receive loop only applies broadcasts; freshness is checked by a
     // separate task, so a slow watermark query (a cut, a slow link) never
     // holds back consumption.
-    let positions: Arc<Vec<AtomicI64>> = Arc::new(partitions.iter().map(|_| AtomicI64::new(0)).collect());
+    let positions: Arc<Vec<AtomicI64>> =
+        Arc::new(partitions.iter().map(|_| AtomicI64::new(0)).collect());
     let checker = tokio::spawn(freshness_loop(
         Arc::clone(&consumer),
         topic.clone(),
@@ -105,7 +106,11 @@ async fn follow(
             }
             _ => {
                 metrics.broadcasts_undecodable.inc();
-                tracing::warn!(partition = msg.partition(), offset = msg.offset(), "skipping undecodable broadcast");
+                tracing::warn!(
+                    partition = msg.partition(),
+                    offset = msg.offset(),
+                    "skipping undecodable broadcast"
+                );
             }
         }
     };
@@ -131,9 +136,11 @@ async fn freshness_loop(
         let checks = partitions.iter().enumerate().map(|(i, p)| {
             let (c, t, p) = (Arc::clone(&consumer), topic.clone(), *p);
             let positions = Arc::clone(&positions);
-            tokio::task::spawn_blocking(move || match c.fetch_watermarks(&t, p, Duration::from_secs(1)) {
-                Ok((low, high)) => high <= low || positions[i].load(Ordering::Relaxed) >= high,
-                Err(_) => false,
+            tokio::task::spawn_blocking(move || {
+                match c.fetch_watermarks(&t, p, Duration::from_secs(1)) {
+                    Ok((low, high)) => high <= low || positions[i].load(Ordering::Relaxed) >= high,
+                    Err(_) => false,
+                }
             })
         });
         let mut caught_up = true;

@@ -29,6 +29,15 @@ pub struct Charge<'a> {
     pub day: u32,
 }
 
+/// The limits local mode enforces: the node tier as configured, and this
+/// node's share of the region tier.
+fn local_limits(policy: &Policy, expected_nodes: u32) -> [Option<Limit>; 2] {
+    [
+        policy.node.clone(),
+        policy.region.as_ref().map(|r| r.share(expected_nodes)),
+    ]
+}
+
 /// Per-process limiter used when Redis is down.
 pub struct Local {
     tiers: Mutex<TierStates>,
@@ -71,10 +80,7 @@ impl Local {
             now_us,
             day,
         } = c;
-        let limits = [
-            policy.node.clone(),
-            policy.region.as_ref().map(|r| r.share(expected_nodes)),
-        ];
+        let limits = local_limits(policy, expected_nodes);
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         let mut out: [Option<LocalTier>; 2] = [None, None];
         for (i, limit) in limits.iter().enumerate() {
@@ -116,10 +122,7 @@ impl Local {
             now_us,
             day,
         } = c;
-        let limits = [
-            policy.node.clone(),
-            policy.region.as_ref().map(|r| r.share(expected_nodes)),
-        ];
+        let limits = local_limits(policy, expected_nodes);
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         for (i, limit) in limits.iter().enumerate() {
             if let (Some(limit), Some((_, s))) = (

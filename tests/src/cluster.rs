@@ -122,7 +122,9 @@ fn topics_ready(brokers: &str) -> bool {
                     t.name() == *topic
                         && t.error().is_none()
                         && t.partitions().len() == PARTITIONS as usize
-                        && t.partitions().iter().all(|p| p.error().is_none() && p.leader() >= 0)
+                        && t.partitions()
+                            .iter()
+                            .all(|p| p.error().is_none() && p.leader() >= 0)
                 })
             })
             .unwrap_or(false)
@@ -199,7 +201,10 @@ policy = "deny"
             .args(["--listener-url", &url, "--advertised-listener-url", &url])
             .args(["--storage-engine", "sqlite://tansu.db"])
             .current_dir(&tansu_dir)
-            .env("RUST_LOG", std::env::var("TANSU_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("TANSU_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .log_file(dir.path().join("tansu.log"))
             .spawn();
         // Redis per region.
@@ -208,7 +213,10 @@ policy = "deny"
             let rdir = dir.path().join(format!("redis-{r}"));
             std::fs::create_dir_all(&rdir).unwrap();
             let p = topo
-                .cmd(r, std::env::var_os("REDIS_SERVER_BIN").unwrap_or_else(|| "redis-server".into()))
+                .cmd(
+                    r,
+                    std::env::var_os("REDIS_SERVER_BIN").unwrap_or_else(|| "redis-server".into()),
+                )
                 .args(["--port", &REDIS_PORT.to_string(), "--bind", "0.0.0.0"])
                 .args(["--protected-mode", "no", "--save", "", "--appendonly", "no"])
                 .arg("--dir")
@@ -236,15 +244,26 @@ policy = "deny"
             _serial: serial,
         };
         let b = brokers.clone();
-        wait("Tansu answers metadata on the core address", START_DEADLINE, async || {
-            let b = b.clone();
-            tokio::task::spawn_blocking(move || metadata_ok(&b)).await.unwrap_or(false)
-        })
+        wait(
+            "Tansu answers metadata on the core address",
+            START_DEADLINE,
+            async || {
+                let b = b.clone();
+                tokio::task::spawn_blocking(move || metadata_ok(&b))
+                    .await
+                    .unwrap_or(false)
+            },
+        )
         .await;
         create_topics(&brokers).await;
         for r in REGIONS {
             let url = cluster.redis_url(r);
-            wait(&format!("redis of {r} answers"), START_DEADLINE, async || ping(&url).await).await;
+            wait(
+                &format!("redis of {r} answers"),
+                START_DEADLINE,
+                async || ping(&url).await,
+            )
+            .await;
         }
         cluster.aggregators.push(cluster.aggregator_cmd().spawn());
         for r in REGIONS {
@@ -280,10 +299,24 @@ policy = "deny"
             .cmd(region, bin_path("region-node"))
             .arg("--config")
             .arg(&self.config)
-            .args(["--region", region, "--node-id", NODE_IDS[i], "--listen", &listen])
-            .env("RUST_LOG", std::env::var("TIERLIMIT_NODE_LOG").unwrap_or_else(|_| "info".into()))
+            .args([
+                "--region",
+                region,
+                "--node-id",
+                NODE_IDS[i],
+                "--listen",
+                &listen,
+            ])
+            .env(
+                "RUST_LOG",
+                std::env::var("TIERLIMIT_NODE_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .label(format!("region-node[{region}/{}]", NODE_IDS[i]))
-            .log_file(self.dir.path().join(format!("node-{region}-{}.log", NODE_IDS[i])))
+            .log_file(
+                self.dir
+                    .path()
+                    .join(format!("node-{region}-{}.log", NODE_IDS[i])),
+            )
     }
 
     pub fn agg_url(&self, path: &str) -> String {
@@ -318,7 +351,12 @@ policy = "deny"
     }
 
     async fn get_status(&self, url: &str) -> Option<u16> {
-        self.http.get(url).send().await.ok().map(|r| r.status().as_u16())
+        self.http
+            .get(url)
+            .send()
+            .await
+            .ok()
+            .map(|r| r.status().as_u16())
     }
 
     pub async fn get_json(&self, url: &str) -> Option<Value> {
@@ -329,18 +367,29 @@ policy = "deny"
     pub async fn wait_all_ready(&self) {
         for n in &self.nodes {
             let url = format!("{}/readyz", n.base);
-            wait(&format!("{} ready", n.name()), DEADLINE, async || self.get_status(&url).await == Some(200)).await;
+            wait(&format!("{} ready", n.name()), DEADLINE, async || {
+                self.get_status(&url).await == Some(200)
+            })
+            .await;
         }
         self.wait_aggregator_ready().await;
     }
 
     pub async fn wait_aggregator_ready(&self) {
         let url = self.agg_url("/readyz");
-        wait("the aggregator ready", DEADLINE, async || self.get_status(&url).await == Some(200)).await;
+        wait("the aggregator ready", DEADLINE, async || {
+            self.get_status(&url).await == Some(200)
+        })
+        .await;
     }
 
     /// Waits up to `deadline` for `/readyz` 200; the error gives its last answer.
-    pub async fn try_wait_node_ready(&self, region: &str, id: &str, deadline: Duration) -> Result<Duration, String> {
+    pub async fn try_wait_node_ready(
+        &self,
+        region: &str,
+        id: &str,
+        deadline: Duration,
+    ) -> Result<Duration, String> {
         let url = format!("{}/readyz", self.node(region, id).base);
         let start = Instant::now();
         loop {
@@ -353,7 +402,9 @@ policy = "deny"
                 return Ok(start.elapsed());
             }
             if start.elapsed() > deadline {
-                return Err(format!("GET /readyz still {status} {body} after {deadline:?}"));
+                return Err(format!(
+                    "GET /readyz still {status} {body} after {deadline:?}"
+                ));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -361,7 +412,10 @@ policy = "deny"
 
     pub async fn wait_node_ready(&self, region: &str, id: &str) {
         let url = format!("{}/readyz", self.node(region, id).base);
-        wait(&format!("{region}/{id} ready"), DEADLINE, async || self.get_status(&url).await == Some(200)).await;
+        wait(&format!("{region}/{id} ready"), DEADLINE, async || {
+            self.get_status(&url).await == Some(200)
+        })
+        .await;
     }
 
     // -----------------------------------------------------------------
@@ -391,7 +445,12 @@ policy = "deny"
         let p = &mut self.redis.iter_mut().find(|(r, _)| r == region).unwrap().1;
         p.kill9();
         p.respawn();
-        wait(&format!("redis of {region} back"), START_DEADLINE, async || ping(&url).await).await;
+        wait(
+            &format!("redis of {region} back"),
+            START_DEADLINE,
+            async || ping(&url).await,
+        )
+        .await;
     }
 
     // -----------------------------------------------------------------
@@ -401,7 +460,9 @@ policy = "deny"
     /// The aggregator's total for `tenant` today, if it owns the tenant's
     /// partition and has rebuilt it.
     pub async fn aggregator_total(&self, tenant: &str) -> Option<u64> {
-        let v = self.get_json(&self.agg_url(&format!("/v1/global/{tenant}"))).await?;
+        let v = self
+            .get_json(&self.agg_url(&format!("/v1/global/{tenant}")))
+            .await?;
         if v["owned"] == false || v["caught_up"] == false {
             return None;
         }
@@ -421,7 +482,10 @@ policy = "deny"
         while start.elapsed() < DEADLINE {
             last = self.aggregator_total(tenant).await;
             if last == Some(want) {
-                self.log(&format!("aggregator total of {tenant} = {want} (converged in {:?})", start.elapsed()));
+                self.log(&format!(
+                    "aggregator total of {tenant} = {want} (converged in {:?})",
+                    start.elapsed()
+                ));
                 return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -479,11 +543,26 @@ policy = "deny"
     }
 
     pub async fn node_metrics_text(&self, node: &Node) -> Option<String> {
-        self.http.get(format!("{}/metrics", node.base)).send().await.ok()?.text().await.ok()
+        self.http
+            .get(format!("{}/metrics", node.base))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()
     }
 
     pub async fn aggregator_metric(&self, name: &str) -> Option<f64> {
-        let text = self.http.get(self.agg_url("/metrics")).send().await.ok()?.text().await.ok()?;
+        let text = self
+            .http
+            .get(self.agg_url("/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
         Some(metric_value(&text, name))
     }
 
@@ -558,13 +637,21 @@ policy = "deny"
     pub fn sample_metrics(self: &Cluster) -> Sampler {
         let stop = Arc::new(AtomicBool::new(false));
         let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
-        let targets: Vec<(String, String)> = self.nodes.iter().map(|n| (n.name(), n.base.clone())).collect();
+        let targets: Vec<(String, String)> = self
+            .nodes
+            .iter()
+            .map(|n| (n.name(), n.base.clone()))
+            .collect();
         let http = self.http.clone();
         let (s2, samples2) = (stop.clone(), samples.clone());
         let task = tokio::spawn(async move {
             while !s2.load(Ordering::Relaxed) {
                 for (name, base) in &targets {
-                    let Ok(r) = http.get(format!("{base}/metrics")).timeout(Duration::from_millis(500)).send().await
+                    let Ok(r) = http
+                        .get(format!("{base}/metrics"))
+                        .timeout(Duration::from_millis(500))
+                        .send()
+                        .await
                     else {
                         continue;
                     };
@@ -577,13 +664,22 @@ policy = "deny"
                         } else {
                             metric_value(&text, m)
                         };
-                        s.push(Sample { t_us: t, node: name.clone(), metric: m, value });
+                        s.push(Sample {
+                            t_us: t,
+                            node: name.clone(),
+                            metric: m,
+                            value,
+                        });
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         });
-        Sampler { stop, samples, task: Some(task) }
+        Sampler {
+            stop,
+            samples,
+            task: Some(task),
+        }
     }
 }
 
@@ -602,37 +698,56 @@ impl Drop for Cluster {
 }
 
 async fn create_topics(brokers: &str) {
-    let admin: AdminClient<DefaultClientContext> = client_config(brokers).create().expect("admin client");
+    let admin: AdminClient<DefaultClientContext> =
+        client_config(brokers).create().expect("admin client");
     let topics: Vec<NewTopic> = [DELTAS, GLOBAL]
         .iter()
         .map(|t| NewTopic::new(t, PARTITIONS, TopicReplication::Fixed(1)))
         .collect();
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
-    for r in admin.create_topics(topics.iter(), &opts).await.expect("CreateTopics") {
+    for r in admin
+        .create_topics(topics.iter(), &opts)
+        .await
+        .expect("CreateTopics")
+    {
         match r {
             Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
             Err((name, code)) => panic!("cannot create topic {name}: {code}"),
         }
     }
     let b = brokers.to_string();
-    wait("topics have partitions with leaders", START_DEADLINE, async || {
-        let b = b.clone();
-        tokio::task::spawn_blocking(move || topics_ready(&b)).await.unwrap_or(false)
-    })
+    wait(
+        "topics have partitions with leaders",
+        START_DEADLINE,
+        async || {
+            let b = b.clone();
+            tokio::task::spawn_blocking(move || topics_ready(&b))
+                .await
+                .unwrap_or(false)
+        },
+    )
     .await;
 }
 
 async fn redis_con(url: &str) -> Option<redis::aio::MultiplexedConnection> {
     let client = redis::Client::open(url).ok()?;
-    tokio::time::timeout(Duration::from_secs(2), client.get_multiplexed_async_connection())
-        .await
-        .ok()?
-        .ok()
+    tokio::time::timeout(
+        Duration::from_secs(2),
+        client.get_multiplexed_async_connection(),
+    )
+    .await
+    .ok()?
+    .ok()
 }
 
 async fn ping(url: &str) -> bool {
-    let Some(mut c) = redis_con(url).await else { return false };
-    redis::cmd("PING").query_async::<String>(&mut c).await.is_ok()
+    let Some(mut c) = redis_con(url).await else {
+        return false;
+    };
+    redis::cmd("PING")
+        .query_async::<String>(&mut c)
+        .await
+        .is_ok()
 }
 
 /// Seconds since the node's last fully acknowledged flush, at `now_us`.
@@ -703,7 +818,9 @@ pub struct Samples(pub Vec<Sample>);
 
 impl Samples {
     fn of<'a>(&'a self, node: &'a str, metric: &'a str) -> impl Iterator<Item = &'a Sample> + 'a {
-        self.0.iter().filter(move |s| s.node == node && s.metric == metric)
+        self.0
+            .iter()
+            .filter(move |s| s.node == node && s.metric == metric)
     }
 
     /// Largest value of `metric` on `node` sampled in `[from, to]` (µs).
@@ -724,7 +841,10 @@ impl Samples {
 
     /// Last value of `metric` on `node` sampled at or before `at` (µs).
     pub fn at(&self, node: &str, metric: &str, at: u64) -> Option<f64> {
-        self.of(node, metric).filter(|s| s.t_us <= at).last().map(|s| s.value)
+        self.of(node, metric)
+            .filter(|s| s.t_us <= at)
+            .last()
+            .map(|s| s.value)
     }
 
     /// The last sample of `metric` on `node`.

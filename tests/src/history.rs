@@ -197,7 +197,10 @@ impl Client {
             Ok(r) => {
                 let status = r.status().as_u16();
                 match r.json::<Value>().await {
-                    Err(e) => (Outcome::Unknown(format!("status {status}, body: {e}")), Vec::new()),
+                    Err(e) => (
+                        Outcome::Unknown(format!("status {status}, body: {e}")),
+                        Vec::new(),
+                    ),
                     Ok(body) => {
                         let tiers = parse_tiers(&body);
                         let mode = body["mode"].as_str().unwrap_or("").to_string();
@@ -373,10 +376,14 @@ pub fn check_fixed_window_tier(
             continue;
         }
         let Some(t) = e.tier(tier) else {
-            r.unplaced.push(format!("{e:?}: no {tier} tier in the reply"));
+            r.unplaced
+                .push(format!("{e:?}: no {tier} tier in the reply"));
             continue;
         };
-        assert_eq!(t.window_ms, window_ms, "{tier} tier window in the reply: {e:?}");
+        assert_eq!(
+            t.window_ms, window_ms,
+            "{tier} tier window in the reply: {e:?}"
+        );
         match window_of(e.start_us, e.end_us, t.reset_ms, window_ms) {
             Ok(idx) => {
                 let (ws, we) = (idx * window_ms * 1000, (idx + 1) * window_ms * 1000);
@@ -421,14 +428,20 @@ pub fn usage_in_window(
     let (w_start, w_end) = (idx * window_ms * 1000, (idx + 1) * window_ms * 1000);
     let mut used = 0;
     let mut unknown = 0;
-    for e in events.iter().filter(|e| e.tenant == tenant && e.op == Op::Check && scope(e)) {
+    for e in events
+        .iter()
+        .filter(|e| e.tenant == tenant && e.op == Op::Check && scope(e))
+    {
         if e.allowed() && e.mode() == Some("redis") {
             if let Some(t) = e.tier(tier) {
                 if window_of(e.start_us, e.end_us, t.reset_ms, window_ms) == Ok(idx) {
                     used += e.cost;
                 }
             }
-        } else if (e.unknown() || e.answered_after_store_timeout(slow_us)) && e.start_us < w_end && e.end_us >= w_start {
+        } else if (e.unknown() || e.answered_after_store_timeout(slow_us))
+            && e.start_us < w_end
+            && e.end_us >= w_start
+        {
             unknown += e.cost;
         }
     }
@@ -472,21 +485,29 @@ impl GlobalExpectation {
     /// The range the true count must lie in.
     pub fn range(&self) -> (u64, u64) {
         (
-            self.net().saturating_sub(self.unknown_refunds + self.maybe_refunded),
+            self.net()
+                .saturating_sub(self.unknown_refunds + self.maybe_refunded),
             self.net() + self.unknown_checks + self.indeterminate,
         )
     }
 
     /// True when the history pins the count to one value.
     pub fn is_exact(&self) -> bool {
-        self.unknown_checks == 0 && self.unknown_refunds == 0 && self.indeterminate == 0 && self.maybe_refunded == 0
+        self.unknown_checks == 0
+            && self.unknown_refunds == 0
+            && self.indeterminate == 0
+            && self.maybe_refunded == 0
     }
 }
 
 /// What the history of `tenant` says its global count must be. A check
 /// answered from a fail mode that took at least `store_timeout` waited for
 /// a Redis answer that never came: it counts as [`GlobalExpectation::indeterminate`].
-pub fn global_expectation(events: &[Event], tenant: &str, store_timeout: Duration) -> GlobalExpectation {
+pub fn global_expectation(
+    events: &[Event],
+    tenant: &str,
+    store_timeout: Duration,
+) -> GlobalExpectation {
     let mut g = GlobalExpectation::default();
     let slow = store_timeout.as_micros() as u64;
     for e in events.iter().filter(|e| e.tenant == tenant) {
@@ -494,7 +515,8 @@ pub fn global_expectation(events: &[Event], tenant: &str, store_timeout: Duratio
             g.indeterminate += e.cost;
         }
         if e.op == Op::Refund
-            && (matches!(&e.outcome, Outcome::Ok { mode } if mode == "open") || e.answered_after_store_timeout(slow))
+            && (matches!(&e.outcome, Outcome::Ok { mode } if mode == "open")
+                || e.answered_after_store_timeout(slow))
         {
             g.maybe_refunded += e.cost;
             continue;
@@ -503,7 +525,9 @@ pub fn global_expectation(events: &[Event], tenant: &str, store_timeout: Duratio
             (Op::Check, Outcome::Ok { mode }) if mode == "open" => g.open += e.cost,
             (Op::Check, _) if e.counted() => g.counted += e.cost,
             (Op::Check, Outcome::Unknown(_)) => g.unknown_checks += e.cost,
-            (Op::Refund, Outcome::Ok { mode }) if mode == "redis" || mode == "local" => g.refunded += e.cost,
+            (Op::Refund, Outcome::Ok { mode }) if mode == "redis" || mode == "local" => {
+                g.refunded += e.cost
+            }
             (Op::Refund, Outcome::Unknown(_)) => g.unknown_refunds += e.cost,
             _ => {}
         }
@@ -648,7 +672,11 @@ mod tests {
     #[test]
     fn expectation_widens_only_for_ambiguous_operations() {
         let ok = |mode: &str| Outcome::Ok { mode: mode.into() };
-        let mut h = vec![ev("eu", 0, ok("redis")), ev("eu", 10, ok("local")), ev("eu", 20, ok("open"))];
+        let mut h = vec![
+            ev("eu", 0, ok("redis")),
+            ev("eu", 10, ok("local")),
+            ev("eu", 20, ok("open")),
+        ];
         let mut refund = ev("eu", 30, ok("redis"));
         refund.op = Op::Refund;
         h.push(refund);
@@ -670,7 +698,9 @@ mod tests {
 
     #[test]
     fn overshoot_bound_is_others_traffic_within_staleness() {
-        let ok = || Outcome::Ok { mode: "redis".into() };
+        let ok = || Outcome::Ok {
+            mode: "redis".into(),
+        };
         let mut h = Vec::new();
         for t in 0..10 {
             h.push(ev("eu", t * 100, ok()));

@@ -136,12 +136,15 @@ fn pid_alive(pid: u32) -> bool {
 pub fn preflight() -> Result<(), String> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        return Err("the partition suite creates network namespaces and must run as root \
+        return Err(
+            "the partition suite creates network namespaces and must run as root \
                     (CI runs as root; locally use sudo)"
-            .into());
+                .into(),
+        );
     }
     run("ip", &["-V"]).map_err(|e| format!("{e} (install iproute2: scripts/setup)"))?;
-    run("iptables", &["--version"]).map_err(|e| format!("{e} (install iptables: scripts/setup)"))?;
+    run("iptables", &["--version"])
+        .map_err(|e| format!("{e} (install iptables: scripts/setup)"))?;
     Ok(())
 }
 
@@ -150,8 +153,12 @@ fn sweep_leftovers() {
     if let Ok(list) = run("ip", &["netns", "list"]) {
         for line in list.lines() {
             let name = line.split_whitespace().next().unwrap_or("");
-            let Some(rest) = name.strip_prefix(NS_PREFIX) else { continue };
-            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+            let Some(rest) = name.strip_prefix(NS_PREFIX) else {
+                continue;
+            };
+            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+                continue;
+            };
             if !pid_alive(pid) {
                 let _ = run("ip", &["netns", "del", name]);
             }
@@ -160,7 +167,11 @@ fn sweep_leftovers() {
     // Bridges carry "tierlimit-test pid <pid>" as their alias.
     if let Ok(list) = run("ip", &["-o", "link", "show", "type", "bridge"]) {
         for line in list.lines() {
-            let Some(name) = line.split(": ").nth(1).map(|n| n.split('@').next().unwrap_or(n)) else {
+            let Some(name) = line
+                .split(": ")
+                .nth(1)
+                .map(|n| n.split('@').next().unwrap_or(n))
+            else {
                 continue;
             };
             if !name.starts_with("tlb") {
@@ -177,7 +188,11 @@ fn sweep_leftovers() {
                     if let Some(slot) = name.strip_prefix("tlb") {
                         if let Ok(links) = run("ip", &["-o", "link", "show"]) {
                             for l in links.lines() {
-                                if let Some(v) = l.split(": ").nth(1).map(|n| n.split('@').next().unwrap_or(n)) {
+                                if let Some(v) = l
+                                    .split(": ")
+                                    .nth(1)
+                                    .map(|n| n.split('@').next().unwrap_or(n))
+                                {
                                     if v.starts_with(&format!("tl{slot}v")) {
                                         let _ = run("ip", &["link", "del", v]);
                                     }
@@ -234,8 +249,20 @@ impl Topology {
             proxies: Mutex::new(Vec::new()),
         };
         // From here on, a panic drops `topo`, which removes what exists.
-        must("ip", &["link", "set", &bridge, "alias", &format!("tierlimit-test pid {pid}")]);
-        must("ip", &["addr", "add", &format!("{bridge_ip}/24"), "dev", &bridge]);
+        must(
+            "ip",
+            &[
+                "link",
+                "set",
+                &bridge,
+                "alias",
+                &format!("tierlimit-test pid {pid}"),
+            ],
+        );
+        must(
+            "ip",
+            &["addr", "add", &format!("{bridge_ip}/24"), "dev", &bridge],
+        );
         must("ip", &["link", "set", &bridge, "up"]);
         for (i, name) in hosts.iter().enumerate() {
             assert!(
@@ -255,9 +282,17 @@ impl Topology {
                 ip,
                 veth: veth.clone(),
             });
-            must("ip", &["link", "add", &veth, "type", "veth", "peer", "name", &peer, "netns", &ns]);
+            must(
+                "ip",
+                &[
+                    "link", "add", &veth, "type", "veth", "peer", "name", &peer, "netns", &ns,
+                ],
+            );
             must("ip", &["-n", &ns, "link", "set", &peer, "name", "eth0"]);
-            must("ip", &["-n", &ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"]);
+            must(
+                "ip",
+                &["-n", &ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"],
+            );
             must("ip", &["-n", &ns, "link", "set", "eth0", "up"]);
             must("ip", &["-n", &ns, "link", "set", "lo", "up"]);
             must("ip", &["link", "set", &veth, "master", &bridge]);
@@ -385,7 +420,18 @@ impl Topology {
         for dir in ["-s", "-d"] {
             self.fault_rule(
                 &ha,
-                &[dir, &ip, "-m", "statistic", "--mode", "random", "--probability", &p, "-j", "DROP"],
+                &[
+                    dir,
+                    &ip,
+                    "-m",
+                    "statistic",
+                    "--mode",
+                    "random",
+                    "--probability",
+                    &p,
+                    "-j",
+                    "DROP",
+                ],
             );
         }
     }
@@ -406,8 +452,18 @@ impl Topology {
     pub fn block_port_locally(&self, host: &str, port: u16) {
         let h = self.host(host).clone();
         let (p, ip) = (port.to_string(), h.ip.to_string());
-        self.fault_rule(&h, &["-s", &ip, "-d", &ip, "-p", "tcp", "--dport", &p, "-j", "DROP"]);
-        self.fault_rule(&h, &["-s", &ip, "-d", &ip, "-p", "tcp", "--sport", &p, "-j", "DROP"]);
+        self.fault_rule(
+            &h,
+            &[
+                "-s", &ip, "-d", &ip, "-p", "tcp", "--dport", &p, "-j", "DROP",
+            ],
+        );
+        self.fault_rule(
+            &h,
+            &[
+                "-s", &ip, "-d", &ip, "-p", "tcp", "--sport", &p, "-j", "DROP",
+            ],
+        );
     }
 
     /// Sends `from`'s TCP connections to `to:port` through a forwarder
@@ -423,13 +479,34 @@ impl Topology {
         let proxy = DelayProxy::start(&hf.ns, listen, target, base, jitter)
             .unwrap_or_else(|e| panic!("topology: delay forwarder in {}: {e}", hf.name));
         self.proxies.lock().unwrap().push(proxy);
-        let (to_ip, port_s, mark) = (ht.ip.to_string(), port.to_string(), format!("0x{PROXY_MARK:x}"));
+        let (to_ip, port_s, mark) = (
+            ht.ip.to_string(),
+            port.to_string(),
+            format!("0x{PROXY_MARK:x}"),
+        );
         let dest = format!("{}:{proxy_port}", hf.ip);
         self.iptables(
             &hf.ns,
             &[
-                "-t", "nat", "-A", NAT_CHAIN, "-p", "tcp", "-d", &to_ip, "--dport", &port_s,
-                "-m", "mark", "!", "--mark", &mark, "-j", "DNAT", "--to-destination", &dest,
+                "-t",
+                "nat",
+                "-A",
+                NAT_CHAIN,
+                "-p",
+                "tcp",
+                "-d",
+                &to_ip,
+                "--dport",
+                &port_s,
+                "-m",
+                "mark",
+                "!",
+                "--mark",
+                &mark,
+                "-j",
+                "DNAT",
+                "--to-destination",
+                &dest,
             ],
         );
         // Connections made before the rule still go direct: reset them.
@@ -438,8 +515,21 @@ impl Topology {
         self.fault_rule(
             &hf,
             &[
-                "-p", "tcp", "-d", &to_ip, "--dport", &port_s, "-m", "mark", "!", "--mark", &mark,
-                "-j", "REJECT", "--reject-with", "tcp-reset",
+                "-p",
+                "tcp",
+                "-d",
+                &to_ip,
+                "--dport",
+                &port_s,
+                "-m",
+                "mark",
+                "!",
+                "--mark",
+                &mark,
+                "-j",
+                "REJECT",
+                "--reject-with",
+                "tcp-reset",
             ],
         );
     }
@@ -465,13 +555,21 @@ impl Topology {
     /// Bytes forwarded by the delay forwarders so far (to prove traffic
     /// really went through them).
     pub fn delayed_bytes(&self) -> u64 {
-        self.proxies.lock().unwrap().iter().map(|p| p.bytes.load(Ordering::Relaxed)).sum()
+        self.proxies
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|p| p.bytes.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// The fault rules of `host` with packet counters (for diagnostics).
     pub fn fault_counters(&self, host: &str) -> String {
-        self.exec(self.host(host), &["iptables", "-w", "-L", FAULT_CHAIN, "-v", "-n"])
-            .unwrap_or_else(|e| e)
+        self.exec(
+            self.host(host),
+            &["iptables", "-w", "-L", FAULT_CHAIN, "-v", "-n"],
+        )
+        .unwrap_or_else(|e| e)
     }
 }
 
@@ -500,7 +598,10 @@ impl Drop for Topology {
 
 /// Runs `f` on a new thread that has entered the network namespace `ns`
 /// (sockets it creates belong to that namespace).
-pub fn in_namespace<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+pub fn in_namespace<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
     let path = format!("/run/netns/{ns}");
     std::thread::spawn(move || {
         enter_namespace(&path)?;
@@ -576,16 +677,18 @@ impl DelayProxy {
         let thread = std::thread::Builder::new()
             .name(format!("delay-proxy-{ns}"))
             .spawn(move || {
-                let setup = (|| -> Result<(tokio::runtime::Runtime, std::net::TcpListener), String> {
-                    enter_namespace(&ns_path)?;
-                    let l = std::net::TcpListener::bind(listen).map_err(|e| format!("bind {listen}: {e}"))?;
-                    l.set_nonblocking(true).map_err(|e| e.to_string())?;
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(|e| e.to_string())?;
-                    Ok((rt, l))
-                })();
+                let setup =
+                    (|| -> Result<(tokio::runtime::Runtime, std::net::TcpListener), String> {
+                        enter_namespace(&ns_path)?;
+                        let l = std::net::TcpListener::bind(listen)
+                            .map_err(|e| format!("bind {listen}: {e}"))?;
+                        l.set_nonblocking(true).map_err(|e| e.to_string())?;
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .map_err(|e| e.to_string())?;
+                        Ok((rt, l))
+                    })();
                 let (rt, listener) = match setup {
                     Ok(v) => {
                         let _ = ready_tx.send(Ok(()));
@@ -597,7 +700,8 @@ impl DelayProxy {
                     }
                 };
                 rt.block_on(async move {
-                    let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
+                    let listener =
+                        tokio::net::TcpListener::from_std(listener).expect("tokio listener");
                     let mut stop_rx = stop_rx;
                     let mut seed = seed();
                     loop {
@@ -667,7 +771,9 @@ async fn forward(
     seed: u64,
     counted: Arc<AtomicU64>,
 ) {
-    let Ok(sock) = tokio::net::TcpSocket::new_v4() else { return };
+    let Ok(sock) = tokio::net::TcpSocket::new_v4() else {
+        return;
+    };
     let mark: libc::c_int = PROXY_MARK as libc::c_int;
     // SAFETY: setsockopt with a valid fd and an int option value.
     let rc = unsafe {
@@ -682,7 +788,9 @@ async fn forward(
     if rc != 0 {
         return;
     }
-    let Ok(Ok(upstream)) = tokio::time::timeout(Duration::from_secs(10), sock.connect(target.into())).await else {
+    let Ok(Ok(upstream)) =
+        tokio::time::timeout(Duration::from_secs(10), sock.connect(target.into())).await
+    else {
         return;
     };
     let _ = client.set_nodelay(true);
@@ -724,7 +832,11 @@ async fn pump(
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     let j = jitter.as_micros() as u64;
-                    let offset = if j == 0 { 0 } else { next_rand(&mut seed) % (2 * j + 1) };
+                    let offset = if j == 0 {
+                        0
+                    } else {
+                        next_rand(&mut seed) % (2 * j + 1)
+                    };
                     let d = (base.as_micros() as u64 + offset).saturating_sub(j);
                     let at = (tokio::time::Instant::now() + Duration::from_micros(d)).max(last);
                     last = at;

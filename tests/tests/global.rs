@@ -202,6 +202,16 @@ impl Traffic {
         }
     }
 
+    /// Waits until at least `n` checks were allowed in all.
+    async fn wait_allowed(&self, what: &str, n: u64) {
+        let allowed = self.allowed.clone();
+        wait_until(what, DEADLINE, || {
+            let a = allowed.clone();
+            async move { a.load(Ordering::Relaxed) >= n }
+        })
+        .await;
+    }
+
     async fn stop(self) -> u64 {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.tasks {
@@ -345,11 +355,7 @@ async fn duplicates_reordering_and_garbage_change_nothing() {
     let us = RegionNode::start(&w.cfg, "us", "a").await;
     agg_ready(&agg).await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
-    wait_until("some traffic", DEADLINE, || {
-        let a = traffic.allowed.clone();
-        async move { a.load(Ordering::Relaxed) >= 200 }
-    })
-    .await;
+    traffic.wait_allowed("some traffic", 200).await;
     let allowed = traffic.stop().await;
     wait_total(&agg, "t", allowed).await;
 
@@ -431,11 +437,7 @@ async fn duplicates_reordering_and_garbage_change_nothing() {
     );
     // And the consumer goes on: new traffic still converges.
     let traffic = Traffic::start(&[eu.url("/v1/check")], "t", 2);
-    wait_until("more traffic", DEADLINE, || {
-        let a = traffic.allowed.clone();
-        async move { a.load(Ordering::Relaxed) >= 50 }
-    })
-    .await;
+    traffic.wait_allowed("more traffic", 50).await;
     let more = traffic.stop().await;
     wait_total(&agg, "t", allowed + more).await;
 }
@@ -448,18 +450,12 @@ async fn aggregator_killed_and_restarted_rebuilds_exactly() {
     let us = RegionNode::start(&w.cfg, "us", "a").await;
     agg_ready(&agg).await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
-    wait_until("traffic before the crash", DEADLINE, || {
-        let a = traffic.allowed.clone();
-        async move { a.load(Ordering::Relaxed) >= 100 }
-    })
-    .await;
+    traffic.wait_allowed("traffic before the crash", 100).await;
     agg.proc.kill9();
     let at_kill = traffic.allowed.load(Ordering::Relaxed);
-    wait_until("traffic while the aggregator is down", DEADLINE, || {
-        let a = traffic.allowed.clone();
-        async move { a.load(Ordering::Relaxed) >= at_kill + 100 }
-    })
-    .await;
+    traffic
+        .wait_allowed("traffic while the aggregator is down", at_kill + 100)
+        .await;
     drop(agg);
     let agg = Aggregator::start(&w.cfg).await;
     let allowed = traffic.stop().await;
@@ -476,18 +472,10 @@ async fn region_node_killed_mid_traffic_loses_nothing() {
     agg_ready(&agg).await;
     let on_a = Traffic::start(&[a.url("/v1/check")], "t", 3);
     let on_b = Traffic::start(&[b.url("/v1/check")], "t", 3);
-    wait_until("traffic on node a", DEADLINE, || {
-        let x = on_a.allowed.clone();
-        async move { x.load(Ordering::Relaxed) >= 150 }
-    })
-    .await;
+    on_a.wait_allowed("traffic on node a", 150).await;
     a.proc.kill9();
     let b_at_kill = on_b.allowed.load(Ordering::Relaxed);
-    wait_until("node b goes on", DEADLINE, || {
-        let x = on_b.allowed.clone();
-        async move { x.load(Ordering::Relaxed) >= b_at_kill + 100 }
-    })
-    .await;
+    on_b.wait_allowed("node b goes on", b_at_kill + 100).await;
     let seen = on_a.stop().await + on_b.stop().await;
     // Everything the region charged reaches the aggregator, including what
     // node a charged but never got to publish.
@@ -509,11 +497,7 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
     let us = RegionNode::start(&w.cfg, "us", "a").await;
     agg_ready(&agg).await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
-    wait_until("traffic before the flush", DEADLINE, || {
-        let a = traffic.allowed.clone();
-        async move { a.load(Ordering::Relaxed) >= 100 }
-    })
-    .await;
+    traffic.wait_allowed("traffic before the flush", 100).await;
     let before = traffic.stop().await;
     wait_total(&agg, "t", before).await;
     let mut con = w.redis("eu").client().await;
@@ -522,11 +506,7 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
         .await
         .unwrap();
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
-    wait_until("traffic after the flush", DEADLINE, || {
-        let a = traffic.allowed.clone();
-        async move { a.load(Ordering::Relaxed) >= 100 }
-    })
-    .await;
+    traffic.wait_allowed("traffic after the flush", 100).await;
     let after = traffic.stop().await;
     wait_total(&agg, "t", before + after).await;
     let v: Value = agg

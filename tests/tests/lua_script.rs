@@ -342,7 +342,11 @@ async fn a_call_past_its_deadline_charges_nothing() {
     c.deadline = 1;
     let r = run(&mut con, "late", &c).await.unwrap();
     assert_eq!((int(&r[0]), int(&r[1])), (0, 4), "expired");
-    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut con).await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut con)
+        .await
+        .unwrap();
     assert!(keys.is_empty(), "nothing written: {keys:?}");
     // A deadline in the future: charged as usual.
     c.deadline = i64::MAX / 2;

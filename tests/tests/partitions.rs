@@ -36,7 +36,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use harness::cluster::{metric_value, publish_lag, Cluster, Load, Sampler, Samples, Spec, NODE_IDS, REGIONS};
+use harness::cluster::{
+    metric_value, publish_lag, Cluster, Load, Sampler, Samples, Spec, NODE_IDS, REGIONS,
+};
 use harness::history::{self, now_us, Op, Outcome};
 
 const G_LIMIT: u64 = 600;
@@ -165,7 +167,11 @@ impl Scenario {
         Self::start_with(name, traffic, "").await
     }
 
-    async fn start_with(name: &'static str, traffic: &[(&'static str, f64, u32)], node_extra: &str) -> Scenario {
+    async fn start_with(
+        name: &'static str,
+        traffic: &[(&'static str, f64, u32)],
+        node_extra: &str,
+    ) -> Scenario {
         let t0 = Instant::now();
         let c = Cluster::start(Spec {
             plans: plans(),
@@ -173,9 +179,16 @@ impl Scenario {
             kafka_extra: String::new(),
         })
         .await;
-        println!("== {name}: cluster ready in {:.1}s (topology slot {})", t0.elapsed().as_secs_f64(), c.topo.slot());
+        println!(
+            "== {name}: cluster ready in {:.1}s (topology slot {})",
+            t0.elapsed().as_secs_f64(),
+            c.topo.slot()
+        );
         let sampler = Some(c.sample_metrics());
-        let loads = traffic.iter().map(|(t, rate, refund)| c.load(t, &[], *rate, *refund)).collect();
+        let loads = traffic
+            .iter()
+            .map(|(t, rate, refund)| c.load(t, &[], *rate, *refund))
+            .collect();
         Scenario {
             c,
             name,
@@ -211,7 +224,8 @@ impl Scenario {
     fn expect_rise(&mut self, nodes: &[String], metric: &'static str, at_least: f64) {
         let f = self.faults.last_mut().expect("a fault begun");
         for n in nodes {
-            f.expect.push((n.clone(), metric, Expect::RisesTo(at_least)));
+            f.expect
+                .push((n.clone(), metric, Expect::RisesTo(at_least)));
         }
     }
 
@@ -245,7 +259,10 @@ impl Scenario {
             for n in nodes {
                 let node = self.c.nodes.iter().find(|x| &x.name() == n).expect("node");
                 let (age, lag) = match self.c.node_metrics_text(node).await {
-                    Some(text) => (metric_value(&text, "tierlimit_view_age_seconds"), publish_lag(&text, now_us())),
+                    Some(text) => (
+                        metric_value(&text, "tierlimit_view_age_seconds"),
+                        publish_lag(&text, now_us()),
+                    ),
                     None => (f64::INFINITY, f64::INFINITY),
                 };
                 if !(age < FRESH && lag < FRESH) {
@@ -254,7 +271,10 @@ impl Scenario {
                 last.insert(n.clone(), (age, lag));
             }
             if stale.is_empty() {
-                self.c.log(&format!("recovered: {nodes:?} fresh {:.2}s after the heal", start.elapsed().as_secs_f64()));
+                self.c.log(&format!(
+                    "recovered: {nodes:?} fresh {:.2}s after the heal",
+                    start.elapsed().as_secs_f64()
+                ));
                 return;
             }
             if start.elapsed() > RECOVERY {
@@ -312,37 +332,76 @@ impl Scenario {
         self.check_metrics(&samples);
         extra(&mut self, &samples);
 
-        println!("== {}: {} in {:.1}s", self.name, if self.failures.is_empty() { "ok" } else { "FAILED" }, self.t0.elapsed().as_secs_f64());
+        println!(
+            "== {}: {} in {:.1}s",
+            self.name,
+            if self.failures.is_empty() {
+                "ok"
+            } else {
+                "FAILED"
+            },
+            self.t0.elapsed().as_secs_f64()
+        );
         if !self.failures.is_empty() {
             // Tear down first (keeping the logs), so the panic below is not
             // buried under every process's log tail.
             self.c.keep_logs = true;
-            let Scenario { c, name, failures, .. } = self;
+            let Scenario {
+                c, name, failures, ..
+            } = self;
             drop(c);
-            panic!("{name}: {} failed checks:\n  {}", failures.len(), failures.join("\n  "));
+            panic!(
+                "{name}: {} failed checks:\n  {}",
+                failures.len(),
+                failures.join("\n  ")
+            );
         }
     }
 
     async fn check_tiers(&mut self, ev: &[history::Event], tenant: &str) {
         let skip = self.tier_reset.clone();
         for (tier, limit) in [("node", NODE_LIMIT), ("region", REGION_LIMIT)] {
-            let r = history::check_fixed_window_tier(ev, tenant, tier, limit, WINDOW_MS, &["redis"], false, &skip);
+            let r = history::check_fixed_window_tier(
+                ev,
+                tenant,
+                tier,
+                limit,
+                WINDOW_MS,
+                &["redis"],
+                false,
+                &skip,
+            );
             println!("{tenant}: {}", r.describe());
             for v in &r.violations {
                 self.fail(format!("{tenant}: {v}"));
             }
             if !r.unplaced.is_empty() {
-                self.fail(format!("{tenant}: {} decisions not placed in one window, e.g. {}", r.unplaced.len(), r.unplaced[0]));
+                self.fail(format!(
+                    "{tenant}: {} decisions not placed in one window, e.g. {}",
+                    r.unplaced.len(),
+                    r.unplaced[0]
+                ));
             }
             if r.full_windows() == 0 && tier == "region" {
-                self.fail(format!("{tenant}: the region tier never filled a window: the test did not exercise it"));
+                self.fail(format!(
+                    "{tenant}: the region tier never filled a window: the test did not exercise it"
+                ));
             }
         }
         // In `local` mode each node enforces the node tier and its share of
         // the region tier on its own.
         let share = REGION_LIMIT / 2;
         for (tier, limit) in [("node", NODE_LIMIT), ("region", share)] {
-            let r = history::check_fixed_window_tier(ev, tenant, tier, limit, WINDOW_MS, &["local"], true, &[]);
+            let r = history::check_fixed_window_tier(
+                ev,
+                tenant,
+                tier,
+                limit,
+                WINDOW_MS,
+                &["local"],
+                true,
+                &[],
+            );
             if !r.usage.is_empty() {
                 println!("{tenant}: {}", r.describe());
             }
@@ -354,8 +413,15 @@ impl Scenario {
         for region in REGIONS {
             let key = format!("tl:{{{tenant}}}:r:_:1");
             if let Some((w, c)) = self.c.redis_window(region, &key).await {
-                let (seen, unknown) =
-                    history::usage_in_window(ev, tenant, "region", WINDOW_MS, w, STORE_TIMEOUT, |e| e.region == region);
+                let (seen, unknown) = history::usage_in_window(
+                    ev,
+                    tenant,
+                    "region",
+                    WINDOW_MS,
+                    w,
+                    STORE_TIMEOUT,
+                    |e| e.region == region,
+                );
                 if !(seen <= c && c <= seen + unknown && c <= REGION_LIMIT) {
                     self.fail(format!(
                         "{tenant}: {region}'s Redis counts {c} in window {w}, the history {seen} (+{unknown} unanswered or timed out), limit {REGION_LIMIT}"
@@ -365,9 +431,15 @@ impl Scenario {
             for id in NODE_IDS {
                 let key = format!("tl:{{{tenant}}}:n:{id}:_:1");
                 if let Some((w, c)) = self.c.redis_window(region, &key).await {
-                    let (seen, unknown) = history::usage_in_window(ev, tenant, "node", WINDOW_MS, w, STORE_TIMEOUT, |e| {
-                        e.region == region && e.node == id
-                    });
+                    let (seen, unknown) = history::usage_in_window(
+                        ev,
+                        tenant,
+                        "node",
+                        WINDOW_MS,
+                        w,
+                        STORE_TIMEOUT,
+                        |e| e.region == region && e.node == id,
+                    );
                     if !(seen <= c && c <= seen + unknown && c <= NODE_LIMIT) {
                         self.fail(format!(
                             "{tenant}: {region}/{id}'s node counter in Redis is {c} in window {w}, the history {seen} (+{unknown} unanswered or timed out), limit {NODE_LIMIT}"
@@ -385,7 +457,12 @@ impl Scenario {
         let (lost_checks, lost_refunds) = match self.data_loss {
             Some((region, from, to)) => ev
                 .iter()
-                .filter(|e| e.tenant == tenant && e.region == region && e.mode() == Some("redis") && e.allowed())
+                .filter(|e| {
+                    e.tenant == tenant
+                        && e.region == region
+                        && e.mode() == Some("redis")
+                        && e.allowed()
+                })
                 .filter(|e| e.end_us >= from && e.start_us <= to)
                 .fold((0, 0), |(c, r), e| match e.op {
                     Op::Check => (c + e.cost, r),
@@ -398,7 +475,10 @@ impl Scenario {
         let exact = g.is_exact() && lost_checks == 0 && lost_refunds == 0;
         // Without local actors or lost epochs, the regions' Redis hold every
         // count: the aggregator must equal their sum exactly.
-        let redis_is_truth = self.data_loss.is_none() && !ev.iter().any(|e| e.tenant == tenant && e.mode() == Some("local"));
+        let redis_is_truth = self.data_loss.is_none()
+            && !ev
+                .iter()
+                .any(|e| e.tenant == tenant && e.mode() == Some("local"));
         println!("{tenant}: {g:?}; accepted range {lo}..={hi}");
         let budget = Duration::from_secs(if self.patience > 0 { 20 } else { 5 });
         let deadline = Instant::now() + budget;
@@ -414,7 +494,12 @@ impl Scenario {
             }
             let ok = match last {
                 Some(t) if exact => t == g.net(),
-                Some(t) => lo <= t && t <= hi && truth.is_none_or(|x| x == t) && stable_since.elapsed() > Duration::from_secs(1),
+                Some(t) => {
+                    lo <= t
+                        && t <= hi
+                        && truth.is_none_or(|x| x == t)
+                        && stable_since.elapsed() > Duration::from_secs(1)
+                }
                 None => false,
             };
             if ok {
@@ -474,7 +559,10 @@ impl Scenario {
     }
 
     fn check_overshoot(&mut self, ev: &[history::Event], samples: &Samples) {
-        let st: BTreeMap<&str, Duration> = REGIONS.iter().map(|r| (*r, self.staleness(samples, r))).collect();
+        let st: BTreeMap<&str, Duration> = REGIONS
+            .iter()
+            .map(|r| (*r, self.staleness(samples, r)))
+            .collect();
         let o = history::overshoot(ev, "g", G_LIMIT, |r| st.get(r).copied().unwrap_or(PIPELINE));
         print!("{}", o.describe());
         println!(
@@ -482,10 +570,16 @@ impl Scenario {
             self.name, o.allowed, o.limit, o.overshoot, o.bound
         );
         if o.allowed < G_LIMIT {
-            self.fail(format!("g: only {} allowed: the global limit {G_LIMIT} was never reached", o.allowed));
+            self.fail(format!(
+                "g: only {} allowed: the global limit {G_LIMIT} was never reached",
+                o.allowed
+            ));
         }
         if !o.within_bound() {
-            self.fail(format!("g: overshoot {} exceeds the design's bound {}", o.overshoot, o.bound));
+            self.fail(format!(
+                "g: overshoot {} exceeds the design's bound {}",
+                o.overshoot, o.bound
+            ));
         }
         if let Some((max_staleness, cut)) = self.staleness_cap {
             // Every region spends at most its share of what remained once
@@ -501,7 +595,13 @@ impl Scenario {
             );
             let before_cap: u64 = ev
                 .iter()
-                .filter(|e| e.tenant == "g" && e.op == Op::Check && e.counted() && e.end_us >= from && e.start_us <= to)
+                .filter(|e| {
+                    e.tenant == "g"
+                        && e.op == Op::Check
+                        && e.counted()
+                        && e.end_us >= from
+                        && e.start_us <= to
+                })
                 .map(|e| e.cost)
                 .sum();
             println!(
@@ -561,7 +661,6 @@ fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-
 // ---------------------------------------------------------------------------
 // Scenarios
 // ---------------------------------------------------------------------------
@@ -616,7 +715,12 @@ async fn region_cut_from_kafka_then_healed() {
 /// so the overshoot is only what was allowed before the cap could apply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_region_cut_from_kafka() {
-    let mut s = Scenario::start_with("every_region_cut_from_kafka", STANDARD, r#"max_staleness = "1s""#).await;
+    let mut s = Scenario::start_with(
+        "every_region_cut_from_kafka",
+        STANDARD,
+        r#"max_staleness = "1s""#,
+    )
+    .await;
     s.hold(WARMUP).await;
     s.begin("every region cut from core");
     for r in REGIONS {
@@ -671,7 +775,10 @@ async fn aggregator_killed_and_restarted() {
     s.c.wait_aggregator_ready().await;
     s.aggregator_gap = down.elapsed();
     s.end();
-    s.c.log(&format!("aggregator back and rebuilt {:.1}s after the kill", s.aggregator_gap.as_secs_f64()));
+    s.c.log(&format!(
+        "aggregator back and rebuilt {:.1}s after the kill",
+        s.aggregator_gap.as_secs_f64()
+    ));
     s.hold(AFTER).await;
     s.finish().await;
 }
@@ -706,7 +813,9 @@ async fn aggregator_paused_past_session_timeout() {
     s.c.wait_aggregator_ready().await;
     s.aggregator_gap = down.elapsed();
     s.end();
-    s.c.log(&format!("aggregator assignments: {before} before the pause, {after} after"));
+    s.c.log(&format!(
+        "aggregator assignments: {before} before the pause, {after} after"
+    ));
     if after <= before {
         s.fail(format!(
             "paused 3x aggregator.session_timeout, the aggregator was never assigned again after resuming \
@@ -727,15 +836,26 @@ async fn region_node_killed() {
     s.hold(WARMUP).await;
     s.begin("eu/a kill -9, restarted after 4s");
     s.c.kill_node("eu", "a");
-    let served = |s: &Scenario| s.c.history.events().iter().filter(|e| e.region == "eu" && e.node == "b").count();
+    let served = |s: &Scenario| {
+        s.c.history
+            .events()
+            .iter()
+            .filter(|e| e.region == "eu" && e.node == "b")
+            .count()
+    };
     let b_before = served(&s);
     s.hold(FAULT).await;
     let b_after = served(&s);
     if b_after < b_before + 100 {
-        s.fail(format!("eu/b did not go on serving while eu/a was down ({b_before} -> {b_after} operations)"));
+        s.fail(format!(
+            "eu/b did not go on serving while eu/a was down ({b_before} -> {b_after} operations)"
+        ));
     }
     s.c.restart_node("eu", "a");
-    if let Err(e) = s.c.try_wait_node_ready("eu", "a", Duration::from_secs(20)).await {
+    if let Err(e) =
+        s.c.try_wait_node_ready("eu", "a", Duration::from_secs(20))
+            .await
+    {
         s.fail(format!("the restarted eu/a never became ready: {e}"));
     }
     s.end();
@@ -764,7 +884,9 @@ async fn region_redis_restarted_empty() {
     s.end();
     let epoch_after = s.c.redis_counter("eu", "t").await.map(|(e, _, _)| e);
     if epoch_before.is_none() || epoch_before == epoch_after {
-        s.fail(format!("eu's epoch did not change: {epoch_before:?} -> {epoch_after:?}"));
+        s.fail(format!(
+            "eu's epoch did not change: {epoch_before:?} -> {epoch_after:?}"
+        ));
     }
     s.hold(AFTER).await;
     let view = s.c.aggregator_view("t").await;
@@ -772,12 +894,18 @@ async fn region_redis_restarted_empty() {
         .as_array()
         .map(|a| {
             a.iter()
-                .filter(|p| p["actor"].as_str().is_some_and(|x| x.starts_with("eu/") && !x.starts_with("eu/local-")))
+                .filter(|p| {
+                    p["actor"]
+                        .as_str()
+                        .is_some_and(|x| x.starts_with("eu/") && !x.starts_with("eu/local-"))
+                })
                 .count()
         })
         .unwrap_or(0);
     if eu_epochs < 2 {
-        s.fail(format!("the aggregator should sum two eu epochs (old and new): {view}"));
+        s.fail(format!(
+            "the aggregator should sum two eu epochs (old and new): {view}"
+        ));
     }
     s.finish().await;
 }
@@ -793,7 +921,8 @@ async fn region_redis_restarted_empty() {
 async fn region_redis_unreachable_each_fail_mode() {
     // No refunds here: a refund taken in `local` mode answers `"mode":
     // "open"`, so the history could not tell it from an `open` no-op.
-    let traffic: &[(&str, f64, u32)] = &[("open", 20.0, 0), ("closed", 20.0, 0), ("local", 40.0, 0)];
+    let traffic: &[(&str, f64, u32)] =
+        &[("open", 20.0, 0), ("closed", 20.0, 0), ("local", 40.0, 0)];
     let mut s = Scenario::start("region_redis_unreachable_each_fail_mode", traffic).await;
     s.hold(WARMUP).await;
     s.begin("eu Redis unreachable (DROP)");
@@ -815,7 +944,10 @@ async fn region_redis_unreachable_each_fail_mode() {
             }
         }
         if up == eu.len() {
-            s.c.log(&format!("eu back on Redis {:.2}s after the heal", start.elapsed().as_secs_f64()));
+            s.c.log(&format!(
+                "eu back on Redis {:.2}s after the heal",
+                start.elapsed().as_secs_f64()
+            ));
             break;
         }
         if start.elapsed() > RECOVERY {
@@ -828,8 +960,9 @@ async fn region_redis_unreachable_each_fail_mode() {
     // What eu answered during the fault, per mode (from one store timeout
     // after the cut, when the breaker has surely opened, to the heal).
     let ev = s.c.history.events();
-    let during =
-        |e: &&history::Event| e.region == "eu" && e.op == Op::Check && e.start_us > f0 + 1_000_000 && e.end_us < f1;
+    let during = |e: &&history::Event| {
+        e.region == "eu" && e.op == Op::Check && e.start_us > f0 + 1_000_000 && e.end_us < f1
+    };
     let modes = |tenant: &str| {
         let mut m: BTreeMap<String, u64> = BTreeMap::new();
         for e in ev.iter().filter(|e| e.tenant == tenant).filter(during) {
@@ -846,16 +979,26 @@ async fn region_redis_unreachable_each_fail_mode() {
     let (open, closed, local) = (modes("open"), modes("closed"), modes("local"));
     println!("eu during the fault: open {open:?}\n  closed {closed:?}\n  local {local:?}");
     if !(open.keys().all(|k| k == "ok-open") && open.get("ok-open").is_some_and(|n| *n > 50)) {
-        s.fail(format!("open: every check during the fault should be allowed in open mode: {open:?}"));
+        s.fail(format!(
+            "open: every check during the fault should be allowed in open mode: {open:?}"
+        ));
     }
     if !(closed.keys().all(|k| k == "503") && closed.get("503").is_some_and(|n| *n > 50)) {
-        s.fail(format!("closed: every check during the fault should get 503: {closed:?}"));
+        s.fail(format!(
+            "closed: every check during the fault should get 503: {closed:?}"
+        ));
     }
-    if !(local.keys().all(|k| k.ends_with("-local")) && local.get("ok-local").is_some_and(|n| *n > 20)) {
-        s.fail(format!("local: every check during the fault should be decided in local mode: {local:?}"));
+    if !(local.keys().all(|k| k.ends_with("-local"))
+        && local.get("ok-local").is_some_and(|n| *n > 20))
+    {
+        s.fail(format!(
+            "local: every check during the fault should be decided in local mode: {local:?}"
+        ));
     }
     if !local.keys().any(|k| k.starts_with("denied-")) {
-        s.fail(format!("local: the node-local limits never denied: {local:?}"));
+        s.fail(format!(
+            "local: the node-local limits never denied: {local:?}"
+        ));
     }
     s.finish().await;
 }
@@ -869,7 +1012,13 @@ async fn slow_lossy_link_between_region_and_kafka() {
     let mut s = Scenario::start("slow_lossy_link_between_region_and_kafka", STANDARD).await;
     s.hold(WARMUP).await;
     s.begin("eu <-> core: 200ms +- 50ms delay each way, 5% loss");
-    s.c.topo.delay("eu", "core", harness::cluster::KAFKA_PORT, Duration::from_millis(200), Duration::from_millis(50));
+    s.c.topo.delay(
+        "eu",
+        "core",
+        harness::cluster::KAFKA_PORT,
+        Duration::from_millis(200),
+        Duration::from_millis(50),
+    );
     s.c.topo.lossy("eu", "core", 0.05);
     let eu = region_nodes("eu");
     s.hold(Duration::from_secs(6)).await;
@@ -882,8 +1031,14 @@ async fn slow_lossy_link_between_region_and_kafka() {
     let mut behind = Vec::new();
     for n in s.c.nodes.iter().filter(|n| n.region == "eu") {
         if let Some(text) = s.c.node_metrics_text(n).await {
-            let (age, lag) = (metric_value(&text, "tierlimit_view_age_seconds"), publish_lag(&text, now_us()));
-            println!("{} on the slow link: view age {age:.2}s, publish lag {lag:.2}s", n.name());
+            let (age, lag) = (
+                metric_value(&text, "tierlimit_view_age_seconds"),
+                publish_lag(&text, now_us()),
+            );
+            println!(
+                "{} on the slow link: view age {age:.2}s, publish lag {lag:.2}s",
+                n.name()
+            );
             if !(age < 3.0 && lag < 3.0) {
                 behind.push(format!("{} fell behind on a slow (not cut) link: view age {age:.2}s, publish lag {lag:.2}s", n.name()));
             }
@@ -894,7 +1049,9 @@ async fn slow_lossy_link_between_region_and_kafka() {
     }
     s.c.topo.heal();
     s.end();
-    s.c.log(&format!("{bytes} bytes went through the delaying forwarder"));
+    s.c.log(&format!(
+        "{bytes} bytes went through the delaying forwarder"
+    ));
     s.expect_recovery(&eu).await;
     s.hold(AFTER).await;
     s.finish().await;
@@ -917,14 +1074,22 @@ async fn partition_heals_while_aggregator_restarts() {
     // Heal as soon as the new aggregator answers HTTP, before it is ready.
     let url = s.c.agg_url("/healthz");
     let http = harness::http_client();
-    harness::cluster::wait("the restarted aggregator answers", harness::cluster::DEADLINE, async || {
-        http.get(&url).send().await.is_ok()
-    })
+    harness::cluster::wait(
+        "the restarted aggregator answers",
+        harness::cluster::DEADLINE,
+        async || http.get(&url).send().await.is_ok(),
+    )
     .await;
-    let ready_before_heal =
-        http.get(s.c.agg_url("/readyz")).send().await.map(|r| r.status().as_u16() == 200).unwrap_or(false);
+    let ready_before_heal = http
+        .get(s.c.agg_url("/readyz"))
+        .send()
+        .await
+        .map(|r| r.status().as_u16() == 200)
+        .unwrap_or(false);
     s.c.topo.heal();
-    s.c.log(&format!("healed; aggregator ready before the heal: {ready_before_heal}"));
+    s.c.log(&format!(
+        "healed; aggregator ready before the heal: {ready_before_heal}"
+    ));
     s.c.wait_aggregator_ready().await;
     s.aggregator_gap = down.elapsed();
     s.end();
@@ -943,10 +1108,15 @@ async fn partition_heals_while_aggregator_restarts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn timed_out_redis_calls_are_not_applied_after_the_heal() {
     let traffic: &[(&str, f64, u32)] = &[("t", 40.0, 0)];
-    let mut s = Scenario::start("timed_out_redis_calls_are_not_applied_after_the_heal", traffic).await;
+    let mut s = Scenario::start(
+        "timed_out_redis_calls_are_not_applied_after_the_heal",
+        traffic,
+    )
+    .await;
     s.hold(Duration::from_secs(1)).await;
     s.begin("eu nodes cut from their Redis (DROP) 4s; traffic stops during the cut");
-    s.c.topo.block_port_locally("eu", harness::cluster::REDIS_PORT);
+    s.c.topo
+        .block_port_locally("eu", harness::cluster::REDIS_PORT);
     s.hold(Duration::from_secs(2)).await;
     for l in std::mem::take(&mut s.loads) {
         l.stop().await;
@@ -962,13 +1132,30 @@ async fn timed_out_redis_calls_are_not_applied_after_the_heal() {
     let ev = s.c.history.events();
     let charged_by_redis: u64 = ev
         .iter()
-        .filter(|e| e.region == "eu" && e.tenant == "t" && e.op == Op::Check && e.mode() == Some("redis") && e.allowed())
+        .filter(|e| {
+            e.region == "eu"
+                && e.tenant == "t"
+                && e.op == Op::Check
+                && e.mode() == Some("redis")
+                && e.allowed()
+        })
         .map(|e| e.cost)
         .sum();
     let timed_out: Vec<String> = ev
         .iter()
-        .filter(|e| e.region == "eu" && e.mode() == Some("local") && e.end_us - e.start_us >= STORE_TIMEOUT.as_micros() as u64)
-        .map(|e| format!("{}/{} answered `local` after {:.0}ms", e.region, e.node, (e.end_us - e.start_us) as f64 / 1000.0))
+        .filter(|e| {
+            e.region == "eu"
+                && e.mode() == Some("local")
+                && e.end_us - e.start_us >= STORE_TIMEOUT.as_micros() as u64
+        })
+        .map(|e| {
+            format!(
+                "{}/{} answered `local` after {:.0}ms",
+                e.region,
+                e.node,
+                (e.end_us - e.start_us) as f64 / 1000.0
+            )
+        })
         .collect();
     println!(
         "eu's Redis P of t: {during:?} during the cut, {still_during:?} 2s later, {after:?} 6s after the heal (no traffic since the cut); \
@@ -1019,7 +1206,8 @@ fn topology_self_test() {
         let ns = topo.host("a").ns.clone();
         let to = SocketAddr::from((topo.host("b").ip, 7000));
         harness::topology::in_namespace(&ns, move || -> Result<f64, String> {
-            let mut c = TcpStream::connect_timeout(&to, Duration::from_secs(1)).map_err(|e| e.to_string())?;
+            let mut c = TcpStream::connect_timeout(&to, Duration::from_secs(1))
+                .map_err(|e| e.to_string())?;
             c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
             let t = Instant::now();
             c.write_all(b"ping").map_err(|e| e.to_string())?;
@@ -1034,19 +1222,39 @@ fn topology_self_test() {
     let cut = rtt(&topo);
     assert!(cut.is_err(), "a partition cuts a from b: {cut:?}");
     topo.heal();
-    topo.delay("a", "b", 7000, Duration::from_millis(200), Duration::from_millis(50));
+    topo.delay(
+        "a",
+        "b",
+        7000,
+        Duration::from_millis(200),
+        Duration::from_millis(50),
+    );
     let slow = rtt(&topo).expect("a reaches b through the forwarder");
-    assert!(topo.delayed_bytes() >= 4, "the bytes went through the forwarder");
-    assert!((300.0..=700.0).contains(&slow), "two delayed ways of 150..250ms each, got {slow:.1}ms (direct {direct:.1}ms)");
+    assert!(
+        topo.delayed_bytes() >= 4,
+        "the bytes went through the forwarder"
+    );
+    assert!(
+        (300.0..=700.0).contains(&slow),
+        "two delayed ways of 150..250ms each, got {slow:.1}ms (direct {direct:.1}ms)"
+    );
     topo.heal();
     println!("round trip a -> b: direct {direct:.2}ms, partitioned {cut:?}, delayed {slow:.1}ms");
     // `ip netns exec` runs the program itself, in the namespace.
     let mut p = topo.cmd("a", "sleep").arg("30").spawn();
     std::thread::sleep(Duration::from_millis(200));
     let comm = std::fs::read_to_string(format!("/proc/{}/comm", p.pid())).unwrap();
-    assert_eq!(comm.trim(), "sleep", "the pid is the program's, not a wrapper's");
+    assert_eq!(
+        comm.trim(),
+        "sleep",
+        "the pid is the program's, not a wrapper's"
+    );
     let ns_of = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
-    assert_ne!(ns_of(&p.pid().to_string()), ns_of("self"), "it runs in the namespace");
+    assert_ne!(
+        ns_of(&p.pid().to_string()),
+        ns_of("self"),
+        "it runs in the namespace"
+    );
     p.kill9();
     drop(topo);
     let _ = server;

@@ -532,7 +532,15 @@ plan = "local"
         .unwrap();
     assert!(m.contains("tierlimit_store_up 0"), "store_up gauge drops");
     assert!(m.contains("tierlimit_fail_mode_decisions_total{mode=\"local\"}"));
-    let r: Value = n.http.get(n.url("/readyz")).send().await.unwrap().json().await.unwrap();
+    let r: Value = n
+        .http
+        .get(n.url("/readyz"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(r["redis"], false, "readiness reports Redis: {r}");
     // Redis comes back (empty): the node returns to it by itself.
     redis.restart_empty();
@@ -628,27 +636,56 @@ plan = "p"
     let n = RegionNode::start(&cfg, "eu", "a").await;
     let mut admin = redis.client().await;
     let store_up = || async {
-        let m = n.http.get(n.url("/metrics")).send().await.unwrap().text().await.unwrap();
-        m.lines().find(|l| l.starts_with("tierlimit_store_up ")).unwrap().to_string()
+        let m = n
+            .http
+            .get(n.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        m.lines()
+            .find(|l| l.starts_with("tierlimit_store_up "))
+            .unwrap()
+            .to_string()
     };
     assert_eq!(check(&n, "t", 1).await.1["mode"], "redis");
     // Redis stalls for 500 ms: one request times out and is answered open.
-    redis::cmd("CLIENT").arg("PAUSE").arg(500).arg("ALL").query_async::<()>(&mut admin).await.unwrap();
+    redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(500)
+        .arg("ALL")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
     assert_eq!(check(&n, "t", 1).await.1["mode"], "open");
-    assert_eq!(store_up().await, "tierlimit_store_up 1", "a single timeout keeps the breaker closed");
+    assert_eq!(
+        store_up().await,
+        "tierlimit_store_up 1",
+        "a single timeout keeps the breaker closed"
+    );
     wait_until("Redis answers again", Duration::from_secs(5), || async {
         check(&n, "t", 1).await.1["mode"] == "redis"
     })
     .await;
     // A longer stall: three consecutive timeouts open the breaker.
-    redis::cmd("CLIENT").arg("PAUSE").arg(3000).arg("ALL").query_async::<()>(&mut admin).await.unwrap();
+    redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(3000)
+        .arg("ALL")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
     for _ in 0..3 {
         assert_eq!(check(&n, "t", 1).await.1["mode"], "open");
     }
     assert_eq!(store_up().await, "tierlimit_store_up 0");
     // The pause ends by itself (an UNPAUSE would be paused too).
-    wait_until("the probe closes the breaker", Duration::from_secs(10), || async {
-        store_up().await == "tierlimit_store_up 1"
-    })
+    wait_until(
+        "the probe closes the breaker",
+        Duration::from_secs(10),
+        || async { store_up().await == "tierlimit_store_up 1" },
+    )
     .await;
 }
