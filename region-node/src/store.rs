@@ -164,12 +164,15 @@ impl Store {
 
     /// The deadline (ms, in Redis' clock) for a decision sent now: past it
     /// the script refuses to charge, because the node will have given up and
-    /// answered from its fail mode. 0 (no deadline) until the clock offset
-    /// is known.
+    /// answered from its fail mode. It falls at half the store timeout, so a
+    /// call Redis runs just before it still has the other half for its reply
+    /// to arrive before the node gives up; otherwise the request could be
+    /// charged in Redis *and* answered from the fail mode. 0 (no deadline)
+    /// until the clock offset is known.
     pub fn deadline_ms(&self, now_ms: u64) -> i64 {
         match self.clock_offset_ms.load(Ordering::Relaxed) {
             i64::MIN => 0,
-            offset => now_ms as i64 + offset + self.timeout.as_millis() as i64,
+            offset => now_ms as i64 + offset + (self.timeout.as_millis() as i64 / 2).max(1),
         }
     }
 

@@ -55,7 +55,7 @@ const AFTER: Duration = Duration::from_secs(2);
 /// this long.
 const RECOVERY: Duration = Duration::from_secs(20);
 /// A view or publish pipeline counts as fresh below this age.
-const FRESH: f64 = 1.0;
+const FRESH: f64 = 2.0;
 /// Flush (100 ms) + aggregation and broadcast (100 ms) + transport, plus
 /// the metric sampling period: added to every measured staleness.
 const PIPELINE: Duration = Duration::from_millis(700);
