@@ -190,6 +190,9 @@ impl DeltaConsumer {
                 .set("auto.offset.reset", "earliest")
                 // Tells the rebuild that a partition has been read to its end.
                 .set("enable.partition.eof", "true")
+                // Deltas are latency-sensitive (global accuracy): do not let
+                // the broker hold an empty fetch for librdkafka's 500 ms.
+                .set("fetch.wait.max.ms", "50")
                 .set_log_level(RDKafkaLogLevel::Info)
                 .create_with_context(context)?;
         consumer.subscribe(&[&kafka.deltas_topic])?;
