@@ -23,6 +23,8 @@ use crate::view::View;
 
 /// How often the follower checks whether it is caught up.
 const FRESHNESS_CHECK: Duration = Duration::from_millis(200);
+/// Longest wait for one partition's watermarks.
+const WATERMARK_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub async fn run(config: Config, node: String, view: Arc<View>, metrics: Arc<Metrics>) {
     loop {
@@ -133,11 +135,15 @@ async fn freshness_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tick.tick().await;
+        // Fresh as of when the check started: the watermarks can only be
+        // that new. The query timeout is generous so that a slow (not cut)
+        // link still confirms freshness; a cut fails it and the age grows.
+        let started = now_ms();
         let checks = partitions.iter().enumerate().map(|(i, p)| {
             let (c, t, p) = (Arc::clone(&consumer), topic.clone(), *p);
             let positions = Arc::clone(&positions);
             tokio::task::spawn_blocking(move || {
-                match c.fetch_watermarks(&t, p, Duration::from_secs(1)) {
+                match c.fetch_watermarks(&t, p, WATERMARK_TIMEOUT) {
                     Ok((low, high)) => high <= low || positions[i].load(Ordering::Relaxed) >= high,
                     Err(_) => false,
                 }
@@ -149,7 +155,7 @@ async fn freshness_loop(
         }
         let now = now_ms();
         if caught_up {
-            view.mark_fresh(now);
+            view.mark_fresh(started);
             metrics.view_caught_up.set(1);
         }
         if let Some(age) = view.age_ms(now) {

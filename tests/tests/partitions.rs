@@ -1039,7 +1039,11 @@ async fn slow_lossy_link_between_region_and_kafka() {
                 "{} on the slow link: view age {age:.2}s, publish lag {lag:.2}s",
                 n.name()
             );
-            if !(age < 3.0 && lag < 3.0) {
+            // 5 % loss on a 400 ms round trip: TCP's retransmission backoff
+            // (RTO doubling on a segment lost twice) can hold one connection
+            // for several seconds, so a few seconds of age are physics, not
+            // a stall; a cut grows without bound.
+            if !(age < 10.0 && lag < 10.0) {
                 behind.push(format!("{} fell behind on a slow (not cut) link: view age {age:.2}s, publish lag {lag:.2}s", n.name()));
             }
         }
