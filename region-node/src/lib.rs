@@ -83,6 +83,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         &settings.node_id,
         Arc::clone(&store),
         Arc::clone(&local),
+        Arc::clone(&live),
+        Arc::clone(&view),
         Arc::clone(&metrics),
     )
     .context("creating the Kafka producer")?;

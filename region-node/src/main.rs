@@ -6,6 +6,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// jemalloc: see the comment on the dependency in Cargo.toml.
+#[cfg(target_os = "linux")]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// tierlimit region-node: strict node and region rate limits against the
 /// region's Redis, global daily limits from the aggregator's broadcast.
 ///

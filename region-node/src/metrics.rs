@@ -22,6 +22,8 @@ pub struct Metrics {
     pub config_reloads: IntCounterVec,
     pub deltas_produced: IntCounter,
     pub deltas_failed: IntCounter,
+    /// Dirty entries a flush left for later: neither urgent nor due.
+    pub deltas_deferred: IntCounter,
     pub dirty_entries: IntGauge,
     pub publish_seconds: Histogram,
     pub last_publish_ms: IntGauge,
@@ -141,6 +143,14 @@ impl Metrics {
                 IntCounter::new(
                     "tierlimit_deltas_failed_total",
                     "Deltas Kafka did not accept (retried later)",
+                )
+                .unwrap(),
+            ),
+            deltas_deferred: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_deltas_deferred_total",
+                    "Dirty entries a flush left for later: tenant not urgent, published less than relaxed_flush_interval ago",
                 )
                 .unwrap(),
             ),

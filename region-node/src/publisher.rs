@@ -12,6 +12,16 @@
 //! Every node of a region runs a publisher over the same dirty set. That is
 //! harmless by construction (same actor, same cumulative values), so no
 //! leader election is needed; the cost is duplicate messages.
+//!
+//! Not every dirty entry goes out at every flush. The other regions need a
+//! tenant's exact count only once the tenant nears its global limit; until
+//! then, publishing every `flush_interval` makes Kafka traffic grow with time
+//! instead of with information. So an entry is published at this flush when
+//! it is **urgent** ([`urgent`]: the tenant's estimated global spend reached
+//! `urgent_fraction` of its limit) or **due** (the region last published it
+//! `relaxed_flush_interval` ago or more, per the shared `tl:published` set);
+//! the rest stay dirty and are counted as deferred. Deferring never loses a
+//! count: the entry stays in Redis until a later flush publishes it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,11 +32,13 @@ use rdkafka::util::Timeout;
 
 use tierlimit_shared::config::Config;
 use tierlimit_shared::messages::{actor, now_ms, partition_of, Delta};
+use tierlimit_shared::reload::Live;
 use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
 use crate::metrics::Metrics;
 use crate::store::Store;
+use crate::view::View;
 
 pub struct Publisher {
     store: Arc<Store>,
@@ -38,6 +50,14 @@ pub struct Publisher {
     node_id: String,
     batch: usize,
     interval: Duration,
+    /// The live configuration (global limits) and the broadcast view (the
+    /// last global totals): what [`urgent`] estimates from.
+    live: Live,
+    view: Arc<View>,
+    /// Where the next read of the dirty set starts when it holds more than
+    /// `batch` entries: deferred entries stay, so always reading from the
+    /// front could leave the rest unread.
+    cursor: usize,
     metrics: Arc<Metrics>,
     /// Local-mode counts as last acknowledged, so unchanged ones are skipped.
     local_published: HashMap<(String, u32), (u64, u64)>,
@@ -51,12 +71,15 @@ struct Pending {
 }
 
 impl Publisher {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         config: &Config,
         region: &str,
         node_id: &str,
         store: Arc<Store>,
         local: Arc<Local>,
+        live: Live,
+        view: Arc<View>,
         metrics: Arc<Metrics>,
     ) -> Result<Publisher, rdkafka::error::KafkaError> {
         let mut cc = tierlimit_shared::kafka::ordered_producer_config(&config.kafka);
@@ -72,6 +95,9 @@ impl Publisher {
             node_id: node_id.to_string(),
             batch: config.node.publish_batch,
             interval: config.node.flush_interval,
+            live,
+            view,
+            cursor: 0,
             metrics,
             local_published: HashMap::new(),
             last_epochs: HashMap::new(),
@@ -110,21 +136,29 @@ impl Publisher {
     }
 
     async fn flush_redis(&mut self) -> Result<usize, String> {
+        let batch = self.batch as i64;
         let mut pipe = redis::pipe();
         pipe.cmd("ZCARD").arg(keys::DIRTY);
         pipe.cmd("ZRANGE")
             .arg(keys::DIRTY)
-            .arg(0)
-            .arg(self.batch as i64 - 1);
-        let (total, members): (i64, Vec<String>) = self
+            .arg(self.cursor as i64)
+            .arg(self.cursor as i64 + batch - 1);
+        pipe.cmd("TIME");
+        let (total, members, (secs, micros)): (i64, Vec<String>, (i64, i64)) = self
             .store
             .pipeline("dirty_read", pipe)
             .await
             .map_err(|e| e.to_string())?;
         self.metrics.dirty_entries.set(total);
+        // Next flush reads the next window, back to the front at the end.
+        self.cursor += self.batch;
+        if self.cursor as i64 >= total {
+            self.cursor = 0;
+        }
         if members.is_empty() {
             return Ok(0);
         }
+        let redis_now_ms = secs * 1000 + micros / 1000;
         let mut pipe = redis::pipe();
         let mut parsed = Vec::with_capacity(members.len());
         let mut stale = Vec::new();
@@ -147,29 +181,80 @@ impl Publisher {
             .pipeline("dirty_counters", pipe)
             .await
             .map_err(|e| e.to_string())?;
+        let published_at: Vec<Option<f64>> = if parsed.is_empty() {
+            Vec::new()
+        } else {
+            let mut cmd = redis::cmd("ZMSCORE");
+            cmd.arg(keys::PUBLISHED);
+            for (m, _, _) in &parsed {
+                cmd.arg(m);
+            }
+            self.store
+                .query("published_read", cmd)
+                .await
+                .map_err(|e| e.to_string())?
+        };
         let now = now_ms();
+        // Read at every flush, so a SIGHUP reload applies to the next one.
+        let cfg = self.live.load_full();
+        let relaxed = cfg.config.node.relaxed_flush_interval();
+        let relaxed_ms = relaxed.as_millis() as f64;
+        let fraction = cfg.config.node.urgent_fraction;
+        let regions = cfg.config.regions.len().max(1) as u64;
         let mut pending = Vec::with_capacity(parsed.len());
-        for ((member, tenant, d), (e, p, n)) in parsed.into_iter().zip(rows) {
+        let mut deferred = 0;
+        for (((member, tenant, d), (e, p, n)), last) in parsed
+            .into_iter()
+            .zip(rows)
+            .zip(published_at.into_iter().chain(std::iter::repeat(None)))
+        {
             match (e, p) {
                 (Some(epoch), Some(p)) => {
                     self.note_epoch(&tenant, &epoch);
-                    pending.push(Pending {
-                        member,
-                        delta: Delta::new(
-                            &tenant,
-                            d,
-                            actor(&self.region, &epoch),
-                            p,
-                            n.unwrap_or(0).min(p),
-                            now,
-                        )
-                        .from_node(&self.node_id),
-                    })
+                    let delta = Delta::new(
+                        &tenant,
+                        d,
+                        actor(&self.region, &epoch),
+                        p,
+                        n.unwrap_or(0).min(p),
+                        now,
+                    )
+                    .from_node(&self.node_id);
+                    let due = last.is_none_or(|t| redis_now_ms as f64 - t >= relaxed_ms);
+                    if !due {
+                        let limit = cfg.policy(&tenant).and_then(|policy| policy.global);
+                        let (total, mine) = self.view.with(&tenant, d, |e| {
+                            e.map_or((0, 0), |e| {
+                                let mine = e
+                                    .parts
+                                    .get(&delta.actor)
+                                    .map_or(0, |(p, n)| p.saturating_sub(*n));
+                                (e.total(), mine)
+                            })
+                        });
+                        let spent = delta.p - delta.n;
+                        let unbroadcast = spent.saturating_sub(mine);
+                        if !urgent(limit, total, unbroadcast, regions, fraction) {
+                            deferred += 1;
+                            continue;
+                        }
+                    }
+                    pending.push(Pending { member, delta })
                 }
                 // The counter expired or Redis lost it: nothing to publish.
                 _ => stale.push((member, u64::MAX)),
             }
         }
+        if deferred > 0 {
+            self.metrics.deltas_deferred.inc_by(deferred);
+        }
+        tracing::debug!(
+            dirty = total,
+            read = members.len(),
+            deferred,
+            publishing = pending.len(),
+            "flush"
+        );
         let mut acks = stale;
         let mut failures = 0;
         // Enqueue everything first so librdkafka batches, then await acks.
@@ -205,7 +290,7 @@ impl Publisher {
         }
         if !acks.is_empty() {
             self.store
-                .ack_dirty(keys::DIRTY, &acks)
+                .ack_dirty(keys::DIRTY, keys::PUBLISHED, relaxed, &acks)
                 .await
                 .map_err(|e| e.to_string())?;
         }
@@ -268,5 +353,61 @@ impl Publisher {
                     .insert(tenant.to_string(), epoch.to_string());
             }
         }
+    }
+}
+
+/// Whether a tenant's delta must go out at this flush rather than when it is
+/// next due. `total` is the last broadcast global total, `unbroadcast` what
+/// this region spent since its own part in that broadcast. Without a global
+/// limit nobody enforces on the count, so it is never urgent.
+///
+/// The estimate assumes every region spent `unbroadcast` too since the
+/// broadcast: this region cannot see the others' unpublished spend, and its
+/// own is the best sample of the tenant's current rate. A burst therefore
+/// turns a tenant urgent early, which keeps the global overshoot where it was
+/// when every entry was published at every flush.
+pub fn urgent(
+    limit: Option<u64>,
+    total: u64,
+    unbroadcast: u64,
+    regions: u64,
+    fraction: f64,
+) -> bool {
+    let Some(limit) = limit else {
+        return false;
+    };
+    let estimate = total as f64 + (regions as f64) * (unbroadcast as f64);
+    estimate >= fraction * limit as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::urgent;
+
+    #[test]
+    fn far_from_the_limit_is_not_urgent() {
+        // 1 000 spent of a million, 3 regions: 0.3 % of the limit.
+        assert!(!urgent(Some(1_000_000), 0, 1_000, 3, 0.5));
+        assert!(!urgent(Some(1_000_000), 400_000, 10_000, 3, 0.5));
+    }
+
+    #[test]
+    fn near_the_limit_is_urgent() {
+        assert!(urgent(Some(1_000_000), 500_000, 0, 3, 0.5));
+        assert!(urgent(Some(1_000_000), 490_000, 4_000, 3, 0.5));
+    }
+
+    #[test]
+    fn a_burst_is_urgent_before_any_broadcast() {
+        // Nothing broadcast yet, but this region alone spent a fifth of the
+        // limit: three regions like it would be past half.
+        assert!(urgent(Some(100), 0, 20, 3, 0.5));
+        assert!(!urgent(Some(100), 0, 16, 3, 0.5));
+    }
+
+    #[test]
+    fn no_global_limit_is_never_urgent_and_fraction_zero_always_is() {
+        assert!(!urgent(None, u64::MAX / 2, 1 << 40, 3, 0.0));
+        assert!(urgent(Some(1 << 40), 0, 0, 3, 0.0));
     }
 }

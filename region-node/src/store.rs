@@ -199,14 +199,20 @@ impl Store {
     }
 
     /// Removes `(member, score)` pairs from the dirty set where the score has
-    /// not grown since it was read (see `ack.lua`).
+    /// not grown since it was read, stamps each in the published set with
+    /// Redis' time, and forgets published stamps older than `remember`
+    /// (see `ack.lua`).
     pub async fn ack_dirty(
         &self,
         dirty_key: &str,
+        published_key: &str,
+        remember: Duration,
         published: &[(String, u64)],
     ) -> Result<i64, StoreError> {
         let mut inv = self.ack.prepare_invoke();
-        inv.key(dirty_key);
+        inv.key(dirty_key)
+            .key(published_key)
+            .arg(remember.as_millis() as u64);
         for (m, s) in published {
             inv.arg(m).arg(s);
         }

@@ -134,6 +134,35 @@ pub struct NodeSettings {
     pub max_staleness: Option<Duration>,
     /// Most dirty entries published per flush (the rest wait for the next).
     pub publish_batch: usize,
+    /// A dirty (tenant, day) whose tenant is far from its global limit is
+    /// published at least this often, not at every flush: the other regions
+    /// need its exact count only once the tenant gets near the limit, and
+    /// publishing a quiet half of the tenants every `flush_interval` is what
+    /// made Kafka messages grow with time instead of with information. Equal
+    /// to `flush_interval`: every dirty entry at every flush. Unset: 2 s, or
+    /// `flush_interval` if that is longer (see
+    /// [`NodeSettings::relaxed_flush_interval`]).
+    #[serde(
+        rename = "relaxed_flush_interval",
+        with = "opt_human",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub relaxed_flush_interval_setting: Option<Duration>,
+    /// A tenant is *urgent* (published at every flush) once its estimated
+    /// global spend reaches this fraction of its global limit. The estimate
+    /// is the last broadcast total plus this region's unbroadcast spend
+    /// times the number of regions (as if every region had spent like this
+    /// one since the broadcast), so a burst turns a tenant urgent early.
+    pub urgent_fraction: f64,
+}
+
+impl NodeSettings {
+    /// The relaxed interval in effect: as set, else 2 s but never shorter
+    /// than `flush_interval`.
+    pub fn relaxed_flush_interval(&self) -> Duration {
+        self.relaxed_flush_interval_setting
+            .unwrap_or_else(|| Duration::from_secs(2).max(self.flush_interval))
+    }
 }
 
 impl Default for NodeSettings {
@@ -144,6 +173,8 @@ impl Default for NodeSettings {
             store_retry_interval: Duration::from_millis(500),
             max_staleness: None,
             publish_batch: 5000,
+            relaxed_flush_interval_setting: None,
+            urgent_fraction: 0.5,
         }
     }
 }
@@ -712,6 +743,24 @@ impl Config {
             return Err(ConfigError::invalid(
                 "node.publish_batch",
                 "must be at least 1",
+            ));
+        }
+        let relaxed = n.relaxed_flush_interval();
+        if relaxed < n.flush_interval {
+            return Err(ConfigError::invalid(
+                "node.relaxed_flush_interval",
+                format!(
+                    "{} is shorter than node.flush_interval ({}); use the same value to publish every entry at every flush",
+                    crate::duration::format(relaxed),
+                    crate::duration::format(n.flush_interval)
+                ),
+            ));
+        }
+        range("node.relaxed_flush_interval", relaxed, ms(10), ms(600_000))?;
+        if !(0.0..=1.0).contains(&n.urgent_fraction) {
+            return Err(ConfigError::invalid(
+                "node.urgent_fraction",
+                format!("must be within 0..1, got {}", n.urgent_fraction),
             ));
         }
         let a = &self.aggregator;

@@ -11,12 +11,19 @@
 //! | `tl:{T}:r:<k>:<a>`      | hash/string/zset | region-tier state             |
 //! | `tl:{T}:g:<day>`        | hash `e p n` | the region's PN counter part for (T, day): epoch, P, N |
 //! | `tl:dirty`              | zset `T|day → p+n` | (T, day) pairs not yet published |
+//! | `tl:published`          | zset `T|day → ms` | when the region last published (T, day), Redis clock; entries older than `relaxed_flush_interval` are dropped |
 //!
 //! `<k>` is the request key when the plan is `key_scoped`, else `_`; `<a>` is
 //! the algorithm code.
 
 /// The region-wide set of (tenant, day) pairs with unpublished changes.
 pub const DIRTY: &str = "tl:dirty";
+
+/// When each (tenant, day) was last published by some node of the region
+/// (Redis clock, ms). Shared by the region's publishers so that a tenant
+/// published by one node is not published again by another before its
+/// `relaxed_flush_interval` is up.
+pub const PUBLISHED: &str = "tl:published";
 
 /// Placeholder for `<k>` when a plan counts per tenant, not per key.
 pub const WHOLE_TENANT: &str = "_";

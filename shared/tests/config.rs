@@ -410,6 +410,21 @@ fn every_settings_range_is_checked() {
         "at least 1",
     );
     ok(&with(&["node", "publish_batch"], v("1")));
+    let e = refused(
+        &with(&["node", "relaxed_flush_interval"], s("100ms")),
+        "node.relaxed_flush_interval",
+        "shorter than node.flush_interval (250ms)",
+    );
+    assert!(e.to_string().contains("100ms"), "{e}");
+    ok(&with(&["node", "relaxed_flush_interval"], s("250ms")));
+    for bad in ["-0.1", "1.5"] {
+        refused(
+            &with(&["node", "urgent_fraction"], v(bad)),
+            "node.urgent_fraction",
+            "within 0..1",
+        );
+    }
+    ok(&with(&["node", "urgent_fraction"], v("0.0")));
     refused(
         &with(&["aggregator", "group_id"], s("")),
         "aggregator.group_id",
@@ -1165,6 +1180,8 @@ fn example_config_documents_every_key() {
         "store_retry_interval",
         "max_staleness",
         "publish_batch",
+        "relaxed_flush_interval",
+        "urgent_fraction",
         "[aggregator]",
         "group_id",
         "broadcast_interval",

@@ -531,3 +531,101 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
     });
     health.await;
 }
+
+/// Sum of a region-node's metric `name` (all label sets).
+async fn node_metric(n: &RegionNode, name: &str) -> u64 {
+    let text = n
+        .http
+        .get(n.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// One allowed check of `cost` (one request, so no flush can split it).
+async fn allow_n(n: &RegionNode, tenant: &str, cost: u64) {
+    let r = n
+        .http
+        .post(n.url("/v1/check"))
+        .json(&json!({ "tenant": tenant, "cost": cost }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{tenant}: {}", r.text().await.unwrap());
+}
+
+/// Kafka economy without losing accuracy: a tenant far from its global limit
+/// is published once per `relaxed_flush_interval` (shared by the region's
+/// nodes through Redis), a tenant nearing its limit at every flush, and the
+/// totals stay exact either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn quiet_tenants_wait_for_the_relaxed_interval_urgent_ones_go_at_every_flush() {
+    const RELAXED: Duration = Duration::from_secs(8);
+    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
+    let env = [("TIERLIMIT__NODE__RELAXED_FLUSH_INTERVAL", "8s")];
+    let agg = Aggregator::start(&w.cfg).await;
+    let a = RegionNode::start_with_env(&w.cfg, "eu", "a", &env).await;
+    let b = RegionNode::start_with_env(&w.cfg, "eu", "b", &env).await;
+    for n in [&a, &b] {
+        node_ready(n).await;
+    }
+    agg_ready(&agg).await;
+
+    // `t` (limit 10^8): never published yet, so its first change goes out at
+    // the next flush.
+    let started = Instant::now();
+    allow_n(&a, "t", 20).await;
+    wait_total(&agg, "t", 20).await;
+    assert!(
+        started.elapsed() < RELAXED / 2,
+        "a first change is published at once, took {:?}",
+        started.elapsed()
+    );
+    let published = Instant::now();
+    // 20 more through the region's other node: neither node publishes them
+    // before the interval is up, because the last publication is stamped in
+    // the region's Redis, not in one node's memory.
+    allow_n(&b, "t", 20).await;
+    while published.elapsed() < RELAXED / 2 {
+        assert_eq!(
+            agg_total(&agg, "t").await,
+            Some(20),
+            "published before the relaxed interval, {:?} after the last",
+            published.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let deferred = node_metric(&a, "tierlimit_deltas_deferred_total").await
+        + node_metric(&b, "tierlimit_deltas_deferred_total").await;
+    assert!(deferred > 0, "the flushes in between count as deferred");
+    // Then it arrives, exactly.
+    wait_total(&agg, "t", 40).await;
+    assert!(
+        published.elapsed() >= RELAXED - Duration::from_millis(500),
+        "published {:?} after the last publication, before the relaxed interval",
+        published.elapsed()
+    );
+
+    // `hot` (limit 300, two regions): 10, published at once; then 100 more
+    // make it urgent (10 broadcast + 2 regions × 100 unbroadcast ≥ 150), so
+    // they go out at the next flush although the interval is not up.
+    allow_n(&a, "hot", 10).await;
+    wait_total(&agg, "hot", 10).await;
+    let first = Instant::now();
+    allow_n(&a, "hot", 100).await;
+    wait_total(&agg, "hot", 110).await;
+    assert!(
+        first.elapsed() < RELAXED / 2,
+        "an urgent tenant is published at the next flush, took {:?}",
+        first.elapsed()
+    );
+    assert_eq!(w.redis_truth("hot").await, 110);
+    assert_eq!(w.redis_truth("t").await, 40);
+}

@@ -220,9 +220,11 @@ async fn charges_the_day_of_redis_clock() {
 }
 
 #[tokio::test]
-async fn ack_removes_only_unchanged_entries() {
+async fn ack_removes_only_unchanged_entries_and_stamps_every_published_one() {
     let redis = Redis::start();
     let mut con = redis.client().await;
+    let (now_s, _): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+    let now_ms = now_s * 1000;
     redis::cmd("ZADD")
         .arg("tl:dirty")
         .arg(5)
@@ -232,9 +234,22 @@ async fn ack_removes_only_unchanged_entries() {
         .query_async::<()>(&mut con)
         .await
         .unwrap();
+    // c|1 was published 10 s ago: older than the 2 s to remember, so the ack
+    // forgets it; d|1 a moment ago stays.
+    redis::cmd("ZADD")
+        .arg("tl:published")
+        .arg(now_ms - 10_000)
+        .arg("c|1")
+        .arg(now_ms - 500)
+        .arg("d|1")
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
     // Published a at 5 (unchanged) and b at 7 (a charge raised it to 9 since).
     let removed: i64 = redis::Script::new(ACK)
         .key("tl:dirty")
+        .key("tl:published")
+        .arg(2000)
         .arg("a|1")
         .arg(5)
         .arg("b|1")
@@ -251,6 +266,25 @@ async fn ack_removes_only_unchanged_entries() {
         .await
         .unwrap();
     assert_eq!(left, vec!["b|1".to_string()]);
+    // Both published members are stamped with Redis' time, b although it
+    // stayed dirty: it was published, so it is not due again before the
+    // relaxed interval unless urgent.
+    let stamped: Vec<(String, f64)> = redis::cmd("ZRANGE")
+        .arg("tl:published")
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let names: Vec<&str> = stamped.iter().map(|(m, _)| m.as_str()).collect();
+    assert_eq!(names, vec!["d|1", "a|1", "b|1"], "{stamped:?}");
+    for (m, t) in &stamped[1..] {
+        assert!(
+            (*t as i64 - now_ms).abs() < 5_000,
+            "{m} stamped at {t}, Redis time {now_ms}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -875,9 +875,11 @@ async fn region_redis_restarted_empty() {
     s.begin("eu Redis kill -9, restarted empty");
     let from = now_us();
     s.c.restart_redis_empty("eu").await;
-    // Charged since the last flush before the kill (flush 100 ms; allow a
-    // slow one) was never published.
-    s.data_loss = Some(("eu", from.saturating_sub(1_000_000), from));
+    // Charged since the region last published the tenant was never
+    // published: up to flush_interval (100 ms) for an urgent tenant, up to
+    // relaxed_flush_interval (2 s by default) for the others; allow 1 s for
+    // a slow flush.
+    s.data_loss = Some(("eu", from.saturating_sub(3_000_000), from));
     s.tier_reset.push((from, now_us()));
     s.expect_rise(&region_nodes("eu"), "tierlimit_epoch_changes_total", 1.0);
     s.hold(FAULT).await;
