@@ -1168,6 +1168,20 @@ impl Aggregator {
     }
 }
 
+/// GETs a Prometheus endpoint and sums metric `name` over its label sets
+/// (see [`cluster::metric_value`]).
+pub async fn scrape_metric(http: &reqwest::Client, url: &str, name: &str) -> f64 {
+    let text = http
+        .get(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    cluster::metric_value(&text, name)
+}
+
 pub mod cluster;
 pub mod history;
 pub mod topology;

@@ -144,19 +144,7 @@ async fn agg_total(a: &Aggregator, tenant: &str) -> Option<u64> {
 }
 
 async fn agg_metric(a: &Aggregator, name: &str) -> u64 {
-    let text = a
-        .http
-        .get(a.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    harness::scrape_metric(&a.http, &a.url("/metrics"), name).await as u64
 }
 
 /// Background traffic: `clients` loops per node URL until stopped; counts 200s.
@@ -534,19 +522,7 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
 
 /// Sum of a region-node's metric `name` (all label sets).
 async fn node_metric(n: &RegionNode, name: &str) -> u64 {
-    let text = n
-        .http
-        .get(n.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    harness::scrape_metric(&n.http, &n.url("/metrics"), name).await as u64
 }
 
 /// One allowed check of `cost` (one request, so no flush can split it).
