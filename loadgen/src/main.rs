@@ -7,9 +7,11 @@
 //! ```
 //!
 //! Closed loop (`--mode closed --connections N`) or open loop (`--mode open
-//! --rate R`, latency from the intended send time); tenants uniform, Zipf or
-//! each once in order; several targets (regions) at once. Prints one JSON
-//! summary: HDR percentiles, throughput, decisions by outcome, tier and mode.
+//! --rate R`, latency from the intended send time); tenants uniform, Zipf,
+//! each once in order, or staggered in phases; several targets (regions) at
+//! once. Prints one JSON summary: HDR percentiles, throughput, decisions by
+//! outcome, tier and mode, and with `--accuracy-limit` the overshoot and the
+//! time from crossing the limit to every target denying, per tenant too.
 
 mod http1;
 mod run;
@@ -28,7 +30,7 @@ use rand_distr::Zipf;
 use serde_json::{json, Value};
 
 use crate::run::{Backend, Ctx, Dist, Model};
-use crate::stats::{percentiles_us, Stats};
+use crate::stats::{percentiles_us, Event, Stats};
 use crate::target::{Proto, ScriptCall, TierArgs, DECIDE_LUA};
 
 #[derive(Debug, Parser)]
@@ -85,6 +87,12 @@ enum DistArg {
     Zipf,
     /// Every tenant once, in order (populating state for scale runs).
     Seq,
+    /// Staggered tenants: tenant i is active from i·X to (i + W)·X seconds
+    /// after the start (X = --phase-seconds, W = --phase-width), a request
+    /// picks uniformly among the active ones; the run stops once the last
+    /// tenant's phases are over, at (N + W − 1)·X (accuracy runs: many
+    /// crossings of the limit, out of step with the system's timers).
+    Phased,
 }
 
 #[derive(Debug, Args)]
@@ -115,6 +123,12 @@ struct RunArgs {
     /// Zipf exponent (tenant 0 hottest).
     #[arg(long, default_value_t = 1.1)]
     zipf_s: f64,
+    /// Phased: seconds between the starts of consecutive tenants.
+    #[arg(long, default_value_t = 1.5)]
+    phase_seconds: f64,
+    /// Phased: how many phases each tenant stays active (tenants active at once).
+    #[arg(long, default_value_t = 4)]
+    phase_width: u64,
     #[arg(long, default_value = "t")]
     tenant_prefix: String,
     /// Worker threads of the generator's runtime (1: single-threaded, the
@@ -315,6 +329,16 @@ where
         DistArg::Uniform => Dist::Uniform(run.tenants),
         DistArg::Zipf => Dist::Zipf(Zipf::new(run.tenants as f64, run.zipf_s).context("--zipf-s")?),
         DistArg::Seq => Dist::Seq(Arc::new(AtomicU64::new(0)), run.tenants),
+        DistArg::Phased => {
+            if !(run.phase_seconds > 0.0 && run.phase_seconds.is_finite()) || run.phase_width == 0 {
+                bail!("--dist phased needs --phase-seconds > 0 and --phase-width ≥ 1");
+            }
+            Dist::Phased {
+                phase: Duration::from_secs_f64(run.phase_seconds),
+                width: run.phase_width,
+                n: run.tenants,
+            }
+        }
     };
     let rt = if run.threads <= 1 {
         tokio::runtime::Builder::new_current_thread()
@@ -395,6 +419,8 @@ fn summarize(
         "tenants": run.tenants,
         "dist": format!("{:?}", run.dist).to_lowercase(),
         "zipf_s": matches!(run.dist, DistArg::Zipf).then_some(run.zipf_s),
+        "phase_seconds": matches!(run.dist, DistArg::Phased).then_some(run.phase_seconds),
+        "phase_width": matches!(run.dist, DistArg::Phased).then_some(run.phase_width),
         "warmup_s": run.warmup,
         "duration_s": run.duration,
         "measured_s": (window_s * 1000.0).round() / 1000.0,
@@ -420,7 +446,10 @@ fn summarize(
 
 /// Overshoot past `limit` and, per target, how long after the crossing it
 /// still allowed. The crossing is the completion of the `limit`-th allowed
-/// decision across all targets, in completion order.
+/// decision across all targets, in completion order. The top-level figures
+/// count every event as one tenant's (a single-tenant run); `per_tenant`
+/// applies the same definitions to each tenant on its own (see
+/// [`per_tenant`]).
 fn accuracy(stats: &mut Stats, limit: u64, targets: usize) -> Value {
     let events = &mut stats.events;
     events.sort_by_key(|e| e.done_ns);
@@ -473,6 +502,113 @@ fn accuracy(stats: &mut Stats, limit: u64, targets: usize) -> Value {
         "crossing_ms": crossing.map(ms),
         "ms_from_crossing_to_all_denying": all_deny,
         "per_target": per_target,
+        "per_tenant": per_tenant(events, limit, targets),
+    })
+}
+
+/// Nearest-rank percentile of ascending `sorted`: the smallest value with at
+/// least `p`·n values at or below it (`p` in (0, 1]); `None` when empty.
+fn nearest_rank(sorted: &[u64], p: f64) -> Option<u64> {
+    let n = sorted.len();
+    if n == 0 {
+        return None;
+    }
+    let rank = ((p * n as f64).ceil() as usize).clamp(1, n);
+    Some(sorted[rank - 1])
+}
+
+/// One tenant's decisions, in completion order.
+struct TenantTrack {
+    allowed: u64,
+    /// Completion of its `limit`-th allowed decision.
+    crossing: Option<u64>,
+    /// Per target: completion of the last allowed and of the last denied decision.
+    last_allowed: Vec<Option<u64>>,
+    last_denied: Vec<Option<u64>>,
+}
+
+/// The accuracy figures per tenant, over every tenant that reached `limit`
+/// (`events` in completion order). A tenant's crossing is the completion of
+/// its `limit`-th allowed decision (completion order across targets); its
+/// time to "every target denying" is the largest, over targets, of that
+/// target's last allowed decision of the tenant − the crossing (0 when it
+/// came before the crossing or the target allowed none); its overshoot is
+/// its allowed decisions − `limit`. Distributions are nearest-rank
+/// percentiles over the crossed tenants. `not_all_seen_denying` counts the
+/// crossed tenants with a target that allowed after the crossing and was
+/// never seen denying after its last allowed decision (the run ended
+/// first): their time is a lower bound.
+fn per_tenant(events: &[Event], limit: u64, targets: usize) -> Value {
+    let mut tenants: std::collections::BTreeMap<u32, TenantTrack> = Default::default();
+    for e in events {
+        let t = tenants.entry(e.tenant).or_insert_with(|| TenantTrack {
+            allowed: 0,
+            crossing: None,
+            last_allowed: vec![None; targets],
+            last_denied: vec![None; targets],
+        });
+        let target = e.target as usize;
+        if e.allowed {
+            t.allowed += 1;
+            if t.allowed == limit {
+                t.crossing = Some(e.done_ns);
+            }
+            if let Some(slot) = t.last_allowed.get_mut(target) {
+                *slot = Some(e.done_ns);
+            }
+        } else if let Some(slot) = t.last_denied.get_mut(target) {
+            *slot = Some(e.done_ns);
+        }
+    }
+    let mut to_deny = Vec::new();
+    let mut overshoot = Vec::new();
+    let mut unseen = 0u64;
+    for t in tenants.values() {
+        let Some(c) = t.crossing.filter(|_| limit > 0) else {
+            continue;
+        };
+        let mut slowest = 0;
+        let mut seen_denying = true;
+        for (a, d) in t.last_allowed.iter().zip(&t.last_denied) {
+            let Some(a) = *a else { continue };
+            slowest = u64::max(slowest, a.saturating_sub(c));
+            if a > c && d.is_none_or(|d| d < a) {
+                seen_denying = false;
+            }
+        }
+        to_deny.push(slowest);
+        overshoot.push(t.allowed - limit);
+        unseen += u64::from(!seen_denying);
+    }
+    to_deny.sort_unstable();
+    overshoot.sort_unstable();
+    let ms = |ns: Option<u64>| ns.map(|ns| (ns as f64 / 1e4).round() / 100.0);
+    let pct = |o: Option<u64>| {
+        o.map(|o| (o as f64 / limit.max(1) as f64 * 100.0 * 1000.0).round() / 1000.0)
+    };
+    json!({
+        "tenants": tenants.len(),
+        "crossed": to_deny.len(),
+        "not_crossed": tenants.len() - to_deny.len(),
+        "not_all_seen_denying": unseen,
+        "crossing_to_all_denying_ms": {
+            "p50": ms(nearest_rank(&to_deny, 0.50)),
+            "p90": ms(nearest_rank(&to_deny, 0.90)),
+            "p99": ms(nearest_rank(&to_deny, 0.99)),
+            "max": ms(to_deny.last().copied()),
+            "n": to_deny.len(),
+        },
+        "overshoot": {
+            "total": overshoot.iter().sum::<u64>(),
+            "p50": nearest_rank(&overshoot, 0.50),
+            "p99": nearest_rank(&overshoot, 0.99),
+            "max": overshoot.last(),
+        },
+        "overshoot_pct_of_limit": {
+            "p50": pct(nearest_rank(&overshoot, 0.50)),
+            "p99": pct(nearest_rank(&overshoot, 0.99)),
+            "max": pct(overshoot.last().copied()),
+        },
     })
 }
 
@@ -482,8 +618,13 @@ mod tests {
     use crate::stats::Event;
 
     fn ev(done_ms: u64, target: u8, allowed: bool) -> Event {
+        evt(done_ms, 0, target, allowed)
+    }
+
+    fn evt(done_ms: u64, tenant: u32, target: u8, allowed: bool) -> Event {
         Event {
             done_ns: done_ms * 1_000_000,
+            tenant,
             target,
             allowed,
         }
@@ -519,6 +660,147 @@ mod tests {
         let a = accuracy(&mut s, 10, 1);
         assert_eq!(a["overshoot"], -9);
         assert!(a["crossing_ms"].is_null());
+    }
+
+    #[test]
+    fn accuracy_per_tenant_crossings_overshoot_and_time_to_deny() {
+        let mut s = Stats::new(2);
+        // limit 2, two targets, tenants interleaved in time (and given out
+        // of order: accuracy sorts by completion).
+        // tenant 0: allowed 1 (t0), 2 (t1) = crossing at 2 ms; t1 allows at
+        //   3, t0 at 4, then both deny: 2 ms to all denying, overshoot 2.
+        // tenant 1: allowed 3.5 (t1), 5 (t0) = crossing at 5 ms; t1's last
+        //   allowed came before it (floored to 0), t0's is the crossing: 0 ms,
+        //   overshoot 0.
+        // tenant 2: one allowed: not crossed.
+        // tenant 3: crossing at 31 ms (t0 twice), t1 allows until 40 and is
+        //   never seen denying: 9 ms (a lower bound), overshoot 3.
+        s.events = vec![
+            evt(40, 3, 1, true),
+            evt(1, 0, 0, true),
+            evt(2, 0, 1, true),
+            evt(3, 0, 1, true),
+            evt(4, 0, 0, true),
+            evt(4, 1, 1, true),
+            evt(5, 1, 0, true),
+            evt(6, 0, 0, false),
+            evt(6, 1, 0, false),
+            evt(7, 0, 1, false),
+            evt(7, 1, 1, false),
+            evt(20, 2, 0, true),
+            evt(30, 3, 0, true),
+            evt(31, 3, 0, true),
+            evt(32, 3, 1, true),
+            evt(33, 3, 1, true),
+            evt(41, 3, 0, false),
+        ];
+        let a = accuracy(&mut s, 2, 2);
+        // The top level still treats every event as one tenant's.
+        assert_eq!(a["allowed_total"], 12);
+        assert_eq!(a["overshoot"], 10);
+        assert_eq!(a["crossing_ms"], 2.0);
+        let t = &a["per_tenant"];
+        assert_eq!(t["tenants"], 4);
+        assert_eq!(t["crossed"], 3);
+        assert_eq!(t["not_crossed"], 1);
+        assert_eq!(t["not_all_seen_denying"], 1);
+        // Sorted times to all denying: 0, 2, 9 ms (nearest rank).
+        let d = &t["crossing_to_all_denying_ms"];
+        assert_eq!(
+            (&d["p50"], &d["p90"], &d["p99"], &d["max"], &d["n"]),
+            (
+                &json!(2.0),
+                &json!(9.0),
+                &json!(9.0),
+                &json!(9.0),
+                &json!(3)
+            )
+        );
+        // Sorted overshoots: 0, 2, 3 decisions; of a limit of 2.
+        assert_eq!(
+            t["overshoot"],
+            json!({"total": 5, "p50": 2, "p99": 3, "max": 3})
+        );
+        assert_eq!(
+            t["overshoot_pct_of_limit"],
+            json!({"p50": 100.0, "p99": 150.0, "max": 150.0})
+        );
+    }
+
+    #[test]
+    fn accuracy_per_tenant_without_crossing_is_empty() {
+        let mut s = Stats::new(1);
+        s.events = vec![evt(1, 0, 0, true), evt(2, 1, 0, true)];
+        let t = &accuracy(&mut s, 10, 1)["per_tenant"];
+        assert_eq!((&t["crossed"], &t["not_crossed"]), (&json!(0), &json!(2)));
+        assert!(t["crossing_to_all_denying_ms"]["p99"].is_null());
+        assert_eq!(t["overshoot"]["total"], 0);
+        assert!(t["overshoot"]["max"].is_null());
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<u64> = (1..=100).collect();
+        assert_eq!(nearest_rank(&v, 0.50), Some(50));
+        assert_eq!(nearest_rank(&v, 0.90), Some(90));
+        assert_eq!(nearest_rank(&v, 0.99), Some(99));
+        assert_eq!(nearest_rank(&v, 1.0), Some(100));
+        // 60 values: p99 is the largest (rank ⌈59.4⌉ = 60); p50 the 30th.
+        let v: Vec<u64> = (1..=60).collect();
+        assert_eq!(nearest_rank(&v, 0.99), Some(60));
+        assert_eq!(nearest_rank(&v, 0.50), Some(30));
+        assert_eq!(nearest_rank(&[7], 0.5), Some(7));
+        assert_eq!(nearest_rank(&[], 0.5), None);
+    }
+
+    #[test]
+    fn phased_tenants_are_staggered() {
+        use crate::run::phased_active;
+        let x = Duration::from_millis(1500);
+        let at = |s: f64| phased_active(x, 4, 10, Duration::from_secs_f64(s));
+        // Ramp up: tenant 0 alone, then one more every 1.5 s.
+        assert_eq!(at(0.0), Some(0..=0));
+        assert_eq!(at(1.499), Some(0..=0));
+        assert_eq!(at(1.5), Some(0..=1));
+        assert_eq!(at(4.6), Some(0..=3));
+        // Steady: 4 at once, the oldest leaving as the next arrives.
+        assert_eq!(at(6.0), Some(1..=4));
+        assert_eq!(at(13.6), Some(6..=9));
+        // Ramp down: no tenant 10; the last one leaves at (10 + 4 − 1)·1.5 s.
+        assert_eq!(at(15.0), Some(7..=9));
+        assert_eq!(at(19.4), Some(9..=9));
+        assert_eq!(at(19.5), None);
+        assert_eq!(at(1000.0), None);
+        // Each tenant is active for exactly width phases from i·phase.
+        for i in 0..10u64 {
+            let on = |s: f64| at(s).is_some_and(|r| r.contains(&i));
+            let start = i as f64 * 1.5;
+            assert!(i == 0 || !on(start - 0.001), "tenant {i} before its start");
+            assert!(
+                on(start) && on(start + 5.999),
+                "tenant {i} during its phases"
+            );
+            assert!(!on(start + 6.0), "tenant {i} after its phases");
+        }
+        assert_eq!(phased_active(x, 1, 3, Duration::from_secs(2)), Some(1..=1));
+        assert_eq!(phased_active(x, 4, 0, Duration::ZERO), None);
+
+        // pick draws uniformly among the active ones, and stops after them.
+        let d = Dist::Phased {
+            phase: x,
+            width: 4,
+            n: 10,
+        };
+        let mut rng = <rand::rngs::SmallRng as rand::SeedableRng>::seed_from_u64(7);
+        let mut seen = [0u32; 10];
+        for _ in 0..4000 {
+            let i = d.pick(&mut rng, Duration::from_secs(7)).unwrap();
+            seen[i as usize] += 1;
+        }
+        assert_eq!(&seen[..1], [0]);
+        assert!(seen[1..=4].iter().all(|&c| c > 800), "{seen:?}");
+        assert_eq!(&seen[5..], [0; 5]);
+        assert_eq!(d.pick(&mut rng, Duration::from_secs(20)), None);
     }
 
     #[test]

@@ -33,10 +33,17 @@ pub enum Dist {
     Zipf(Zipf<f64>),
     /// Every tenant of `0..n` exactly once, in order, then stop.
     Seq(Arc<AtomicU64>, u64),
+    /// Staggered tenants of `0..n`: tenant `i` is active while the time
+    /// since the run's start is in `[i·phase, (i + width)·phase)`, so a new
+    /// tenant starts every `phase` and each stays for `width` phases; a
+    /// request picks uniformly among the active ones (see [`phased_active`]).
+    Phased { phase: Duration, width: u64, n: u64 },
 }
 
 impl Dist {
-    pub fn pick(&self, rng: &mut SmallRng) -> Option<u64> {
+    /// The tenant of a request scheduled `since_start` after the run's
+    /// start, or `None` when no tenant is left (the worker stops).
+    pub fn pick(&self, rng: &mut SmallRng, since_start: Duration) -> Option<u64> {
         match self {
             Dist::Uniform(n) => Some(rng.random_range(0..*n)),
             Dist::Zipf(z) => Some((z.sample(rng) as u64).saturating_sub(1)),
@@ -44,8 +51,30 @@ impl Dist {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 (i < *n).then_some(i)
             }
+            Dist::Phased { phase, width, n } => {
+                phased_active(*phase, *width, *n, since_start).map(|r| rng.random_range(r))
+            }
         }
     }
+}
+
+/// The tenants [`Dist::Phased`] draws from at `since_start`. With
+/// `k = ⌊since_start / phase⌋` they are `k − width + 1 ..= k`, capped to
+/// `0..n`: in steady state `width` tenants share the rate (each gets
+/// rate / width for `width` phases), but while the first `width − 1` phases
+/// ramp up and the last ones ramp down fewer are active and each gets more.
+/// `None` once `k − width + 1 ≥ n`, i.e. from `(n + width − 1)·phase` on:
+/// no tenant is left and the run stops there.
+pub fn phased_active(
+    phase: Duration,
+    width: u64,
+    n: u64,
+    since_start: Duration,
+) -> Option<std::ops::RangeInclusive<u64>> {
+    let k = (since_start.as_nanos() / phase.as_nanos().max(1)).min(u64::MAX as u128) as u64;
+    let first = k.saturating_sub(width.max(1) - 1);
+    let last = k.min(n.checked_sub(1)?);
+    (first <= last).then_some(first..=last)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -80,21 +109,31 @@ impl Ctx {
         self.max_requests == 0 || self.started.fetch_add(1, Ordering::Relaxed) < self.max_requests
     }
 
-    fn tenant(&self, rng: &mut SmallRng, name: &mut String) -> bool {
-        let Some(i) = self.dist.pick(rng) else {
-            return false;
-        };
+    /// Writes the tenant of a request scheduled at `at` into `name` and
+    /// returns its index, or `None` when the distribution has no more.
+    fn tenant(&self, rng: &mut SmallRng, at: Instant, name: &mut String) -> Option<u64> {
+        let i = self
+            .dist
+            .pick(rng, at.saturating_duration_since(self.start))?;
         name.clear();
         name.push_str(&self.tenant_prefix);
         use std::fmt::Write as _;
         let _ = write!(name, "{i}");
-        true
+        Some(i)
     }
 
-    fn record_event(&self, stats: &mut Stats, target: usize, done: Instant, allowed: bool) {
+    fn record_event(
+        &self,
+        stats: &mut Stats,
+        target: usize,
+        tenant: u64,
+        done: Instant,
+        allowed: bool,
+    ) {
         if self.keep_events {
             stats.events.push(Event {
                 done_ns: done.duration_since(self.start).as_nanos() as u64,
+                tenant: u32::try_from(tenant).unwrap_or(u32::MAX),
                 target: target as u8,
                 allowed,
             });
@@ -233,9 +272,9 @@ async fn worker(
             ctx.unsent.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        if !ctx.tenant(&mut rng, &mut name) {
+        let Some(tenant) = ctx.tenant(&mut rng, intended, &mut name) else {
             break;
-        }
+        };
         let measured = intended >= ctx.measure_from;
         let sent = Instant::now();
         let result = match &*backend {
@@ -277,7 +316,7 @@ async fn worker(
                         .lag
                         .record((sent.duration_since(intended).as_nanos() as u64).max(1));
                 }
-                ctx.record_event(&mut stats, target, done, o.allowed);
+                ctx.record_event(&mut stats, target, tenant, done, o.allowed);
             }
             Err(kind) => {
                 stats.error(target, &kind);

@@ -31,6 +31,8 @@ pub struct Outcome {
 pub struct Event {
     /// Completion time, ns since the start of the run.
     pub done_ns: u64,
+    /// Tenant index (the number after `--tenant-prefix`).
+    pub tenant: u32,
     pub target: u8,
     pub allowed: bool,
 }
