@@ -23,7 +23,7 @@
 //! the rest stay dirty and are counted as deferred. Deferring never loses a
 //! count: the entry stays in Redis until a later flush publishes it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -61,7 +61,12 @@ pub struct Publisher {
     metrics: Arc<Metrics>,
     /// Local-mode counts as last acknowledged, so unchanged ones are skipped.
     local_published: HashMap<(String, u32), (u64, u64)>,
-    last_epochs: HashMap<String, String>,
+    /// (tenant, day, epoch) already reported as a new epoch, so each data
+    /// loss is counted once per node; pruned with the day.
+    reported_epochs: HashSet<(String, u32, String)>,
+    /// Redis' clock at the previous flush, for pruning `tl:published` even
+    /// when nothing is published.
+    last_redis_now_ms: Option<i64>,
 }
 
 /// One dirty entry read back from Redis.
@@ -100,7 +105,8 @@ impl Publisher {
             cursor: 0,
             metrics,
             local_published: HashMap::new(),
-            last_epochs: HashMap::new(),
+            reported_epochs: HashSet::new(),
+            last_redis_now_ms: None,
         })
     }
 
@@ -144,6 +150,16 @@ impl Publisher {
             .arg(self.cursor as i64)
             .arg(self.cursor as i64 + batch - 1);
         pipe.cmd("TIME");
+        // Stamps older than the relaxed interval are of no use; the ack
+        // prunes them too, but only when something is published.
+        if let Some(prev) = self.last_redis_now_ms {
+            let relaxed = self.live.load().config.node.relaxed_flush_interval();
+            pipe.cmd("ZREMRANGEBYSCORE")
+                .arg(keys::PUBLISHED)
+                .arg("-inf")
+                .arg(format!("({}", prev - relaxed.as_millis() as i64))
+                .ignore();
+        }
         let (total, members, (secs, micros)): (i64, Vec<String>, (i64, i64)) = self
             .store
             .pipeline("dirty_read", pipe)
@@ -155,10 +171,11 @@ impl Publisher {
         if self.cursor as i64 >= total {
             self.cursor = 0;
         }
+        let redis_now_ms = secs * 1000 + micros / 1000;
+        self.last_redis_now_ms = Some(redis_now_ms);
         if members.is_empty() {
             return Ok(0);
         }
-        let redis_now_ms = secs * 1000 + micros / 1000;
         let mut pipe = redis::pipe();
         let mut parsed = Vec::with_capacity(members.len());
         let mut stale = Vec::new();
@@ -210,7 +227,7 @@ impl Publisher {
         {
             match (e, p) {
                 (Some(epoch), Some(p)) => {
-                    self.note_epoch(&tenant, &epoch);
+                    self.note_epoch(&tenant, d, &epoch);
                     let delta = Delta::new(
                         &tenant,
                         d,
@@ -332,28 +349,45 @@ impl Publisher {
         }
         let oldest = day::today().saturating_sub(2);
         self.local_published.retain(|(_, d), _| *d >= oldest);
+        self.reported_epochs.retain(|(_, d, _)| *d >= oldest);
         self.local.prune(oldest, now * 1000);
         ok
     }
 
-    fn note_epoch(&mut self, tenant: &str, epoch: &str) {
-        match self.last_epochs.get(tenant) {
-            Some(e) if e == epoch => {}
-            Some(_) => {
-                self.metrics.epoch_changes.inc();
-                tracing::warn!(tenant, epoch, "new region epoch: Redis lost this tenant's counter; counting under a new actor");
-                self.last_epochs
-                    .insert(tenant.to_string(), epoch.to_string());
-            }
-            None => {
-                if self.last_epochs.len() > 100_000 {
-                    self.last_epochs.clear();
-                }
-                self.last_epochs
-                    .insert(tenant.to_string(), epoch.to_string());
-            }
+    /// Reports an epoch this region's Redis started for (tenant, day) after
+    /// losing its counter: the broadcast view already holds this region's
+    /// part for that (tenant, day) under other epochs, but not under this
+    /// one. A new day or a new tenant has no part in the view yet, so a
+    /// midnight is not mistaken for a data loss, and no per-tenant memory is
+    /// needed to tell them apart.
+    fn note_epoch(&mut self, tenant: &str, day: u32, epoch: &str) {
+        let lost = self
+            .view
+            .with(tenant, day, |e| epoch_is_new(e, &self.region, epoch));
+        if lost
+            && self
+                .reported_epochs
+                .insert((tenant.to_string(), day, epoch.to_string()))
+        {
+            self.metrics.epoch_changes.inc();
+            tracing::warn!(
+                tenant,
+                day,
+                epoch,
+                "new region epoch: Redis lost this tenant's counter; counting under a new actor"
+            );
         }
     }
+}
+
+/// Whether `epoch` is a new epoch of `region` for a (tenant, day) whose
+/// broadcast entry is `e`: the entry holds parts of the region, none under
+/// `epoch`.
+fn epoch_is_new(e: Option<&crate::view::Entry>, region: &str, epoch: &str) -> bool {
+    e.is_some_and(|e| {
+        let mut parts = e.region_parts(region).peekable();
+        parts.peek().is_some() && parts.all(|(known, _)| known != epoch)
+    })
 }
 
 /// Whether a tenant's delta must go out at this flush rather than when it is
@@ -382,7 +416,23 @@ pub fn urgent(
 
 #[cfg(test)]
 mod tests {
-    use super::urgent;
+    use super::{epoch_is_new, urgent};
+    use crate::view::Entry;
+
+    #[test]
+    fn a_new_epoch_is_one_the_view_lacks_where_it_has_the_region() {
+        let mut e = Entry::default();
+        e.parts.insert("eu/aaa".into(), (10, 0));
+        e.parts.insert("us/bbb".into(), (5, 0));
+        // Redis lost eu's counter: a new epoch beside the broadcast one.
+        assert!(epoch_is_new(Some(&e), "eu", "ccc"));
+        assert!(!epoch_is_new(Some(&e), "eu", "aaa"));
+        // A region not in the view yet (first publication) and a (tenant,
+        // day) the view does not hold (a new day, a new tenant) are not a
+        // data loss.
+        assert!(!epoch_is_new(Some(&e), "ap", "ddd"));
+        assert!(!epoch_is_new(None, "eu", "ccc"));
+    }
 
     #[test]
     fn far_from_the_limit_is_not_urgent() {
