@@ -142,6 +142,9 @@ impl Publisher {
     }
 
     async fn flush_redis(&mut self) -> Result<usize, String> {
+        // Read at every flush, so a SIGHUP reload applies to the next one.
+        let cfg = self.live.load_full();
+        let relaxed = cfg.config.node.relaxed_flush_interval();
         let batch = self.batch as i64;
         let mut pipe = redis::pipe();
         pipe.cmd("ZCARD").arg(keys::DIRTY);
@@ -153,7 +156,6 @@ impl Publisher {
         // Stamps older than the relaxed interval are of no use; the ack
         // prunes them too, but only when something is published.
         if let Some(prev) = self.last_redis_now_ms {
-            let relaxed = self.live.load().config.node.relaxed_flush_interval();
             pipe.cmd("ZREMRANGEBYSCORE")
                 .arg(keys::PUBLISHED)
                 .arg("-inf")
@@ -212,55 +214,52 @@ impl Publisher {
                 .map_err(|e| e.to_string())?
         };
         let now = now_ms();
-        // Read at every flush, so a SIGHUP reload applies to the next one.
-        let cfg = self.live.load_full();
-        let relaxed = cfg.config.node.relaxed_flush_interval();
         let relaxed_ms = relaxed.as_millis() as f64;
         let fraction = cfg.config.node.urgent_fraction;
         let regions = cfg.config.regions.len().max(1) as u64;
         let mut pending = Vec::with_capacity(parsed.len());
         let mut deferred = 0;
-        for (((member, tenant, d), (e, p, n)), last) in parsed
-            .into_iter()
-            .zip(rows)
-            .zip(published_at.into_iter().chain(std::iter::repeat(None)))
+        for (((member, tenant, d), (e, p, n)), last) in
+            parsed.into_iter().zip(rows).zip(published_at)
         {
-            match (e, p) {
-                (Some(epoch), Some(p)) => {
-                    self.note_epoch(&tenant, d, &epoch);
-                    let delta = Delta::new(
-                        &tenant,
-                        d,
-                        actor(&self.region, &epoch),
-                        p,
-                        n.unwrap_or(0).min(p),
-                        now,
-                    )
-                    .from_node(&self.node_id);
-                    let due = last.is_none_or(|t| redis_now_ms as f64 - t >= relaxed_ms);
-                    if !due {
-                        let limit = cfg.policy(&tenant).and_then(|policy| policy.global);
-                        let (total, mine) = self.view.with(&tenant, d, |e| {
-                            e.map_or((0, 0), |e| {
-                                let mine = e
-                                    .parts
-                                    .get(&delta.actor)
-                                    .map_or(0, |(p, n)| p.saturating_sub(*n));
-                                (e.total(), mine)
-                            })
-                        });
-                        let spent = delta.p - delta.n;
-                        let unbroadcast = spent.saturating_sub(mine);
-                        if !urgent(limit, total, unbroadcast, regions, fraction) {
-                            deferred += 1;
-                            continue;
-                        }
-                    }
-                    pending.push(Pending { member, delta })
-                }
+            let (Some(epoch), Some(p)) = (e, p) else {
                 // The counter expired or Redis lost it: nothing to publish.
-                _ => stale.push((member, u64::MAX)),
+                stale.push((member, u64::MAX));
+                continue;
+            };
+            let n = n.unwrap_or(0).min(p);
+            let actor = actor(&self.region, &epoch);
+            // One look at the broadcast view serves both the epoch check and
+            // the urgency estimate: the global total, and this actor's part.
+            let (epoch_new, total, mine) = self.view.with(&tenant, d, |e| {
+                (
+                    epoch_is_new(e, &self.region, &epoch),
+                    e.map_or(0, |e| e.total()),
+                    e.and_then(|e| e.parts.get(&actor))
+                        .map_or(0, |(p, n)| p.saturating_sub(*n)),
+                )
+            });
+            if epoch_new {
+                self.report_new_epoch(&tenant, d, &epoch);
             }
+            let due = last.is_none_or(|t| redis_now_ms as f64 - t >= relaxed_ms);
+            let limit = || cfg.policy(&tenant).and_then(|policy| policy.global);
+            if !due
+                && !urgent(
+                    limit(),
+                    total,
+                    (p - n).saturating_sub(mine),
+                    regions,
+                    fraction,
+                )
+            {
+                deferred += 1;
+                continue;
+            }
+            pending.push(Pending {
+                member,
+                delta: Delta::new(&tenant, d, actor, p, n, now).from_node(&self.node_id),
+            });
         }
         if deferred > 0 {
             self.metrics.deltas_deferred.inc_by(deferred);
@@ -355,19 +354,14 @@ impl Publisher {
     }
 
     /// Reports an epoch this region's Redis started for (tenant, day) after
-    /// losing its counter: the broadcast view already holds this region's
-    /// part for that (tenant, day) under other epochs, but not under this
-    /// one. A new day or a new tenant has no part in the view yet, so a
-    /// midnight is not mistaken for a data loss, and no per-tenant memory is
-    /// needed to tell them apart.
-    fn note_epoch(&mut self, tenant: &str, day: u32, epoch: &str) {
-        let lost = self
-            .view
-            .with(tenant, day, |e| epoch_is_new(e, &self.region, epoch));
-        if lost
-            && self
-                .reported_epochs
-                .insert((tenant.to_string(), day, epoch.to_string()))
+    /// losing its counter (see [`epoch_is_new`]), once per node. A new day
+    /// or a new tenant has no part in the view yet, so a midnight is not
+    /// mistaken for a data loss, and no per-tenant memory is needed to tell
+    /// them apart.
+    fn report_new_epoch(&mut self, tenant: &str, day: u32, epoch: &str) {
+        if self
+            .reported_epochs
+            .insert((tenant.to_string(), day, epoch.to_string()))
         {
             self.metrics.epoch_changes.inc();
             tracing::warn!(
