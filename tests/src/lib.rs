@@ -1168,6 +1168,18 @@ impl Aggregator {
     }
 }
 
+/// GETs `url` and parses its JSON body; panics naming the URL if either
+/// fails (a test's precondition, not its subject).
+pub async fn get_json(http: &reqwest::Client, url: &str) -> serde_json::Value {
+    http.get(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: not JSON: {e}"))
+}
+
 /// GETs a Prometheus endpoint and sums metric `name` over its label sets
 /// (see [`cluster::metric_value`]).
 pub async fn scrape_metric(http: &reqwest::Client, url: &str, name: &str) -> f64 {

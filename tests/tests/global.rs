@@ -301,27 +301,11 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
     );
     // The aggregator's total is exactly the number of allowed requests.
     wait_total(&agg, "hot", allowed).await;
-    let v: Value = agg
-        .http
-        .get(agg.url("/v1/global/hot"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = harness::get_json(&agg.http, &agg.url("/v1/global/hot")).await;
     assert_eq!(v["today"]["over_limit"], true);
     let regions = v["today"]["regions"].as_object().unwrap();
     assert_eq!(regions.len(), 2, "both regions' parts: {v}");
-    let over: Value = agg
-        .http
-        .get(agg.url("/v1/over-limit"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let over: Value = harness::get_json(&agg.http, &agg.url("/v1/over-limit")).await;
     assert!(over.to_string().contains("\"hot\""), "{over}");
     // Refunds come off the global count exactly.
     let r = eu
@@ -497,15 +481,7 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
     traffic.wait_allowed("traffic after the flush", 100).await;
     let after = traffic.stop().await;
     wait_total(&agg, "t", before + after).await;
-    let v: Value = agg
-        .http
-        .get(agg.url("/v1/global/t"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = harness::get_json(&agg.http, &agg.url("/v1/global/t")).await;
     let eu_actors = v["today"]["parts"]
         .as_array()
         .unwrap()

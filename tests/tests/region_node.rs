@@ -51,14 +51,7 @@ async fn check(node: &RegionNode, tenant: &str, cost: u64) -> (u16, Value) {
 }
 
 async fn usage(node: &RegionNode, tenant: &str) -> Value {
-    node.http
-        .get(node.url(&format!("/v1/tenants/{tenant}")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    harness::get_json(&node.http, &node.url(&format!("/v1/tenants/{tenant}"))).await
 }
 
 fn remaining(v: &Value, tier: &str) -> u64 {
@@ -532,15 +525,7 @@ plan = "local"
         .unwrap();
     assert!(m.contains("tierlimit_store_up 0"), "store_up gauge drops");
     assert!(m.contains("tierlimit_fail_mode_decisions_total{mode=\"local\"}"));
-    let r: Value = n
-        .http
-        .get(n.url("/readyz"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r: Value = harness::get_json(&n.http, &n.url("/readyz")).await;
     assert_eq!(r["redis"], false, "readiness reports Redis: {r}");
     // Redis comes back (empty): the node returns to it by itself.
     redis.restart_empty();
