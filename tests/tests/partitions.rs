@@ -237,6 +237,13 @@ impl Scenario {
         }
     }
 
+    /// During a cut from the broker, `nodes`' broadcast view ages and their
+    /// last publication falls behind, both to at least `secs`.
+    fn expect_cut_from_kafka(&mut self, nodes: &[String], secs: f64) {
+        self.expect_rise(nodes, "tierlimit_view_age_seconds", secs);
+        self.expect_rise(nodes, "publish_lag_seconds", secs);
+    }
+
     fn end(&mut self) {
         let f = self.faults.last_mut().expect("a fault begun");
         f.end = Some(now_us());
@@ -286,6 +293,14 @@ impl Scenario {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// After a heal: [`Scenario::expect_recovery`], traffic for [`AFTER`],
+    /// then [`Scenario::finish`].
+    async fn recover_then_finish(mut self, nodes: &[String]) {
+        self.expect_recovery(nodes).await;
+        self.hold(AFTER).await;
+        self.finish().await;
     }
 
     /// Stops the traffic and runs every check; panics listing the failures.
@@ -699,14 +714,11 @@ async fn region_cut_from_kafka_then_healed() {
     s.begin("eu cut from core (broker + aggregator)");
     s.c.topo.partition("eu", "core");
     let eu = region_nodes("eu");
-    s.expect_rise(&eu, "tierlimit_view_age_seconds", secs(FAULT) - 1.0);
-    s.expect_rise(&eu, "publish_lag_seconds", secs(FAULT) - 1.0);
+    s.expect_cut_from_kafka(&eu, secs(FAULT) - 1.0);
     s.hold(FAULT).await;
     s.c.topo.heal();
     s.end();
-    s.expect_recovery(&eu).await;
-    s.hold(AFTER).await;
-    s.finish().await;
+    s.recover_then_finish(&eu).await;
 }
 
 /// Every region loses Kafka at once (broker and aggregator unreachable
@@ -728,14 +740,11 @@ async fn every_region_cut_from_kafka() {
     }
     s.staleness_cap = Some((Duration::from_secs(1), now_us()));
     let all = all_nodes();
-    s.expect_rise(&all, "tierlimit_view_age_seconds", secs(FAULT) - 1.0);
-    s.expect_rise(&all, "publish_lag_seconds", secs(FAULT) - 1.0);
+    s.expect_cut_from_kafka(&all, secs(FAULT) - 1.0);
     s.hold(FAULT).await;
     s.c.topo.heal();
     s.end();
-    s.expect_recovery(&all).await;
-    s.hold(AFTER).await;
-    s.finish().await;
+    s.recover_then_finish(&all).await;
 }
 
 /// A region cut from Kafka for longer than the producer's message timeout
@@ -749,15 +758,12 @@ async fn region_cut_longer_than_the_message_timeout() {
     s.begin("eu cut from core for 17s (> message.timeout.ms 15s)");
     s.c.topo.partition("eu", "core");
     let eu = region_nodes("eu");
-    s.expect_rise(&eu, "tierlimit_view_age_seconds", 15.0);
-    s.expect_rise(&eu, "publish_lag_seconds", 15.0);
+    s.expect_cut_from_kafka(&eu, 15.0);
     s.expect_rise(&eu, "tierlimit_deltas_failed_total", 1.0);
     s.hold(Duration::from_secs(17)).await;
     s.c.topo.heal();
     s.end();
-    s.expect_recovery(&eu).await;
-    s.hold(AFTER).await;
-    s.finish().await;
+    s.recover_then_finish(&eu).await;
 }
 
 /// The aggregator is killed (-9) under load and restarted: node and region
@@ -1058,9 +1064,7 @@ async fn slow_lossy_link_between_region_and_kafka() {
     s.c.log(&format!(
         "{bytes} bytes went through the delaying forwarder"
     ));
-    s.expect_recovery(&eu).await;
-    s.hold(AFTER).await;
-    s.finish().await;
+    s.recover_then_finish(&eu).await;
 }
 
 /// A region is cut from Kafka, the aggregator is killed, and the partition
@@ -1100,9 +1104,7 @@ async fn partition_heals_while_aggregator_restarts() {
     s.aggregator_gap = down.elapsed();
     s.end();
     let eu = region_nodes("eu");
-    s.expect_recovery(&eu).await;
-    s.hold(AFTER).await;
-    s.finish().await;
+    s.recover_then_finish(&eu).await;
 }
 
 /// Focused: a decision whose Redis call timed out was answered from the fail
