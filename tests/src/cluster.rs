@@ -9,22 +9,15 @@
 //! the aggregator 9100 on core; Redis 6379 and nodes 9000/9001 on each
 //! region host.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::error::RDKafkaErrorCode;
 use serde_json::Value;
-use tempfile::TempDir;
+use testkit::tempfile::TempDir;
 
-use crate::history::{now_us, Client, History, Outcome};
+use crate::history::History;
 use crate::topology::Topology;
-use crate::{bin_path, client_config, tansu_bin, temp_dir, write_config, Proc, START_DEADLINE};
+use crate::{bin_path, metric_value, tansu_bin, temp_dir, write_config, Proc, START_DEADLINE};
 
 pub const REGIONS: [&str; 3] = ["eu", "us", "ap"];
 pub const NODE_IDS: [&str; 2] = ["a", "b"];
@@ -96,39 +89,8 @@ pub struct Cluster {
     pub started: Instant,
     /// Keep the log directory when dropped (set by a failing check).
     pub keep_logs: bool,
-    http: reqwest::Client,
+    pub(crate) http: reqwest::Client,
     _serial: tokio::sync::MutexGuard<'static, ()>,
-}
-
-fn metadata_ok(brokers: &str) -> bool {
-    let Ok(c) = client_config(brokers).create::<BaseConsumer>() else {
-        return false;
-    };
-    c.client()
-        .fetch_metadata(None, Duration::from_millis(1000))
-        .map(|md| !md.brokers().is_empty())
-        .unwrap_or(false)
-}
-
-fn topics_ready(brokers: &str) -> bool {
-    let Ok(c) = client_config(brokers).create::<BaseConsumer>() else {
-        return false;
-    };
-    [DELTAS, GLOBAL].iter().all(|topic| {
-        c.client()
-            .fetch_metadata(Some(topic), Duration::from_millis(2000))
-            .map(|md| {
-                md.topics().iter().any(|t| {
-                    t.name() == *topic
-                        && t.error().is_none()
-                        && t.partitions().len() == PARTITIONS as usize
-                        && t.partitions()
-                            .iter()
-                            .all(|p| p.error().is_none() && p.leader() >= 0)
-                })
-            })
-            .unwrap_or(false)
-    })
 }
 
 /// Polls `f` until true or `deadline`; panics naming `what`.
@@ -193,36 +155,27 @@ policy = "deny"
         // Broker.
         let tansu_dir = dir.path().join("tansu");
         std::fs::create_dir_all(&tansu_dir).unwrap();
-        let url = format!("tcp://{brokers}");
-        let tansu = topo
-            .cmd("core", tansu_bin())
-            .arg("broker")
-            .args(["--kafka-cluster-id", "tierlimit-partitions"])
-            .args(["--listener-url", &url, "--advertised-listener-url", &url])
-            .args(["--storage-engine", "sqlite://tansu.db"])
-            .current_dir(&tansu_dir)
-            .env(
-                "RUST_LOG",
-                std::env::var("TANSU_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .log_file(dir.path().join("tansu.log"))
-            .spawn();
+        let tansu = testkit::tansu::broker_args(
+            topo.cmd("core", tansu_bin()),
+            &brokers,
+            "tierlimit-partitions",
+            &tansu_dir,
+            dir.path().join("tansu.log"),
+        )
+        .spawn();
         // Redis per region.
         let mut redis = Vec::new();
         for r in REGIONS {
             let rdir = dir.path().join(format!("redis-{r}"));
             std::fs::create_dir_all(&rdir).unwrap();
-            let p = topo
-                .cmd(
-                    r,
-                    std::env::var_os("REDIS_SERVER_BIN").unwrap_or_else(|| "redis-server".into()),
-                )
-                .args(["--port", &REDIS_PORT.to_string(), "--bind", "0.0.0.0"])
-                .args(["--protected-mode", "no", "--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(&rdir)
-                .log_file(dir.path().join(format!("redis-{r}.log")))
-                .spawn();
+            let p = testkit::redis_server::server_args(
+                topo.cmd(r, testkit::redis_server::redis_server_bin()),
+                REDIS_PORT,
+                "0.0.0.0",
+                &rdir,
+            )
+            .log_file(dir.path().join(format!("redis-{r}.log")))
+            .spawn();
             redis.push((r.to_string(), p));
         }
         let mut cluster = Cluster {
@@ -249,13 +202,13 @@ policy = "deny"
             START_DEADLINE,
             async || {
                 let b = b.clone();
-                tokio::task::spawn_blocking(move || metadata_ok(&b))
+                tokio::task::spawn_blocking(move || testkit::tansu::answers_metadata(&b))
                     .await
                     .unwrap_or(false)
             },
         )
         .await;
-        create_topics(&brokers).await;
+        testkit::tansu::create_topics(&brokers, &[DELTAS, GLOBAL], PARTITIONS, &[]).await;
         for r in REGIONS {
             let url = cluster.redis_url(r);
             wait(
@@ -589,98 +542,6 @@ policy = "deny"
         let p = self.panics();
         assert!(p.is_empty(), "processes panicked:\n{}", p.join("\n"));
     }
-
-    // -----------------------------------------------------------------
-    // Load
-    // -----------------------------------------------------------------
-
-    /// Clients, one per node of `regions` (all regions if empty).
-    pub fn clients(&self, regions: &[&str]) -> Vec<Client> {
-        self.nodes
-            .iter()
-            .filter(|n| regions.is_empty() || regions.contains(&n.region.as_str()))
-            .map(|n| Client::new(self.history.clone(), &n.region, &n.id, &n.base))
-            .collect()
-    }
-
-    /// Paced traffic: for each node of `regions` (all if empty), one client
-    /// checking `tenant` (cost 1) `rate` times a second; if `refund_every` is
-    /// n > 0, every n-th allowed check is followed by a refund of 1.
-    pub fn load(&self, tenant: &str, regions: &[&str], rate: f64, refund_every: u32) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut tasks = Vec::new();
-        for c in self.clients(regions) {
-            let (stop, tenant) = (stop.clone(), tenant.to_string());
-            tasks.push(tokio::spawn(async move {
-                let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let mut allowed = 0u32;
-                while !stop.load(Ordering::Relaxed) {
-                    tick.tick().await;
-                    match c.check(&tenant, 1).await {
-                        Outcome::Ok { .. } => {
-                            allowed += 1;
-                            if refund_every > 0 && allowed.is_multiple_of(refund_every) {
-                                c.refund(&tenant, 1).await;
-                            }
-                        }
-                        Outcome::Unknown(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                        _ => {}
-                    }
-                }
-            }));
-        }
-        Load { stop, tasks }
-    }
-
-    /// Samples [`WATCHED`] on every node every 200 ms until stopped.
-    pub fn sample_metrics(self: &Cluster) -> Sampler {
-        let stop = Arc::new(AtomicBool::new(false));
-        let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
-        let targets: Vec<(String, String)> = self
-            .nodes
-            .iter()
-            .map(|n| (n.name(), n.base.clone()))
-            .collect();
-        let http = self.http.clone();
-        let (s2, samples2) = (stop.clone(), samples.clone());
-        let task = tokio::spawn(async move {
-            while !s2.load(Ordering::Relaxed) {
-                for (name, base) in &targets {
-                    let Ok(r) = http
-                        .get(format!("{base}/metrics"))
-                        .timeout(Duration::from_millis(500))
-                        .send()
-                        .await
-                    else {
-                        continue;
-                    };
-                    let Ok(text) = r.text().await else { continue };
-                    let t = now_us();
-                    let mut s = samples2.lock().unwrap();
-                    for m in WATCHED {
-                        let value = if m == "publish_lag_seconds" {
-                            publish_lag(&text, t)
-                        } else {
-                            metric_value(&text, m)
-                        };
-                        s.push(Sample {
-                            t_us: t,
-                            node: name.clone(),
-                            metric: m,
-                            value,
-                        });
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        });
-        Sampler {
-            stop,
-            samples,
-            task: Some(task),
-        }
-    }
 }
 
 impl Drop for Cluster {
@@ -695,38 +556,6 @@ impl Drop for Cluster {
             eprintln!("cluster: logs kept in {}", path.display());
         }
     }
-}
-
-async fn create_topics(brokers: &str) {
-    let admin: AdminClient<DefaultClientContext> =
-        client_config(brokers).create().expect("admin client");
-    let topics: Vec<NewTopic> = [DELTAS, GLOBAL]
-        .iter()
-        .map(|t| NewTopic::new(t, PARTITIONS, TopicReplication::Fixed(1)))
-        .collect();
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
-    for r in admin
-        .create_topics(topics.iter(), &opts)
-        .await
-        .expect("CreateTopics")
-    {
-        match r {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((name, code)) => panic!("cannot create topic {name}: {code}"),
-        }
-    }
-    let b = brokers.to_string();
-    wait(
-        "topics have partitions with leaders",
-        START_DEADLINE,
-        async || {
-            let b = b.clone();
-            tokio::task::spawn_blocking(move || topics_ready(&b))
-                .await
-                .unwrap_or(false)
-        },
-    )
-    .await;
 }
 
 async fn redis_con(url: &str) -> Option<redis::aio::MultiplexedConnection> {
@@ -748,125 +577,4 @@ async fn ping(url: &str) -> bool {
         .query_async::<String>(&mut c)
         .await
         .is_ok()
-}
-
-/// Seconds since the node's last fully acknowledged flush, at `now_us`.
-pub fn publish_lag(text: &str, now_us: u64) -> f64 {
-    let last_ms = metric_value(text, "tierlimit_last_publish_timestamp_ms");
-    if last_ms <= 0.0 {
-        return f64::INFINITY;
-    }
-    (now_us as f64 / 1000.0 - last_ms).max(0.0) / 1000.0
-}
-
-/// Sum of every sample of metric `name` (exact name, any labels) in a
-/// Prometheus text exposition.
-pub fn metric_value(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-/// Paced traffic started by [`Cluster::load`].
-pub struct Load {
-    stop: Arc<AtomicBool>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Load {
-    pub async fn stop(self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.tasks {
-            t.await.expect("load task panicked");
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct Sample {
-    pub t_us: u64,
-    pub node: String,
-    pub metric: &'static str,
-    pub value: f64,
-}
-
-/// Metric samples taken by [`Cluster::sample_metrics`].
-pub struct Sampler {
-    stop: Arc<AtomicBool>,
-    samples: Arc<Mutex<Vec<Sample>>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Sampler {
-    pub async fn stop(mut self) -> Samples {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.task.take() {
-            let _ = t.await;
-        }
-        Samples(self.samples.lock().unwrap().clone())
-    }
-}
-
-/// The samples, with the questions the fault checks ask of them.
-#[derive(Debug, Clone)]
-pub struct Samples(pub Vec<Sample>);
-
-impl Samples {
-    fn of<'a>(&'a self, node: &'a str, metric: &'a str) -> impl Iterator<Item = &'a Sample> + 'a {
-        self.0
-            .iter()
-            .filter(move |s| s.node == node && s.metric == metric)
-    }
-
-    /// Largest value of `metric` on `node` sampled in `[from, to]` (µs).
-    pub fn max_in(&self, node: &str, metric: &str, from: u64, to: u64) -> Option<f64> {
-        self.of(node, metric)
-            .filter(|s| s.t_us >= from && s.t_us <= to)
-            .map(|s| s.value)
-            .reduce(f64::max)
-    }
-
-    /// Smallest value of `metric` on `node` sampled in `[from, to]` (µs).
-    pub fn min_in(&self, node: &str, metric: &str, from: u64, to: u64) -> Option<f64> {
-        self.of(node, metric)
-            .filter(|s| s.t_us >= from && s.t_us <= to)
-            .map(|s| s.value)
-            .reduce(f64::min)
-    }
-
-    /// Last value of `metric` on `node` sampled at or before `at` (µs).
-    pub fn at(&self, node: &str, metric: &str, at: u64) -> Option<f64> {
-        self.of(node, metric)
-            .filter(|s| s.t_us <= at)
-            .last()
-            .map(|s| s.value)
-    }
-
-    /// The last sample of `metric` on `node`.
-    pub fn last(&self, node: &str, metric: &str) -> Option<f64> {
-        self.of(node, metric).last().map(|s| s.value)
-    }
-
-    /// Per node: value before, max during, last value after — for the log.
-    pub fn table(&self, metric: &str, fault: (u64, u64)) -> String {
-        let mut nodes: BTreeMap<&str, ()> = BTreeMap::new();
-        for s in &self.0 {
-            nodes.insert(&s.node, ());
-        }
-        let mut out = format!("{metric} (before / max during fault / last):");
-        for n in nodes.keys() {
-            out += &format!(
-                " {n}={:?}/{:?}/{:?}",
-                self.at(n, metric, fault.0),
-                self.max_in(n, metric, fault.0, fault.1),
-                self.last(n, metric)
-            );
-        }
-        out
-    }
 }

@@ -25,7 +25,7 @@ struct World {
     tansu: Tansu,
     redis: Vec<(String, Redis)>,
     cfg: std::path::PathBuf,
-    _dir: tempfile::TempDir,
+    _dir: harness::tempfile::TempDir,
 }
 
 impl World {

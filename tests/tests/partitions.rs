@@ -36,10 +36,10 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use harness::cluster::{
-    metric_value, publish_lag, Cluster, Load, Sampler, Samples, Spec, NODE_IDS, REGIONS,
-};
+use harness::cluster::{Cluster, Spec, NODE_IDS, REGIONS};
 use harness::history::{self, now_us, Op, Outcome};
+use harness::load::{publish_lag, Load, Sampler, Samples};
+use harness::metric_value;
 
 const G_LIMIT: u64 = 600;
 const NODE_LIMIT: u64 = 30;

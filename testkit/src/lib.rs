@@ -1,0 +1,63 @@
+//! Real parts for tierlimit's integration tests, its demo and its benchmark
+//! runner: real `redis-server`, a real Kafka-protocol broker (Tansu), and the
+//! real `region-node` and `aggregator` binaries, all on loopback ports.
+//!
+//! One crate, so that starting a process, picking a port or waiting for a
+//! server is written once: the tests (`tests/`, library `harness`), the demo
+//! (`demo/`) and the bench runner (`bench/`) all start their world from here.
+//! One module per concept:
+//!
+//! | module      | what                                                        |
+//! |-------------|-------------------------------------------------------------|
+//! | [`port`]    | free loopback ports, temporary directories, config files    |
+//! | [`wait`]    | polling a condition with a deadline; per-suite [`Budget`]s  |
+//! | [`proc`]    | [`Cmd`], [`Proc`] (killed on drop), [`ProcGroup`]           |
+//! | [`bins`]    | paths of the workspace binaries, built once if needed       |
+//! | [`redis_server`] | a throw-away `redis-server`                                 |
+//! | [`tansu`]   | a Tansu broker, librdkafka config, topic creation           |
+//! | [`server`]  | `region-node` and `aggregator` processes, ready on /healthz |
+//! | [`scrape`]  | HTTP JSON and Prometheus text helpers                       |
+//!
+//! The rules it is built on, and why:
+//!
+//! - **Real processes, no mocks.** The interesting failures of a rate limiter
+//!   spread over Redis and Kafka (a Lua script that is not atomic, a consumer
+//!   that loses its position, a broker restart) only show against the real
+//!   thing. Everything here starts a real server on `127.0.0.1`.
+//! - **No sleeps as synchronisation.** Every wait polls a condition with a
+//!   deadline ([`wait_until`], [`wait_for`], [`wait_until_blocking`]) and
+//!   panics naming what it waited for. A fixed sleep is either too short on a
+//!   loaded 2-core CI machine (flaky) or too long everywhere else (slow).
+//! - **Children never outlive their parent.** A [`Proc`] is SIGKILLed and
+//!   reaped on drop, and every child is started with
+//!   `PR_SET_PDEATHSIG = SIGKILL`, so even a test process killed by a timeout
+//!   takes its servers with it.
+//! - **Failures explain themselves.** Each child writes stdout and stderr to
+//!   a log file; a [`Proc`] dropped while its thread panics prints the last
+//!   [`LOG_TAIL_LINES`] lines of that log to stderr, so a failed assertion
+//!   arrives with what the server said just before.
+//! - **Ports are picked, not fixed.** [`free_port`] lets tests run in
+//!   parallel, beside the machine's own Redis on 6379 and each other.
+//!
+//! What is to come lands here too, one module each: Redis Cluster and
+//! Sentinel (six and three processes: a [`ProcGroup`] each), Envoy.
+
+pub mod bins;
+pub mod port;
+pub mod proc;
+pub mod redis_server;
+pub mod scrape;
+pub mod server;
+pub mod tansu;
+pub mod wait;
+
+pub use tempfile;
+
+pub use crate::bins::{bin_path, set_bin_dir};
+pub use crate::port::{free_port, temp_dir, write_config};
+pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
+pub use crate::redis_server::Redis;
+pub use crate::scrape::{get_json, metric_value, scrape_metric};
+pub use crate::server::{http_client, Aggregator, RegionNode};
+pub use crate::tansu::{client_config, tansu_bin, Tansu};
+pub use crate::wait::{wait_for, wait_until, wait_until_blocking, Budget, POLL, START_DEADLINE};

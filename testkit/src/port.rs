@@ -1,0 +1,56 @@
+//! Free loopback ports, temporary directories and config files.
+
+use std::collections::HashSet;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use tempfile::TempDir;
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+///
+/// The kernel picks it (bind to port 0), so parallel tests and parallel test
+/// processes rarely collide; the port is remembered so that this process
+/// never hands the same one out twice (the kernel may offer a just-released
+/// port again while the first server is still starting). There is an
+/// unavoidable window between releasing the port and the server binding it:
+/// the `start` functions here retry with a fresh port when a server reports
+/// its address already in use.
+pub fn free_port() -> u16 {
+    static HANDED_OUT: OnceLock<Mutex<HashSet<u16>>> = OnceLock::new();
+    let handed = HANDED_OUT.get_or_init(|| Mutex::new(HashSet::new()));
+    loop {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        let port = listener.local_addr().expect("local_addr").port();
+        if handed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(port)
+        {
+            return port;
+        }
+    }
+}
+
+/// A fresh temporary directory (removed on drop), named so that leftovers
+/// are recognisable in /tmp.
+pub fn temp_dir() -> TempDir {
+    tempfile::Builder::new()
+        .prefix("tierlimit-")
+        .tempdir()
+        .expect("create temp dir")
+}
+
+/// Writes `toml` to `dir/tierlimit.toml` and returns the path.
+///
+/// The write is atomic (temporary file + rename), so a process reloading on
+/// SIGHUP never reads a half-written file; calling it again on the same `dir`
+/// replaces the config, which is how reload tests change it. The text is not
+/// validated here: tests of invalid configuration need to write one.
+pub fn write_config(dir: &Path, toml: &str) -> PathBuf {
+    let path = dir.join("tierlimit.toml");
+    let tmp = dir.join(".tierlimit.toml.tmp");
+    std::fs::write(&tmp, toml).unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
+    std::fs::rename(&tmp, &path).unwrap_or_else(|e| panic!("rename to {}: {e}", path.display()));
+    path
+}

@@ -1,0 +1,52 @@
+//! Reading what servers say: JSON over HTTP and Prometheus text.
+
+/// GETs `url` and parses its JSON body; panics naming the URL if either
+/// fails (a test's precondition, not its subject).
+pub async fn get_json(http: &reqwest::Client, url: &str) -> serde_json::Value {
+    http.get(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: not JSON: {e}"))
+}
+
+/// GETs a Prometheus endpoint and sums metric `name` over its label sets
+/// (see [`metric_value`]).
+pub async fn scrape_metric(http: &reqwest::Client, url: &str, name: &str) -> f64 {
+    let text = http
+        .get(url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    metric_value(&text, name)
+}
+
+/// Sum of every sample of metric `name` (exact name, any labels) in a
+/// Prometheus text exposition; 0 if absent.
+pub fn metric_value(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_value_sums_label_sets_of_the_exact_name() {
+        let text = "# HELP x_total x\nx_total{a=\"1\"} 2\nx_total{a=\"2\"} 3\nx_total_other 7\n";
+        assert_eq!(metric_value(text, "x_total"), 5.0);
+        assert_eq!(metric_value(text, "absent"), 0.0);
+    }
+}

@@ -1,0 +1,214 @@
+//! Traffic and observation during a fault: paced per-region load recorded
+//! into the [`History`](crate::history::History), and samples of the
+//! region-nodes' metrics that the fault checks ask questions of.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::cluster::{Cluster, WATCHED};
+use crate::history::{now_us, Client, Outcome};
+use crate::metric_value;
+
+impl Cluster {
+    // -----------------------------------------------------------------
+    // Load
+    // -----------------------------------------------------------------
+
+    /// Clients, one per node of `regions` (all regions if empty).
+    pub fn clients(&self, regions: &[&str]) -> Vec<Client> {
+        self.nodes
+            .iter()
+            .filter(|n| regions.is_empty() || regions.contains(&n.region.as_str()))
+            .map(|n| Client::new(self.history.clone(), &n.region, &n.id, &n.base))
+            .collect()
+    }
+
+    /// Paced traffic: for each node of `regions` (all if empty), one client
+    /// checking `tenant` (cost 1) `rate` times a second; if `refund_every` is
+    /// n > 0, every n-th allowed check is followed by a refund of 1.
+    pub fn load(&self, tenant: &str, regions: &[&str], rate: f64, refund_every: u32) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for c in self.clients(regions) {
+            let (stop, tenant) = (stop.clone(), tenant.to_string());
+            tasks.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut allowed = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    match c.check(&tenant, 1).await {
+                        Outcome::Ok { .. } => {
+                            allowed += 1;
+                            if refund_every > 0 && allowed.is_multiple_of(refund_every) {
+                                c.refund(&tenant, 1).await;
+                            }
+                        }
+                        Outcome::Unknown(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                        _ => {}
+                    }
+                }
+            }));
+        }
+        Load { stop, tasks }
+    }
+
+    /// Samples [`WATCHED`] on every node every 200 ms until stopped.
+    pub fn sample_metrics(self: &Cluster) -> Sampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
+        let targets: Vec<(String, String)> = self
+            .nodes
+            .iter()
+            .map(|n| (n.name(), n.base.clone()))
+            .collect();
+        let http = self.http.clone();
+        let (s2, samples2) = (stop.clone(), samples.clone());
+        let task = tokio::spawn(async move {
+            while !s2.load(Ordering::Relaxed) {
+                for (name, base) in &targets {
+                    let Ok(r) = http
+                        .get(format!("{base}/metrics"))
+                        .timeout(Duration::from_millis(500))
+                        .send()
+                        .await
+                    else {
+                        continue;
+                    };
+                    let Ok(text) = r.text().await else { continue };
+                    let t = now_us();
+                    let mut s = samples2.lock().unwrap();
+                    for m in WATCHED {
+                        let value = if m == "publish_lag_seconds" {
+                            publish_lag(&text, t)
+                        } else {
+                            metric_value(&text, m)
+                        };
+                        s.push(Sample {
+                            t_us: t,
+                            node: name.clone(),
+                            metric: m,
+                            value,
+                        });
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        Sampler {
+            stop,
+            samples,
+            task: Some(task),
+        }
+    }
+}
+
+/// Seconds since the node's last fully acknowledged flush, at `now_us`.
+pub fn publish_lag(text: &str, now_us: u64) -> f64 {
+    let last_ms = metric_value(text, "tierlimit_last_publish_timestamp_ms");
+    if last_ms <= 0.0 {
+        return f64::INFINITY;
+    }
+    (now_us as f64 / 1000.0 - last_ms).max(0.0) / 1000.0
+}
+
+/// Paced traffic started by [`Cluster::load`].
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    pub async fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.expect("load task panicked");
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub t_us: u64,
+    pub node: String,
+    pub metric: &'static str,
+    pub value: f64,
+}
+
+/// Metric samples taken by [`Cluster::sample_metrics`].
+pub struct Sampler {
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Sampler {
+    pub async fn stop(mut self) -> Samples {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+        Samples(self.samples.lock().unwrap().clone())
+    }
+}
+
+/// The samples, with the questions the fault checks ask of them.
+#[derive(Debug, Clone)]
+pub struct Samples(pub Vec<Sample>);
+
+impl Samples {
+    fn of<'a>(&'a self, node: &'a str, metric: &'a str) -> impl Iterator<Item = &'a Sample> + 'a {
+        self.0
+            .iter()
+            .filter(move |s| s.node == node && s.metric == metric)
+    }
+
+    /// Largest value of `metric` on `node` sampled in `[from, to]` (µs).
+    pub fn max_in(&self, node: &str, metric: &str, from: u64, to: u64) -> Option<f64> {
+        self.of(node, metric)
+            .filter(|s| s.t_us >= from && s.t_us <= to)
+            .map(|s| s.value)
+            .reduce(f64::max)
+    }
+
+    /// Smallest value of `metric` on `node` sampled in `[from, to]` (µs).
+    pub fn min_in(&self, node: &str, metric: &str, from: u64, to: u64) -> Option<f64> {
+        self.of(node, metric)
+            .filter(|s| s.t_us >= from && s.t_us <= to)
+            .map(|s| s.value)
+            .reduce(f64::min)
+    }
+
+    /// Last value of `metric` on `node` sampled at or before `at` (µs).
+    pub fn at(&self, node: &str, metric: &str, at: u64) -> Option<f64> {
+        self.of(node, metric)
+            .filter(|s| s.t_us <= at)
+            .last()
+            .map(|s| s.value)
+    }
+
+    /// The last sample of `metric` on `node`.
+    pub fn last(&self, node: &str, metric: &str) -> Option<f64> {
+        self.of(node, metric).last().map(|s| s.value)
+    }
+
+    /// Per node: value before, max during, last value after — for the log.
+    pub fn table(&self, metric: &str, fault: (u64, u64)) -> String {
+        let mut nodes: BTreeMap<&str, ()> = BTreeMap::new();
+        for s in &self.0 {
+            nodes.insert(&s.node, ());
+        }
+        let mut out = format!("{metric} (before / max during fault / last):");
+        for n in nodes.keys() {
+            out += &format!(
+                " {n}={:?}/{:?}/{:?}",
+                self.at(n, metric, fault.0),
+                self.max_in(n, metric, fault.0, fault.1),
+                self.last(n, metric)
+            );
+        }
+        out
+    }
+}
