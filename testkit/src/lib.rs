@@ -57,7 +57,7 @@ pub use crate::bins::{bin_path, set_bin_dir};
 pub use crate::port::{free_port, temp_dir, write_config};
 pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
 pub use crate::redis_server::Redis;
-pub use crate::scrape::{get_json, metric_value, scrape_metric};
+pub use crate::scrape::{get_json, get_text, metric_value, scrape_metric, try_text};
 pub use crate::server::{http_client, Aggregator, RegionNode};
 pub use crate::tansu::{client_config, tansu_bin, Tansu};
 pub use crate::wait::{wait_for, wait_until, wait_until_blocking, Budget, POLL, START_DEADLINE};
