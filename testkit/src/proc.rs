@@ -227,6 +227,14 @@ impl Proc {
         self.poll_exit().is_none()
     }
 
+    /// True once the process was reaped ([`Proc::kill9`], or an exit seen
+    /// by [`Proc::poll_exit`]). Unlike [`Proc::is_running`] it needs no
+    /// `&mut` and does not look again: what a topology helper needs to tell
+    /// the servers it killed from the ones it expects to answer.
+    pub fn reaped(&self) -> bool {
+        self.child.is_none()
+    }
+
     /// The exit status, if the process has exited (reaps it).
     pub fn poll_exit(&mut self) -> Option<ExitStatus> {
         if let Some(child) = &mut self.child {
@@ -411,6 +419,47 @@ pub(crate) fn wait_ready(proc: &mut Proc, mut ready: impl FnMut() -> bool) -> Re
             panic!("{} not ready within {START_DEADLINE:?}", proc.label());
         }
         std::thread::sleep(POLL);
+    }
+}
+
+/// Starts a server on a free port and waits until `ready(port)`: `spawn`
+/// starts it on the port it is given; when the server reports its address
+/// taken (the race [`free_port`] cannot close), it is started again on
+/// another port. Returns the ready process and its port.
+///
+/// [`free_port`]: crate::port::free_port
+pub(crate) fn spawn_on_free_port(
+    what: &str,
+    mut spawn: impl FnMut(u16) -> Proc,
+    mut ready: impl FnMut(u16) -> bool,
+) -> (Proc, u16) {
+    for _attempt in 0..5 {
+        let port = crate::port::free_port();
+        let mut proc = spawn(port);
+        match wait_ready(&mut proc, || ready(port)) {
+            Ready::Yes => return (proc, port),
+            Ready::AddrInUse => continue,
+        }
+    }
+    panic!("{what}: no free port after 5 attempts");
+}
+
+/// Kills `proc` if it runs, starts the same command again and waits until
+/// `ready`. Its port cannot change (clients and peers know it), so a port
+/// taken meanwhile by another process is fatal.
+pub(crate) fn respawn_ready(proc: &mut Proc, port: u16, ready: impl FnMut() -> bool) {
+    proc.respawn();
+    wait_restarted(proc, port, ready);
+}
+
+/// [`wait_ready`] for a server restarted on its old `port`: a port taken
+/// meanwhile by another process is fatal.
+pub(crate) fn wait_restarted(proc: &mut Proc, port: u16, ready: impl FnMut() -> bool) {
+    if let Ready::AddrInUse = wait_ready(proc, ready) {
+        panic!(
+            "{}: port {port} taken by another process during restart",
+            proc.label()
+        );
     }
 }
 

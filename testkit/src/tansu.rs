@@ -10,8 +10,8 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use tempfile::TempDir;
 
-use crate::port::{free_port, temp_dir};
-use crate::proc::{wait_ready, Cmd, Proc, Ready};
+use crate::port::temp_dir;
+use crate::proc::{respawn_ready, spawn_on_free_port, Cmd, Proc};
 use crate::wait::{wait_until, START_DEADLINE};
 
 /// The Tansu binary: `$TANSU_BIN`, else `tansu` on `PATH`, else
@@ -66,16 +66,12 @@ impl Tansu {
     /// Starts the broker and waits until it answers a metadata request.
     pub fn start() -> Tansu {
         let dir = temp_dir();
-        for _attempt in 0..5 {
-            let port = free_port();
-            let mut proc = Self::cmd(port, dir.path()).spawn();
-            let brokers = format!("127.0.0.1:{port}");
-            match wait_ready(&mut proc, || metadata_answers(&brokers, port)) {
-                Ready::Yes => return Tansu { proc, port, dir },
-                Ready::AddrInUse => continue,
-            }
-        }
-        panic!("tansu: no free port after 5 attempts");
+        let (proc, port) = spawn_on_free_port(
+            "tansu",
+            |port| Self::cmd(port, dir.path()).spawn(),
+            |port| metadata_answers(&format!("127.0.0.1:{port}"), port),
+        );
+        Tansu { proc, port, dir }
     }
 
     fn cmd(port: u16, dir: &Path) -> Cmd {
@@ -137,13 +133,9 @@ impl Tansu {
     /// every record survives, and waits until metadata answers. Kills the
     /// running one first if needed.
     pub fn restart(&mut self) {
-        self.proc.kill9();
-        self.proc.respawn();
         let brokers = self.brokers();
         let port = self.port;
-        if let Ready::AddrInUse = wait_ready(&mut self.proc, || metadata_answers(&brokers, port)) {
-            panic!("tansu: port {port} taken by another process during restart");
-        }
+        respawn_ready(&mut self.proc, port, || metadata_answers(&brokers, port));
     }
 }
 
