@@ -2,6 +2,8 @@
 //! serve them, a master killed and failed over, a node restarted, slots
 //! moved with their keys.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use testkit::{query, RedisCluster};
@@ -24,6 +26,41 @@ fn set_at_master(c: &RedisCluster, key: &str, value: &str) {
 fn get_at_master(c: &RedisCluster, key: &str) -> Option<String> {
     let port = c.master_of_slot(RedisCluster::slot_of(key));
     get(port, key).unwrap_or_else(|e| panic!("GET {key} on 127.0.0.1:{port}: {e}"))
+}
+
+/// INCR `key` the way a cluster client does: at the master believed to
+/// serve its slot (`owner`), following `MOVED` (and remembering it) and
+/// `ASK` (once, with `ASKING`, without remembering it).
+fn incr(owner: &mut u16, key: &str) -> i64 {
+    static ASKED: AtomicUsize = AtomicUsize::new(0);
+    let redirect = |e: &redis::RedisError| -> u16 {
+        let (addr, _slot) = e.redirect_node().expect("redirect address");
+        addr.rsplit(':').next().unwrap().parse().unwrap()
+    };
+    loop {
+        match query::<i64>(*owner, redis::cmd("INCR").arg(key)) {
+            Ok(v) => return v,
+            Err(e) if e.code() == Some("MOVED") => *owner = redirect(&e),
+            Err(e) if e.code() == Some("ASK") => {
+                let target = redirect(&e);
+                if ASKED.fetch_add(1, Ordering::Relaxed) == 0 {
+                    eprintln!("first ASK redirection for {key}: to {target}");
+                }
+                let mut con = redis::Client::open(format!("redis://127.0.0.1:{target}/"))
+                    .unwrap()
+                    .get_connection()
+                    .unwrap_or_else(|e| panic!("connect to {target}: {e}"));
+                let ((), v): ((), i64) = redis::pipe()
+                    .cmd("ASKING")
+                    .cmd("INCR")
+                    .arg(key)
+                    .query(&mut con)
+                    .unwrap_or_else(|e| panic!("ASKING INCR {key} at {target}: {e}"));
+                return v;
+            }
+            Err(e) => panic!("INCR {key} at {owner}: {e}"),
+        }
+    }
 }
 
 fn tenant_keys() -> Vec<String> {
@@ -106,16 +143,42 @@ fn slots_move_with_their_keys() {
         set_at_master(&c, k, k);
     }
 
-    // One slot, the hot tenant's, with two keys in it.
+    // One slot, the hot tenant's, with many keys in it (so that moving them
+    // takes several MIGRATE batches), moved while a client increments one
+    // of them: no increment is lost or doubled.
     let hot = "tl:{acme}:count";
     let slot = RedisCluster::slot_of(hot);
     set_at_master(&c, hot, "42");
     set_at_master(&c, "tl:{acme}:window", "7");
     let from = c.master_of_slot(slot);
+    for i in 0..2000 {
+        set(from, &format!("tl:{{acme}}:bucket:{i}"), "1");
+    }
     let to = *c.masters().iter().find(|&&p| p != from).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let traffic = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let (mut owner, mut n) = (from, 0);
+            while !stop.load(Ordering::Relaxed) {
+                incr(&mut owner, "tl:{acme}:hits");
+                n += 1;
+            }
+            n
+        }
+    });
     let t = Instant::now();
     c.move_slot(slot, to);
     eprintln!("slot {slot} moved {from} -> {to} after {:?}", t.elapsed());
+    stop.store(true, Ordering::Relaxed);
+    let hits = traffic.join().expect("traffic thread");
+    assert!(hits > 0, "no traffic ran during the move");
+    eprintln!("{hits} increments during the move");
+    assert_eq!(get(to, "tl:{acme}:hits").unwrap(), Some(hits.to_string()));
+    assert_eq!(
+        get(to, "tl:{acme}:bucket:1999").unwrap().as_deref(),
+        Some("1")
+    );
     assert_eq!(c.master_of_slot(slot), to);
     assert!(c.slots_of(to).contains(&slot) && !c.slots_of(from).contains(&slot));
     assert_eq!(get(to, hot).unwrap().as_deref(), Some("42"));
