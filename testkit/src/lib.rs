@@ -64,7 +64,7 @@ pub use crate::redis_sentinel::SentinelGroup;
 pub use crate::redis_server::{query, Redis};
 pub use crate::scrape::{get_json, get_text, metric_value, scrape_metric, try_text};
 pub use crate::server::{http_client, Aggregator, RegionNode};
-pub use crate::tansu::{client_config, tansu_bin, Tansu};
+pub use crate::tansu::{client_config, tansu_bin, try_tansu_bin, Tansu};
 pub use crate::wait::{
     wait_for, wait_for_blocking, wait_until, wait_until_blocking, Budget, POLL, START_DEADLINE,
 };
