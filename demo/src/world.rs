@@ -16,7 +16,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
-use serde_json::Value;
 use testkit::{free_port, Cmd, ProcGroup};
 
 use crate::proxy::KafkaProxy;
@@ -370,15 +369,11 @@ impl World {
 
     /// The aggregator's view of `tenant` today: total and net per region.
     pub async fn agg_view(&self, tenant: &str) -> Option<(u64, BTreeMap<String, u64>)> {
-        let v: Value = self
-            .http
-            .get(format!("{}/v1/global/{tenant}", self.aggregator))
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
+        let v = testkit::try_json(
+            &self.http,
+            &format!("{}/v1/global/{tenant}", self.aggregator),
+        )
+        .await?;
         let total = v["today"]["total"].as_u64()?;
         let regions = v["today"]["regions"]
             .as_object()

@@ -62,7 +62,7 @@ pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
 pub use crate::redis_cluster::RedisCluster;
 pub use crate::redis_sentinel::SentinelGroup;
 pub use crate::redis_server::{query, Redis};
-pub use crate::scrape::{get_json, get_text, metric_value, scrape_metric, try_text};
+pub use crate::scrape::{get_json, get_text, metric_value, scrape_metric, try_json, try_text};
 pub use crate::server::{http_client, Aggregator, RegionNode};
 pub use crate::tansu::{client_config, tansu_bin, try_tansu_bin, Tansu};
 pub use crate::wait::{
