@@ -37,11 +37,12 @@ use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::storage::redis::RedisStore;
+use crate::storage::CounterStore;
 use crate::view::View;
 
 pub struct Publisher {
-    store: Arc<Store>,
+    store: Arc<RedisStore>,
     local: Arc<Local>,
     producer: FutureProducer,
     topic: String,
@@ -81,7 +82,7 @@ impl Publisher {
         config: &Config,
         region: &str,
         node_id: &str,
-        store: Arc<Store>,
+        store: Arc<RedisStore>,
         local: Arc<Local>,
         live: Live,
         view: Arc<View>,
