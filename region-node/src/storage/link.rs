@@ -125,7 +125,7 @@ pub fn redact(url: &str) -> String {
 
 enum Resolver {
     Fixed,
-    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    Sentinel(Box<tokio::sync::Mutex<SentinelClient>>),
 }
 
 /// The current master connection and how to find the master again.
@@ -188,7 +188,7 @@ impl Link {
                     Some(node),
                     SentinelServerType::Master,
                 )?;
-                (Resolver::Sentinel(tokio::sync::Mutex::new(client)), None)
+                (Resolver::Sentinel(Box::new(tokio::sync::Mutex::new(client))), None)
             }
         };
         Ok(Link {

@@ -173,7 +173,7 @@ pub enum ReplyError {
 impl DecideReply {
     /// Parses the script's name/value list.
     pub fn parse(reply: Vec<Value>) -> Result<DecideReply, ReplyError> {
-        if reply.len() % 2 != 0 {
+        if !reply.len().is_multiple_of(2) {
             return Err(ReplyError::Malformed(format!(
                 "odd number of items ({})",
                 reply.len()
