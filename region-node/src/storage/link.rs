@@ -188,7 +188,10 @@ impl Link {
                     Some(node),
                     SentinelServerType::Master,
                 )?;
-                (Resolver::Sentinel(Box::new(tokio::sync::Mutex::new(client))), None)
+                (
+                    Resolver::Sentinel(Box::new(tokio::sync::Mutex::new(client))),
+                    None,
+                )
             }
         };
         Ok(Link {
