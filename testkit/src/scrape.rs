@@ -33,6 +33,12 @@ pub async fn get_text(http: &reqwest::Client, url: &str) -> String {
         .unwrap_or_else(|| panic!("GET {url}: no answer or no text body"))
 }
 
+/// GETs `url` and parses its JSON body, or `None` if either fails: for
+/// polling (see [`try_text`]).
+pub async fn try_json(http: &reqwest::Client, url: &str) -> Option<serde_json::Value> {
+    http.get(url).send().await.ok()?.json().await.ok()
+}
+
 /// GETs `url` and returns its body, or `None` if the request fails: for
 /// polling a server that may be down (a wait condition), where
 /// [`get_json`]'s panic would end the wait.

@@ -315,7 +315,7 @@ policy = "deny"
     }
 
     pub async fn get_json(&self, url: &str) -> Option<Value> {
-        self.http.get(url).send().await.ok()?.json().await.ok()
+        crate::try_json(&self.http, url).await
     }
 
     /// Waits until every node and the aggregator answer `/readyz` 200.

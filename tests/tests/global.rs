@@ -142,15 +142,7 @@ async fn check(http: &reqwest::Client, url: &str, tenant: &str) -> (u16, Value) 
 }
 
 async fn agg_total(a: &Aggregator, tenant: &str) -> Option<u64> {
-    let v: Value = a
-        .http
-        .get(a.url(&format!("/v1/global/{tenant}")))
-        .send()
-        .await
-        .ok()?
-        .json()
-        .await
-        .ok()?;
+    let v = harness::try_json(&a.http, &a.url(&format!("/v1/global/{tenant}"))).await?;
     v["today"]["total"].as_u64()
 }
 
