@@ -122,10 +122,14 @@ async fn failover_under_traffic(fault: Fault) {
     let cfg = write_config(dir.path(), &config(&group.sentinel_url()));
     let n = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
     let traffic = Traffic::start(&n);
-    wait_until("100 allowed before the fault", Duration::from_secs(30), || {
-        let seen = Arc::clone(&traffic.seen);
-        async move { allowed(&seen.lock().unwrap()) >= 100 }
-    })
+    wait_until(
+        "100 allowed before the fault",
+        Duration::from_secs(30),
+        || {
+            let seen = Arc::clone(&traffic.seen);
+            async move { allowed(&seen.lock().unwrap()) >= 100 }
+        },
+    )
     .await;
     // Stop, let the replica catch up, then fail over: nothing acknowledged
     // is lost, so the region tier must be exact.
@@ -154,15 +158,22 @@ async fn failover_under_traffic(fault: Fault) {
     }
     let new = tokio::task::block_in_place(|| group.wait_failover(old));
     assert_ne!(new, old);
-    wait_until("the node decides in the new master", Duration::from_secs(30), || {
-        let seen = Arc::clone(&traffic.seen);
-        async move {
-            // Two in a row: one lucky answer could still come from the old one.
-            let seen = seen.lock().unwrap();
-            let after: Vec<_> = seen.iter().filter(|(t, _, _)| *t > fault_at).collect();
-            after.len() >= 2 && after[after.len() - 2..].iter().all(|(_, _, b)| b["mode"] == "redis")
-        }
-    })
+    wait_until(
+        "the node decides in the new master",
+        Duration::from_secs(30),
+        || {
+            let seen = Arc::clone(&traffic.seen);
+            async move {
+                // Two in a row: one lucky answer could still come from the old one.
+                let seen = seen.lock().unwrap();
+                let after: Vec<_> = seen.iter().filter(|(t, _, _)| *t > fault_at).collect();
+                after.len() >= 2
+                    && after[after.len() - 2..]
+                        .iter()
+                        .all(|(_, _, b)| b["mode"] == "redis")
+            }
+        },
+    )
     .await;
     let during = traffic.stop().await;
     assert!(
@@ -185,7 +196,10 @@ async fn failover_under_traffic(fault: Fault) {
     assert!(total <= REGION_LIMIT, "{total} allowed");
     while total < REGION_LIMIT {
         let (status, body) = check(&n).await;
-        assert_eq!(status, 200, "allowed up to the limit ({total} so far): {body}");
+        assert_eq!(
+            status, 200,
+            "allowed up to the limit ({total} so far): {body}"
+        );
         total += 1;
     }
     let (status, body) = check(&n).await;

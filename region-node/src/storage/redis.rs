@@ -398,3 +398,54 @@ impl CounterStore for RedisStore {
         Box::pin(self.run_decide(call))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options() -> Options {
+        Options {
+            timeout: Duration::from_millis(100),
+            retry_interval: Duration::from_secs(60),
+            allow_eviction: false,
+        }
+    }
+
+    /// READONLY behind Sentinel asks for the master again and keeps the
+    /// breaker closed; behind a fixed URL there is no other master to find,
+    /// so it opens the breaker until `ROLE` says master.
+    #[tokio::test]
+    async fn readonly_re_resolves_behind_sentinel_and_opens_the_breaker_otherwise() {
+        let readonly = || {
+            StoreError::from_redis(redis::RedisError::from((
+                redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
+                "READONLY You can't write against a read only replica.",
+            )))
+        };
+        assert!(matches!(readonly(), StoreError::NotMaster));
+
+        let metrics = Arc::new(Metrics::new());
+        let sentinel = RedisStore::new(
+            "redis+sentinel://127.0.0.1:1/m",
+            options(),
+            Arc::clone(&metrics),
+        )
+        .unwrap();
+        // A sentinel store starts without a master; pretend it has one.
+        sentinel.up.store(true, Ordering::Relaxed);
+        sentinel.note_error("decide", &readonly());
+        assert!(
+            sentinel.is_up(),
+            "READONLY is not an outage behind Sentinel"
+        );
+        assert_eq!(metrics.master_resolutions.get(), 1);
+        sentinel.note_error("decide", &readonly());
+        assert_eq!(metrics.master_resolutions.get(), 1, "one look-up at a time");
+
+        let fixed =
+            RedisStore::new("redis://127.0.0.1:1/", options(), Arc::new(Metrics::new())).unwrap();
+        assert!(fixed.is_up());
+        fixed.note_error("decide", &readonly());
+        assert!(!fixed.is_up(), "a fixed URL's replica opens the breaker");
+    }
+}
