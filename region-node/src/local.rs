@@ -22,17 +22,6 @@ use tierlimit_shared::config::Limit;
 /// (tenant, key, tier) → the limit a state was last used with, and the state.
 type TierStates = HashMap<(String, String, u8), (Limit, TierState)>;
 
-/// One request as local mode sees it.
-#[derive(Debug, Clone, Copy)]
-pub struct Charge<'a> {
-    pub tenant: &'a str,
-    /// The counting key (`_` unless the plan is key-scoped).
-    pub key: &'a str,
-    pub cost: u64,
-    pub now_us: u64,
-    pub day: u32,
-}
-
 /// The limits local mode enforces: the node tier as configured, and this
 /// node's share of the region tier.
 fn local_limits(
@@ -72,21 +61,9 @@ impl Local {
 
     /// Evaluates node and region-share tiers and charges both only if both
     /// pass. Returns `(allowed, node, region)`.
-    pub fn check(
-        &self,
-        node: Option<&Limit>,
-        region: Option<&Limit>,
-        expected_nodes: u32,
-        c: Charge<'_>,
-    ) -> (bool, Option<LocalTier>, Option<LocalTier>) {
-        let Charge {
-            tenant,
-            key,
-            cost,
-            now_us,
-            day,
-        } = c;
-        let limits = local_limits(node, region, expected_nodes);
+    fn check(&self, call: &DecideCall<'_>) -> (bool, Option<LocalTier>, Option<LocalTier>) {
+        let (tenant, key, cost, now_us) = (call.tenant, call.key, call.cost, call.now_ms * 1000);
+        let limits = local_limits(call.node, call.region, call.expected_nodes);
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         let mut out: [Option<LocalTier>; 2] = [None, None];
         for (i, limit) in limits.iter().enumerate() {
@@ -113,28 +90,16 @@ impl Local {
                 }
             }
             let mut counts = self.counts.lock().expect("local counts poisoned");
-            counts.entry((tenant.to_string(), day)).or_default().0 += cost;
+            counts.entry((tenant.to_string(), call.day)).or_default().0 += cost;
         }
         let [node, region] = out;
         (allowed, node, region)
     }
 
     /// Gives back units charged in local mode (never below zero).
-    pub fn refund(
-        &self,
-        node: Option<&Limit>,
-        region: Option<&Limit>,
-        expected_nodes: u32,
-        c: Charge<'_>,
-    ) {
-        let Charge {
-            tenant,
-            key,
-            cost,
-            now_us,
-            day,
-        } = c;
-        let limits = local_limits(node, region, expected_nodes);
+    fn refund(&self, call: &DecideCall<'_>) {
+        let (tenant, key, cost, now_us) = (call.tenant, call.key, call.cost, call.now_ms * 1000);
+        let limits = local_limits(call.node, call.region, call.expected_nodes);
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         for (i, limit) in limits.iter().enumerate() {
             if let (Some(limit), Some((_, s))) = (
@@ -145,7 +110,7 @@ impl Local {
             }
         }
         let mut counts = self.counts.lock().expect("local counts poisoned");
-        if let Some(c) = counts.get_mut(&(tenant.to_string(), day)) {
+        if let Some(c) = counts.get_mut(&(tenant.to_string(), call.day)) {
             c.1 = (c.1 + cost).min(c.0);
         }
     }
@@ -181,13 +146,6 @@ impl Local {
     /// it before the call). Remaining units follow the script's rule: after
     /// this request if it was charged, before it if not.
     pub fn decide_now(&self, call: &DecideCall<'_>) -> DecideReply {
-        let charge = Charge {
-            tenant: call.tenant,
-            key: call.key,
-            cost: call.cost,
-            now_us: call.now_ms * 1000,
-            day: call.day,
-        };
         let global_remaining = call
             .global
             .as_ref()
@@ -207,15 +165,14 @@ impl Local {
         };
         match call.op {
             Op::Refund => {
-                self.refund(call.node, call.region, call.expected_nodes, charge);
+                self.refund(call);
                 base
             }
             // In local mode nothing is read without charging: a peek shows
             // no windowed tier (as before this interface).
             Op::Peek => base,
             Op::Check => {
-                let (allowed, node, region) =
-                    self.check(call.node, call.region, call.expected_nodes, charge);
+                let (allowed, node, region) = self.check(call);
                 let mut denied = None;
                 let mut retry: Option<u64> = Some(0);
                 let mut tier = |t: Denied, lt: Option<LocalTier>| {
