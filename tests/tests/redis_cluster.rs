@@ -12,12 +12,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use harness::{wait_until, RedisCluster};
+use harness::{wait_until, Budget, RedisCluster};
 use region_node::storage::cluster::ClusterRouter;
 use region_node::storage::StoreError;
 use tierlimit_shared::keys::cluster_slot;
 
 const TIMEOUT: Duration = Duration::from_millis(500);
+/// Each test's share of the suite's time (a run takes about 10 s).
+const BUDGET: Duration = Duration::from_secs(90);
 
 fn seeds(c: &RedisCluster) -> Vec<String> {
     c.seed_urls()
@@ -105,6 +107,7 @@ async fn commands_reach_the_master_of_their_slot() {
 /// ASK are followed, and the count is exactly the successes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_migration_under_traffic_loses_and_doubles_nothing() {
+    let budget = Budget::start("redis_cluster", BUDGET);
     const KEY: &str = "tl:{hot}:x";
     let cluster = Arc::new(tokio::task::block_in_place(|| RedisCluster::start(3, 1)));
     let router = ClusterRouter::connect(seeds(&cluster), TIMEOUT)
@@ -115,20 +118,28 @@ async fn a_slot_migration_under_traffic_loses_and_doubles_nothing() {
     let to = *cluster.masters().iter().find(|p| **p != from).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let (task, ok, failed) = hammer(&router, KEY, &stop);
-    wait_until("traffic before the move", Duration::from_secs(10), || {
-        let ok = Arc::clone(&ok);
-        async move { ok.load(Ordering::Relaxed) >= 200 }
-    })
+    wait_until(
+        "traffic before the move",
+        budget.cap(Duration::from_secs(10)),
+        || {
+            let ok = Arc::clone(&ok);
+            async move { ok.load(Ordering::Relaxed) >= 200 }
+        },
+    )
     .await;
     let c = Arc::clone(&cluster);
     tokio::task::spawn_blocking(move || c.move_slot(slot, to))
         .await
         .unwrap();
     let at_move = ok.load(Ordering::Relaxed);
-    wait_until("traffic after the move", Duration::from_secs(10), || {
-        let ok = Arc::clone(&ok);
-        async move { ok.load(Ordering::Relaxed) >= at_move + 200 }
-    })
+    wait_until(
+        "traffic after the move",
+        budget.cap(Duration::from_secs(10)),
+        || {
+            let ok = Arc::clone(&ok);
+            async move { ok.load(Ordering::Relaxed) >= at_move + 200 }
+        },
+    )
     .await;
     stop.store(true, Ordering::Relaxed);
     task.await.unwrap();
@@ -147,6 +158,7 @@ async fn a_slot_migration_under_traffic_loses_and_doubles_nothing() {
 /// promoted, and the router finds it without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_master_is_followed_and_nothing_is_re_sent() {
+    let budget = Budget::start("redis_cluster", BUDGET);
     const KEY: &str = "tl:{hot}:y";
     let mut cluster = tokio::task::block_in_place(|| RedisCluster::start(3, 1));
     let router = ClusterRouter::connect(seeds(&cluster), TIMEOUT)
@@ -155,10 +167,14 @@ async fn a_killed_master_is_followed_and_nothing_is_re_sent() {
     let slot = cluster_slot(KEY.as_bytes());
     let stop = Arc::new(AtomicBool::new(false));
     let (task, ok, failed) = hammer(&router, KEY, &stop);
-    wait_until("traffic before the kill", Duration::from_secs(10), || {
-        let ok = Arc::clone(&ok);
-        async move { ok.load(Ordering::Relaxed) >= 200 }
-    })
+    wait_until(
+        "traffic before the kill",
+        budget.cap(Duration::from_secs(10)),
+        || {
+            let ok = Arc::clone(&ok);
+            async move { ok.load(Ordering::Relaxed) >= 200 }
+        },
+    )
     .await;
     tokio::task::block_in_place(|| cluster.wait_replicated());
     let old = tokio::task::block_in_place(|| cluster.kill_master_of_slot(slot));
@@ -166,7 +182,7 @@ async fn a_killed_master_is_followed_and_nothing_is_re_sent() {
     let new = tokio::task::block_in_place(|| cluster.wait_failover(slot, old));
     wait_until(
         "the router writes to the promoted replica",
-        Duration::from_secs(20),
+        budget.cap(Duration::from_secs(20)),
         || {
             let ok = Arc::clone(&ok);
             async move { ok.load(Ordering::Relaxed) >= at_kill + 200 }

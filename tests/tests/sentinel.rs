@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use harness::redis_sentinel::SentinelGroup;
-use harness::{temp_dir, wait_until, write_config, RegionNode};
+use harness::{temp_dir, wait_until, write_config, Budget, RegionNode};
 use serde_json::{json, Value};
 
 /// The region limit of the test tenant: fixed window of an hour, so the
@@ -117,6 +117,8 @@ enum Fault {
 /// sentinels, then decides there without a restart, and the region tier
 /// admits exactly its limit across the two masters.
 async fn failover_under_traffic(fault: Fault) {
+    // This suite's share of the test time (a run takes about 4 s).
+    let budget = Budget::start("sentinel", Duration::from_secs(90));
     let mut group = tokio::task::block_in_place(SentinelGroup::start);
     let dir = temp_dir();
     let cfg = write_config(dir.path(), &config(&group.sentinel_url()));
@@ -124,7 +126,7 @@ async fn failover_under_traffic(fault: Fault) {
     let traffic = Traffic::start(&n);
     wait_until(
         "100 allowed before the fault",
-        Duration::from_secs(30),
+        budget.cap(Duration::from_secs(30)),
         || {
             let seen = Arc::clone(&traffic.seen);
             async move { allowed(&seen.lock().unwrap()) >= 100 }
@@ -160,7 +162,7 @@ async fn failover_under_traffic(fault: Fault) {
     assert_ne!(new, old);
     wait_until(
         "the node decides in the new master",
-        Duration::from_secs(30),
+        budget.cap(Duration::from_secs(30)),
         || {
             let seen = Arc::clone(&traffic.seen);
             async move {
