@@ -5,7 +5,8 @@
 //! the tenant view says whether this instance owns the tenant (and whether it
 //! has finished rebuilding); zeros from a non-owner mean "ask another
 //! instance", not "no traffic". `GET /` is the HTML dashboard
-//! ([`crate::dashboard`]).
+//! ([`crate::dashboard`]). A refusal (an invalid tenant id) is the shared
+//! problem+json [`Problem`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,6 +19,7 @@ use axum::{Json, Router};
 use serde::Serialize;
 use tierlimit_shared::day;
 use tierlimit_shared::messages::{partition_of, ActorPart};
+use tierlimit_shared::problem::Problem;
 
 use crate::merge::Counter;
 use crate::progress::{Membership, PartitionProgress, Readiness};
@@ -35,40 +37,6 @@ pub fn router(state: Arc<State>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(state)
-}
-
-/// An RFC 9457 problem detail.
-#[derive(Debug, Serialize)]
-pub struct Problem {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub title: String,
-    pub status: u16,
-    pub detail: String,
-}
-
-impl Problem {
-    pub fn new(status: StatusCode, kind: &str, title: &str, detail: impl Into<String>) -> Self {
-        Problem {
-            kind: format!("https://tierlimit.dev/problems/{kind}"),
-            title: title.to_owned(),
-            status: status.as_u16(),
-            detail: detail.into(),
-        }
-    }
-}
-
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let body = serde_json::to_vec(&self).unwrap_or_default();
-        (
-            status,
-            [(header::CONTENT_TYPE, "application/problem+json")],
-            body,
-        )
-            .into_response()
-    }
 }
 
 /// One day of a tenant's global counter.

@@ -123,6 +123,9 @@ pub struct Knobs {
     pub bin_dir: Option<PathBuf>,
 }
 
+/// The scenarios that need the Kafka side (Tansu, the aggregator).
+pub const KAFKA_SIDE: &[&str] = &["fast_path", "kafka", "accuracy", "crossings", "scale"];
+
 impl Knobs {
     /// Whether scenario `name` runs.
     pub fn runs(&self, name: &str) -> bool {

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 
-use crate::knobs::Knobs;
+use crate::knobs::{Knobs, KAFKA_SIDE};
 use crate::report::{Machine, Results};
 use crate::run::Run;
 use crate::scenario::{accuracy, ceiling, crossings, fast_path, kafka, latency, rollover, scale};
@@ -43,22 +43,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// Tansu: `$TANSU_BIN`, `PATH`, or `$CARGO_HOME/bin` (where scripts/setup
-/// puts it).
-pub fn tansu_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("TANSU_BIN") {
-        return PathBuf::from(p);
-    }
-    if let Ok(p) = ceiling::which("tansu") {
-        return p;
-    }
-    let home = std::env::var_os("CARGO_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
-        .unwrap_or_default();
-    home.join("bin").join("tansu")
 }
 
 /// Fails early, naming `scripts/setup --bench`, if a tool a selected
@@ -77,21 +61,8 @@ fn preflight(k: &Knobs) -> anyhow::Result<()> {
     for program in need {
         ceiling::which(program)?;
     }
-    let kafka_side = [
-        "fast_path",
-        "kafka",
-        "accuracy",
-        "crossings",
-        "scale",
-        "rollover",
-    ]
-    .iter()
-    .any(|s| k.runs(s));
-    if kafka_side && !tansu_path().is_file() {
-        anyhow::bail!(
-            "tansu not found ({}): run scripts/setup --bench",
-            tansu_path().display()
-        );
+    if k.runs("rollover") || KAFKA_SIDE.iter().any(|s| k.runs(s)) {
+        testkit::try_tansu_bin().map_err(|e| anyhow::anyhow!("{e} (run scripts/setup --bench)"))?;
     }
     if k.runs("rollover") {
         let ok = std::process::Command::new("dpkg")
@@ -185,30 +156,8 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
         false,
     ) + " UTC";
     let load_start = testkit::load_average();
-    let mut r = Results {
-        run_date,
-        elapsed_s: 0,
-        knobs: k.clone(),
-        machine: Machine::describe(),
-        load_start,
-        loads: Vec::new(),
-        ceiling: None,
-        latency: None,
-        fast_path: None,
-        kafka: None,
-        accuracy: None,
-        crossings: None,
-        scale: None,
-        rollover: None,
-        rollover_error: None,
-        peer: None,
-        commands: Vec::new(),
-        config: None,
-        charts: Default::default(),
-    };
-    let kafka_side = ["fast_path", "kafka", "accuracy", "crossings", "scale"]
-        .iter()
-        .any(|s| k.runs(s));
+    let mut r = Results::new(run_date, k.clone(), Machine::describe(), load_start);
+    let kafka_side = KAFKA_SIDE.iter().any(|s| k.runs(s));
     if k.runs("ceiling") || kafka_side {
         run.say(&format!("starting redis-servers (in {})", tmp.display()));
         let eu = Region::start(&run).await?;

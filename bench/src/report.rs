@@ -50,6 +50,33 @@ pub struct Results {
     pub charts: std::collections::BTreeMap<String, String>,
 }
 
+impl Results {
+    /// A run that has measured nothing yet.
+    pub fn new(run_date: String, knobs: Knobs, machine: Machine, load_start: String) -> Results {
+        Results {
+            run_date,
+            elapsed_s: 0,
+            knobs,
+            machine,
+            load_start,
+            loads: Vec::new(),
+            ceiling: None,
+            latency: None,
+            fast_path: None,
+            kafka: None,
+            accuracy: None,
+            crossings: None,
+            scale: None,
+            rollover: None,
+            rollover_error: None,
+            peer: None,
+            commands: Vec::new(),
+            config: None,
+            charts: Default::default(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Machine {
     pub cpu: String,
@@ -94,10 +121,14 @@ impl Machine {
                 read("/proc/sys/kernel/osrelease")
             ),
             redis: redis_version(),
-            tansu: last_word(crate::run::version_of(
-                &crate::tansu_path().display().to_string(),
-                &["--version"],
-            )),
+            tansu: testkit::try_tansu_bin()
+                .map(|t| {
+                    last_word(crate::run::version_of(
+                        &t.display().to_string(),
+                        &["--version"],
+                    ))
+                })
+                .unwrap_or_default(),
             rustc: crate::run::version_of("rustc", &["--version"])
                 .split_whitespace()
                 .nth(1)
@@ -322,27 +353,12 @@ mod tests {
 
     #[test]
     fn the_template_renders_an_empty_run() {
-        let results = Results {
-            run_date: "2026-11-21 15:25 UTC".into(),
-            elapsed_s: 1,
-            knobs: <Knobs as clap::Parser>::parse_from(["bench"]),
-            machine: Machine::default(),
-            load_start: "1 1 1".into(),
-            loads: vec![("end".into(), "1".into())],
-            ceiling: None,
-            latency: None,
-            fast_path: None,
-            kafka: None,
-            accuracy: None,
-            crossings: None,
-            scale: None,
-            rollover: None,
-            rollover_error: None,
-            peer: None,
-            commands: vec![],
-            config: None,
-            charts: Default::default(),
-        };
+        let results = Results::new(
+            "2026-11-21 15:25 UTC".into(),
+            <Knobs as clap::Parser>::parse_from(["bench"]),
+            Machine::default(),
+            "1 1 1".into(),
+        );
         let md = render(&results).unwrap();
         assert!(md.starts_with("# Benchmarks\n"));
         assert!(md.contains("## Hot path: profile and changes"));

@@ -107,16 +107,6 @@ impl Run {
         deadline: Duration,
     ) -> anyhow::Result<String> {
         self.record_cmd("", program, args, false);
-        self.exec_unrecorded(name, program, args, deadline).await
-    }
-
-    pub async fn exec_unrecorded(
-        &self,
-        name: &str,
-        program: &Path,
-        args: &[String],
-        deadline: Duration,
-    ) -> anyhow::Result<String> {
         let log = self.res.join(format!("{name}.out"));
         let _ = std::fs::remove_file(&log);
         let mut proc = Cmd::new(program)

@@ -2,7 +2,7 @@
 //! regions' Redis, the configuration, region-nodes, the Kafka side (Tansu,
 //! the aggregator), Redis' own counters and Prometheus metrics.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -167,15 +167,6 @@ impl Region {
 
     pub fn pid(&self) -> u32 {
         self.redis.proc.pid()
-    }
-}
-
-/// GETs `url` and returns its JSON, `Null` on any failure (a reading, not
-/// a precondition).
-pub async fn json_or_null(http: &reqwest::Client, url: &str) -> serde_json::Value {
-    match http.get(url).timeout(Duration::from_secs(2)).send().await {
-        Ok(r) => r.json().await.unwrap_or(serde_json::Value::Null),
-        Err(_) => serde_json::Value::Null,
     }
 }
 
@@ -361,11 +352,4 @@ plan = "bench"
         s.push_str(&format!("\n[tenants.x{i}]\nplan = \"cross\"\n"));
     }
     s
-}
-
-/// `$TMP/NAME` created.
-pub fn subdir(run: &Run, name: &str) -> anyhow::Result<PathBuf> {
-    let d = run.tmp.join(name);
-    std::fs::create_dir_all(&d)?;
-    Ok(d)
 }

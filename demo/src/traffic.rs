@@ -71,6 +71,18 @@ impl Tally {
         self.cells.lock().unwrap().clone()
     }
 
+    /// The sum of the cells of `tenant` (every tenant if `None`) in
+    /// `region` (every region if `None`).
+    pub fn totals(&self, tenant: Option<&str>, region: Option<&str>) -> Cell {
+        let mut c = Cell::default();
+        for ((t, r), cell) in self.snapshot() {
+            if tenant.is_none_or(|x| x == t) && region.is_none_or(|x| x == r) {
+                c.add(&cell);
+            }
+        }
+        c
+    }
+
     pub fn cell(&self, tenant: &str, region: &str) -> Cell {
         self.cells
             .lock()

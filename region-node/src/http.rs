@@ -18,7 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::json;
+use tierlimit_shared::problem::Problem;
 
 use crate::decision::{DecideError, Decider, Decision, Request, Tier, TierStatus};
 use crate::metrics::Metrics;
@@ -42,73 +43,6 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-const PROBLEM_BASE: &str = "https://tierlimit.dev/problems/";
-
-/// An RFC 9457 problem response.
-pub struct Problem {
-    status: StatusCode,
-    slug: &'static str,
-    title: &'static str,
-    detail: String,
-    extra: serde_json::Map<String, Value>,
-    headers: HeaderMap,
-}
-
-impl Problem {
-    fn new(
-        status: StatusCode,
-        slug: &'static str,
-        title: &'static str,
-        detail: impl Into<String>,
-    ) -> Problem {
-        Problem {
-            status,
-            slug,
-            title,
-            detail: detail.into(),
-            extra: serde_json::Map::new(),
-            headers: HeaderMap::new(),
-        }
-    }
-
-    fn with(mut self, k: &str, v: impl Into<Value>) -> Problem {
-        self.extra.insert(k.into(), v.into());
-        self
-    }
-
-    fn bad_field(field: &str, detail: impl Into<String>) -> Problem {
-        Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid-field",
-            "Invalid request field",
-            detail,
-        )
-        .with("field", field)
-    }
-}
-
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
-        let mut body = serde_json::Map::new();
-        body.insert("type".into(), format!("{PROBLEM_BASE}{}", self.slug).into());
-        body.insert("title".into(), self.title.into());
-        body.insert("status".into(), self.status.as_u16().into());
-        body.insert("detail".into(), self.detail.into());
-        body.extend(self.extra);
-        let mut resp = (
-            self.status,
-            serde_json::to_string(&body).unwrap_or_default(),
-        )
-            .into_response();
-        resp.headers_mut().extend(self.headers);
-        resp.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        resp
-    }
-}
-
 impl From<DecideError> for Problem {
     fn from(e: DecideError) -> Problem {
         match &e {
@@ -128,18 +62,14 @@ impl From<DecideError> for Problem {
                 e.to_string(),
             )
             .with("tenant", t.clone()),
-            DecideError::Unavailable => {
-                let mut p = Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "store-unavailable",
-                    "Rate limit store unavailable",
-                    e.to_string(),
-                )
-                .with("violated-policy", "store");
-                p.headers
-                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-                p
-            }
+            DecideError::Unavailable => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Rate limit store unavailable",
+                e.to_string(),
+            )
+            .with("violated-policy", "store")
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
         }
     }
 }
@@ -331,8 +261,11 @@ async fn readyz(State(s): State<Arc<AppState>>) -> Response {
 
 impl AppState {
     fn refused(&self, p: Problem) -> Response {
-        if p.status != StatusCode::SERVICE_UNAVAILABLE {
-            self.metrics.bad_requests.with_label_values(&[p.slug]).inc();
+        if p.status() != StatusCode::SERVICE_UNAVAILABLE {
+            self.metrics
+                .bad_requests
+                .with_label_values(&[p.slug()])
+                .inc();
         }
         p.into_response()
     }
@@ -412,6 +345,7 @@ fn decision_response(d: Decision) -> Response {
     resp
 }
 
+/// `PROBLEM_BASE` + `rate-limited`, as a constant for the hot path.
 const RATE_LIMITED_TYPE: &str = "https://tierlimit.dev/problems/rate-limited";
 
 /// The 429 problem body (RFC 9457). Members are in the sorted order a
@@ -501,4 +435,16 @@ fn rate_limit_headers(h: &mut HeaderMap, tiers: &[TierStatus]) {
     h.insert(LIMIT, HeaderValue::from(tightest.limit));
     h.insert(REMAINING, HeaderValue::from(tightest.remaining));
     h.insert(RESET, HeaderValue::from(secs(tightest.reset_ms)));
+}
+
+#[cfg(test)]
+mod tests {
+    use tierlimit_shared::problem::PROBLEM_BASE;
+
+    use super::*;
+
+    #[test]
+    fn rate_limited_type_is_under_the_problem_base() {
+        assert_eq!(RATE_LIMITED_TYPE, format!("{PROBLEM_BASE}rate-limited"));
+    }
 }

@@ -4,6 +4,8 @@
 //! arithmetic, the key scheme, wire messages) or thin Kafka plumbing that both
 //! binaries need in the same shape. Nothing here talks to Redis: the decision
 //! path lives in `region-node` so that it reads top to bottom in one place.
+//! The one piece of HTTP, the problem+json type both APIs answer with, is
+//! behind the `http` feature.
 
 pub mod algorithm;
 pub mod config;
@@ -13,6 +15,8 @@ pub mod duration;
 pub mod kafka;
 pub mod keys;
 pub mod messages;
+#[cfg(feature = "http")]
+pub mod problem;
 pub mod reload;
 pub mod validate;
 

@@ -7,18 +7,20 @@
 //! (`demo/`) and the bench runner (`bench/`) all start their world from here.
 //! One module per concept:
 //!
-//! | module      | what                                                        |
-//! |-------------|-------------------------------------------------------------|
-//! | [`port`]    | free loopback ports, temporary directories, config files    |
-//! | [`wait`]    | polling a condition with a deadline; per-suite [`Budget`]s  |
-//! | [`proc`]    | [`Cmd`], [`Proc`] (killed on drop), [`ProcGroup`]           |
-//! | [`bins`]    | paths of the workspace binaries, built once if needed       |
-//! | [`redis_server`] | a throw-away `redis-server`                                 |
-//! | [`tansu`]   | a Tansu broker, librdkafka config, topic creation           |
-//! | [`server`]  | `region-node` and `aggregator` processes, ready on /healthz |
-//! | [`scrape`]  | HTTP JSON and Prometheus text helpers                       |
-//! | [`start`]   | any server on a free port, ready when a probe says so       |
-//! | [`procfs`]  | RSS and CPU time of a pid, the load average, from /proc     |
+//! | module             | what                                                        |
+//! |--------------------|-------------------------------------------------------------|
+//! | [`port`]           | free loopback ports, temporary directories, config files    |
+//! | [`wait`]           | polling a condition with a deadline; per-suite [`Budget`]s  |
+//! | [`proc`]           | [`Cmd`], [`Proc`] (killed on drop), [`ProcGroup`]           |
+//! | [`bins`]           | paths of the workspace binaries, built once if needed       |
+//! | [`redis_server`]   | a throw-away `redis-server`; one-off commands ([`query`])   |
+//! | [`redis_cluster`]  | a Redis Cluster: failover, restart, moving slots            |
+//! | [`redis_sentinel`] | a master, its replica and three Sentinels: failover         |
+//! | [`tansu`]          | a Tansu broker, librdkafka config, topic creation           |
+//! | [`server`]         | `region-node` and `aggregator` processes, ready on /healthz |
+//! | [`scrape`]         | HTTP JSON and Prometheus text helpers                       |
+//! | [`start`]          | any server on a free port, ready when a probe says so       |
+//! | [`procfs`]         | RSS and CPU time of a pid, the load average, from /proc     |
 //!
 //! The rules it is built on, and why:
 //!
@@ -41,13 +43,14 @@
 //! - **Ports are picked, not fixed.** [`free_port`] lets tests run in
 //!   parallel, beside the machine's own Redis on 6379 and each other.
 //!
-//! What is to come lands here too, one module each: Redis Cluster and
-//! Sentinel (six and three processes: a [`ProcGroup`] each), Envoy.
+//! What is to come lands here too, one module each: Envoy.
 
 pub mod bins;
 pub mod port;
 pub mod proc;
 pub mod procfs;
+pub mod redis_cluster;
+pub mod redis_sentinel;
 pub mod redis_server;
 pub mod scrape;
 pub mod server;
@@ -61,9 +64,15 @@ pub use crate::bins::{bin_path, set_bin_dir};
 pub use crate::port::{free_port, temp_dir, write_config};
 pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
 pub use crate::procfs::{cpu_ticks, load_average, rss_kib};
-pub use crate::redis_server::Redis;
-pub use crate::scrape::{get_json, metric_sample, metric_value, scrape_metric};
+pub use crate::redis_cluster::RedisCluster;
+pub use crate::redis_sentinel::SentinelGroup;
+pub use crate::redis_server::{query, Redis};
+pub use crate::scrape::{
+    get_json, get_text, metric_sample, metric_value, scrape_metric, try_json, try_text,
+};
 pub use crate::server::{http_client, Aggregator, RegionNode};
 pub use crate::start::start_on_free_port;
-pub use crate::tansu::{client_config, tansu_bin, Tansu};
-pub use crate::wait::{wait_for, wait_until, wait_until_blocking, Budget, POLL, START_DEADLINE};
+pub use crate::tansu::{client_config, tansu_bin, try_tansu_bin, Tansu};
+pub use crate::wait::{
+    wait_for, wait_for_blocking, wait_until, wait_until_blocking, Budget, POLL, START_DEADLINE,
+};

@@ -41,6 +41,14 @@ pub fn temp_dir() -> TempDir {
         .expect("create temp dir")
 }
 
+/// Creates `root/name` (one directory per server of a cluster or a
+/// Sentinel group, inside one temporary directory) and returns its path.
+pub fn sub_dir(root: &Path, name: &str) -> PathBuf {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    dir
+}
+
 /// Writes `toml` to `dir/tierlimit.toml` and returns the path.
 ///
 /// The write is atomic (temporary file + rename), so a process reloading on

@@ -92,6 +92,14 @@ impl Cmd {
 
     /// Starts the process. Panics if it cannot be started.
     pub fn spawn(self) -> Proc {
+        self.try_spawn().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Starts the process, or returns why it could not be started (the
+    /// program is missing, the log file cannot be opened), naming the label
+    /// and the program: for a caller that reports errors instead of
+    /// panicking, such as the demo.
+    pub fn try_spawn(self) -> io::Result<Proc> {
         let (log_path, log_dir) = match &self.log {
             Some(p) => (p.clone(), None),
             None => {
@@ -99,30 +107,34 @@ impl Cmd {
                 (dir.path().join("output.log"), Some(dir))
             }
         };
-        let child = start_child(&self, &log_path);
-        Proc {
+        let child = try_start_child(&self, &log_path)?;
+        Ok(Proc {
             pid: child.id(),
             child: Some(child),
             exit: None,
             cmd: self,
             log_path,
             _log_dir: log_dir,
-        }
+        })
     }
 }
 
 fn start_child(cmd: &Cmd, log_path: &Path) -> Child {
+    try_start_child(cmd, log_path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn try_start_child(cmd: &Cmd, log_path: &Path) -> io::Result<Child> {
     let mut log = OpenOptions::new()
         .create(true)
         .append(true)
         .open(log_path)
-        .unwrap_or_else(|e| panic!("open log {}: {e}", log_path.display()));
+        .map_err(|e| io::Error::new(e.kind(), format!("open log {}: {e}", log_path.display())))?;
     let _ = writeln!(
         log,
         "===== harness: starting {}: {:?} {:?}",
         cmd.label, cmd.program, cmd.args
     );
-    let stderr = log.try_clone().expect("dup log file");
+    let stderr = log.try_clone()?;
     let mut c = Command::new(&cmd.program);
     c.args(&cmd.args)
         .envs(cmd.env.iter().map(|(k, v)| (k, v)))
@@ -161,16 +173,19 @@ fn start_child(cmd: &Cmd, log_path: &Path) -> Child {
             Ok(())
         });
     }
-    c.spawn().unwrap_or_else(|e| {
-        panic!(
-            "cannot start {} ({:?}): {e}{}",
-            cmd.label,
-            cmd.program,
-            if e.kind() == io::ErrorKind::NotFound {
-                " (not installed? run scripts/setup)"
-            } else {
-                ""
-            }
+    c.spawn().map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "cannot start {} ({:?}): {e}{}",
+                cmd.label,
+                cmd.program,
+                if e.kind() == io::ErrorKind::NotFound {
+                    " (not installed? run scripts/setup)"
+                } else {
+                    ""
+                }
+            ),
         )
     })
 }
@@ -225,6 +240,14 @@ impl Proc {
     /// True while the process has not exited (reaps it if it has).
     pub fn is_running(&mut self) -> bool {
         self.poll_exit().is_none()
+    }
+
+    /// True once the process was reaped ([`Proc::kill9`], or an exit seen
+    /// by [`Proc::poll_exit`]). Unlike [`Proc::is_running`] it needs no
+    /// `&mut` and does not look again: what a topology helper needs to tell
+    /// the servers it killed from the ones it expects to answer.
+    pub fn reaped(&self) -> bool {
+        self.child.is_none()
     }
 
     /// The exit status, if the process has exited (reaps it).
@@ -414,6 +437,47 @@ pub(crate) fn wait_ready(proc: &mut Proc, mut ready: impl FnMut() -> bool) -> Re
     }
 }
 
+/// Starts a server on a free port and waits until `ready(port)`: `spawn`
+/// starts it on the port it is given; when the server reports its address
+/// taken (the race [`free_port`] cannot close), it is started again on
+/// another port. Returns the ready process and its port.
+///
+/// [`free_port`]: crate::port::free_port
+pub(crate) fn spawn_on_free_port(
+    what: &str,
+    mut spawn: impl FnMut(u16) -> Proc,
+    mut ready: impl FnMut(u16) -> bool,
+) -> (Proc, u16) {
+    for _attempt in 0..5 {
+        let port = crate::port::free_port();
+        let mut proc = spawn(port);
+        match wait_ready(&mut proc, || ready(port)) {
+            Ready::Yes => return (proc, port),
+            Ready::AddrInUse => continue,
+        }
+    }
+    panic!("{what}: no free port after 5 attempts");
+}
+
+/// Kills `proc` if it runs, starts the same command again and waits until
+/// `ready`. Its port cannot change (clients and peers know it), so a port
+/// taken meanwhile by another process is fatal.
+pub(crate) fn respawn_ready(proc: &mut Proc, port: u16, ready: impl FnMut() -> bool) {
+    proc.respawn();
+    wait_restarted(proc, port, ready);
+}
+
+/// [`wait_ready`] for a server restarted on its old `port`: a port taken
+/// meanwhile by another process is fatal.
+pub(crate) fn wait_restarted(proc: &mut Proc, port: u16, ready: impl FnMut() -> bool) {
+    if let Ready::AddrInUse = wait_ready(proc, ready) {
+        panic!(
+            "{}: port {port} taken by another process during restart",
+            proc.label()
+        );
+    }
+}
+
 /// Processes that live and die together: a whole world of the demo or of a
 /// bench scenario (and, as they land, a Redis Cluster's six servers or a
 /// Sentinel group).
@@ -442,6 +506,12 @@ impl ProcGroup {
     /// the group (see [`Proc`] on `PR_SET_PDEATHSIG`).
     pub fn spawn(&mut self, cmd: Cmd) -> usize {
         self.push(cmd.spawn())
+    }
+
+    /// [`ProcGroup::spawn`] that returns the error ([`Cmd::try_spawn`])
+    /// instead of panicking; nothing is added then.
+    pub fn try_spawn(&mut self, cmd: Cmd) -> io::Result<usize> {
+        Ok(self.push(cmd.try_spawn()?))
     }
 
     pub fn get(&self, i: usize) -> &Proc {
@@ -520,6 +590,23 @@ mod tests {
         // SAFETY: kill(2) with signal 0 only checks for existence.
         let alive = unsafe { libc::kill(pid as libc::pid_t, 0) } == 0;
         assert!(!alive, "sleeper still runs after stop_all");
+    }
+
+    #[test]
+    fn try_spawn_reports_a_missing_program_and_adds_nothing() {
+        let mut g = ProcGroup::new();
+        let e = g
+            .try_spawn(Cmd::new("/nonexistent/tierlimit-no-such-program").label("ghost"))
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        let msg = e.to_string();
+        assert!(
+            msg.contains("ghost") && msg.contains("run scripts/setup"),
+            "{msg}"
+        );
+        assert_eq!(g.iter().count(), 0);
+        let i = g.try_spawn(Cmd::new("true")).expect("true starts");
+        assert!(g.get_mut(i).wait_exit(Duration::from_secs(10)).is_some());
     }
 
     #[test]

@@ -2,13 +2,13 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tempfile::TempDir;
 
-use crate::port::{free_port, temp_dir};
-use crate::proc::{wait_ready, Cmd, Proc, Ready};
+use crate::port::temp_dir;
+use crate::proc::{respawn_ready, spawn_on_free_port, Cmd, Proc};
 
 /// A throw-away `redis-server` on a free loopback port, keeping nothing on
 /// disk (`--save "" --appendonly no`), so a restart comes back empty, which
@@ -26,21 +26,12 @@ impl Redis {
     /// Starts a server and waits until it answers PING.
     pub fn start() -> Redis {
         let dir = temp_dir();
-        for _attempt in 0..5 {
-            let port = free_port();
-            let mut proc = Self::cmd(port, dir.path()).spawn();
-            match wait_ready(&mut proc, || ping(port)) {
-                Ready::Yes => return Redis { proc, port, dir },
-                Ready::AddrInUse => continue,
-            }
-        }
-        panic!("redis-server: no free port after 5 attempts");
-    }
-
-    fn cmd(port: u16, dir: &Path) -> Cmd {
-        server_args(Cmd::new(redis_server_bin()), port, "127.0.0.1", dir)
-            .label(format!("redis:{port}"))
-            .log_file(dir.join(format!("redis-{port}.log")))
+        let (proc, port) = spawn_on_free_port(
+            "redis-server",
+            |port| server_cmd(port, dir.path()).spawn(),
+            ping,
+        );
+        Redis { proc, port, dir }
     }
 
     /// `redis://127.0.0.1:PORT/`
@@ -65,12 +56,8 @@ impl Redis {
     /// Starts the server again on the same port, with no data, and waits
     /// until it answers PING. Kills the running one first if needed.
     pub fn restart_empty(&mut self) {
-        self.proc.kill9();
-        self.proc.respawn();
         let port = self.port;
-        if let Ready::AddrInUse = wait_ready(&mut self.proc, || ping(port)) {
-            panic!("redis-server: port {port} taken by another process during restart");
-        }
+        respawn_ready(&mut self.proc, port, || ping(port));
     }
 
     /// A multiplexed async connection (needs a Tokio runtime).
@@ -88,9 +75,44 @@ impl Redis {
     }
 }
 
+/// One process of a Redis Cluster or a Sentinel group: a server or a
+/// sentinel, its port and its own directory.
+#[derive(Debug)]
+pub(crate) struct Member {
+    pub(crate) proc: Proc,
+    pub(crate) port: u16,
+    pub(crate) dir: PathBuf,
+}
+
+/// Ports of the `members` not killed: the ones expected to answer.
+pub(crate) fn running(members: &[Member]) -> Vec<u16> {
+    members
+        .iter()
+        .filter(|m| !m.proc.reaped())
+        .map(|m| m.port)
+        .collect()
+}
+
+/// The member on `port`; panics naming `group` if there is none.
+pub(crate) fn member_mut<'a>(members: &'a mut [Member], port: u16, group: &str) -> &'a mut Member {
+    members
+        .iter_mut()
+        .find(|m| m.port == port)
+        .unwrap_or_else(|| panic!("no member of the {group} on port {port}"))
+}
+
 /// `$REDIS_SERVER_BIN`, or `redis-server` from `PATH`.
 pub fn redis_server_bin() -> std::ffi::OsString {
     std::env::var_os("REDIS_SERVER_BIN").unwrap_or_else(|| "redis-server".into())
+}
+
+/// A throw-away `redis-server` ([`server_args`]) on 127.0.0.1:`port` in
+/// `dir`, labelled `redis:PORT`, logging to `dir/redis-PORT.log`. Clusters
+/// and Sentinel groups add their own arguments to it.
+pub fn server_cmd(port: u16, dir: &Path) -> Cmd {
+    server_args(Cmd::new(redis_server_bin()), port, "127.0.0.1", dir)
+        .label(format!("redis:{port}"))
+        .log_file(dir.join(format!("redis-{port}.log")))
 }
 
 /// Adds to `cmd` (a `redis-server`, maybe wrapped to run in a network
@@ -98,11 +120,66 @@ pub fn redis_server_bin() -> std::ffi::OsString {
 /// persistence (`--save "" --appendonly no`, so a restart comes back empty),
 /// working directory `dir`. Protected mode is off so that a server bound to
 /// a namespace's address answers the test from outside.
+///
+/// `--repl-diskless-sync-delay 0`: a replica's full sync starts at once.
+/// Redis 7.0 waits 5 s by default for more replicas to share one diskless
+/// transfer, which would add 5 s to every replica start and restart.
 pub fn server_args(cmd: Cmd, port: u16, bind: &str, dir: &Path) -> Cmd {
     cmd.args(["--port", &port.to_string(), "--bind", bind])
         .args(["--protected-mode", "no", "--save", "", "--appendonly", "no"])
+        .args(["--repl-diskless-sync-delay", "0"])
         .arg("--dir")
         .arg(dir)
+}
+
+/// How long [`query`] waits to connect, and then for each reply.
+pub const QUERY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One command on a fresh synchronous connection to 127.0.0.1:`port`
+/// (a server or a sentinel), each step bounded by [`QUERY_TIMEOUT`].
+///
+/// Synchronous and connection-per-call on purpose: the topology helpers
+/// poll servers that are being killed, restarted and failed over, from
+/// blocking code, where a pooled async connection would hide what state
+/// the server is in right now.
+pub fn query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    let mut con = client.get_connection_with_timeout(QUERY_TIMEOUT)?;
+    con.set_read_timeout(Some(QUERY_TIMEOUT))?;
+    con.set_write_timeout(Some(QUERY_TIMEOUT))?;
+    cmd.query(&mut con)
+}
+
+/// The `INFO section` of the server on `port` as `field -> value`, or `None`
+/// if it does not answer.
+pub fn info(port: u16, section: &str) -> Option<std::collections::HashMap<String, String>> {
+    let text: String = query(port, redis::cmd("INFO").arg(section)).ok()?;
+    Some(
+        text.lines()
+            .filter_map(|l| l.trim_end().split_once(':'))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    )
+}
+
+/// True if every server in `replicas` is a replica that has the whole
+/// replication stream of the master on `master` (`slave_repl_offset` equals
+/// the master's `master_repl_offset`): what was written to the master
+/// before survives its loss.
+pub fn replicated(master: u16, replicas: &[u16]) -> bool {
+    let Some(m) = info(master, "replication") else {
+        return false;
+    };
+    let offset = m.get("master_repl_offset");
+    offset.is_some()
+        && replicas
+            .iter()
+            .all(|&p| info(p, "replication").is_some_and(|r| r.get("slave_repl_offset") == offset))
+}
+
+/// `$REDIS_CLI_BIN`, or `redis-cli` from `PATH`.
+pub fn redis_cli_bin() -> std::ffi::OsString {
+    std::env::var_os("REDIS_CLI_BIN").unwrap_or_else(|| "redis-cli".into())
 }
 
 /// One PING over a plain socket (no client library, no runtime needed).

@@ -26,6 +26,26 @@ pub async fn scrape_metric(http: &reqwest::Client, url: &str, name: &str) -> f64
     metric_value(&text, name)
 }
 
+/// GETs `url` and returns its body; panics naming the URL if that fails.
+pub async fn get_text(http: &reqwest::Client, url: &str) -> String {
+    try_text(http, url)
+        .await
+        .unwrap_or_else(|| panic!("GET {url}: no answer or no text body"))
+}
+
+/// GETs `url` and parses its JSON body, or `None` if either fails: for
+/// polling (see [`try_text`]).
+pub async fn try_json(http: &reqwest::Client, url: &str) -> Option<serde_json::Value> {
+    http.get(url).send().await.ok()?.json().await.ok()
+}
+
+/// GETs `url` and returns its body, or `None` if the request fails: for
+/// polling a server that may be down (a wait condition), where
+/// [`get_json`]'s panic would end the wait.
+pub async fn try_text(http: &reqwest::Client, url: &str) -> Option<String> {
+    http.get(url).send().await.ok()?.text().await.ok()
+}
+
 /// Sum of every sample of metric `name` (exact name, any labels) in a
 /// Prometheus text exposition; 0 if absent.
 pub fn metric_value(text: &str, name: &str) -> f64 {

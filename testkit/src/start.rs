@@ -3,29 +3,19 @@
 //! [`crate::RegionNode`]) do not cover, such as a server wrapped in an
 //! environment (`LD_PRELOAD`) or a third-party peer.
 
-use crate::port::free_port;
-use crate::proc::{wait_ready, Cmd, Proc, Ready};
+use crate::proc::{spawn_on_free_port, Cmd, Proc};
 
 /// Starts `cmd(port)` on a free port and waits until `ready(port)` is true
 /// (polled, bounded by [`crate::START_DEADLINE`]); if the process exits
-/// first saying its address is in use (the race [`free_port`] cannot
-/// close), tries again on another port, five times at most. Panics if it
-/// exits for another reason or is not ready in time.
+/// first saying its address is in use (the race [`crate::free_port`]
+/// cannot close), tries again on another port, five times at most. Panics
+/// naming `what` if it exits for another reason or is not ready in time.
 pub fn start_on_free_port(
+    what: &str,
     cmd: impl Fn(u16) -> Cmd,
-    mut ready: impl FnMut(u16) -> bool,
+    ready: impl FnMut(u16) -> bool,
 ) -> (Proc, u16) {
-    let mut label = String::new();
-    for _attempt in 0..5 {
-        let port = free_port();
-        let mut proc = cmd(port).spawn();
-        label = proc.label().to_string();
-        match wait_ready(&mut proc, || ready(port)) {
-            Ready::Yes => return (proc, port),
-            Ready::AddrInUse => continue,
-        }
-    }
-    panic!("{label}: no free port after 5 attempts");
+    spawn_on_free_port(what, |port| cmd(port).spawn(), ready)
 }
 
 /// True if something accepts TCP connections on `127.0.0.1:port`.
@@ -42,6 +32,7 @@ mod tests {
     fn a_listener_starts_on_a_free_port() {
         // A tiny TCP server that binds the port it is given.
         let (mut proc, port) = start_on_free_port(
+            "listener",
             |port| {
                 Cmd::new("python3").args([
                     "-c",

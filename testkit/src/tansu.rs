@@ -1,5 +1,6 @@
 //! A Tansu broker (the Kafka protocol), librdkafka client config, topics.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -10,35 +11,57 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::RDKafkaErrorCode;
 use tempfile::TempDir;
 
-use crate::port::{free_port, temp_dir};
-use crate::proc::{wait_ready, Cmd, Proc, Ready};
+use crate::port::temp_dir;
+use crate::proc::{respawn_ready, spawn_on_free_port, Cmd, Proc};
 use crate::wait::{wait_until, START_DEADLINE};
 
 /// The Tansu binary: `$TANSU_BIN`, else `tansu` on `PATH`, else
-/// `$CARGO_HOME/bin/tansu` (where `scripts/setup` installs it).
+/// `$CARGO_HOME/bin/tansu` (where `scripts/setup` installs it). Panics if
+/// none is there; see [`try_tansu_bin`].
 pub fn tansu_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("TANSU_BIN") {
-        return PathBuf::from(p);
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&path) {
-            let p = dir.join("tansu");
-            if p.is_file() {
-                return p;
-            }
-        }
-    }
+    try_tansu_bin().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`tansu_bin`] that returns the error (where it looked) instead of
+/// panicking.
+pub fn try_tansu_bin() -> Result<PathBuf, String> {
     let cargo_home = std::env::var_os("CARGO_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
         .unwrap_or_else(|| PathBuf::from("/root/.cargo"));
+    look_for_tansu(
+        std::env::var_os("TANSU_BIN"),
+        std::env::var_os("PATH"),
+        &cargo_home,
+    )
+}
+
+/// [`try_tansu_bin`] with its environment as arguments.
+fn look_for_tansu(
+    tansu_bin: Option<OsString>,
+    path: Option<OsString>,
+    cargo_home: &Path,
+) -> Result<PathBuf, String> {
+    if let Some(p) = tansu_bin {
+        return Ok(PathBuf::from(p));
+    }
+    if let Some(path) = path {
+        for dir in std::env::split_paths(&path) {
+            let p = dir.join("tansu");
+            if p.is_file() {
+                return Ok(p);
+            }
+        }
+    }
     let p = cargo_home.join("bin").join("tansu");
-    assert!(
-        p.is_file(),
-        "tansu not found ($TANSU_BIN, PATH, {}): run scripts/setup",
-        p.display()
-    );
-    p
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(format!(
+            "tansu not found ($TANSU_BIN, PATH, {}): run scripts/setup",
+            p.display()
+        ))
+    }
 }
 
 /// A single-node Tansu broker (Kafka protocol) on a free loopback port,
@@ -66,16 +89,12 @@ impl Tansu {
     /// Starts the broker and waits until it answers a metadata request.
     pub fn start() -> Tansu {
         let dir = temp_dir();
-        for _attempt in 0..5 {
-            let port = free_port();
-            let mut proc = Self::cmd(port, dir.path()).spawn();
-            let brokers = format!("127.0.0.1:{port}");
-            match wait_ready(&mut proc, || metadata_answers(&brokers, port)) {
-                Ready::Yes => return Tansu { proc, port, dir },
-                Ready::AddrInUse => continue,
-            }
-        }
-        panic!("tansu: no free port after 5 attempts");
+        let (proc, port) = spawn_on_free_port(
+            "tansu",
+            |port| Self::cmd(port, dir.path()).spawn(),
+            |port| metadata_answers(&format!("127.0.0.1:{port}"), port),
+        );
+        Tansu { proc, port, dir }
     }
 
     fn cmd(port: u16, dir: &Path) -> Cmd {
@@ -137,13 +156,9 @@ impl Tansu {
     /// every record survives, and waits until metadata answers. Kills the
     /// running one first if needed.
     pub fn restart(&mut self) {
-        self.proc.kill9();
-        self.proc.respawn();
         let brokers = self.brokers();
         let port = self.port;
-        if let Ready::AddrInUse = wait_ready(&mut self.proc, || metadata_answers(&brokers, port)) {
-            panic!("tansu: port {port} taken by another process during restart");
-        }
+        respawn_ready(&mut self.proc, port, || metadata_answers(&brokers, port));
     }
 }
 
@@ -276,4 +291,31 @@ pub fn topics_ready(brokers: &str, topics: &[String], partitions: i32) -> bool {
                     .all(|p| p.error().is_none() && p.leader() >= 0)
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tansu_is_looked_for_in_tansu_bin_then_path_then_cargo_home() {
+        let on_path = temp_dir();
+        let home = temp_dir();
+        let nowhere = home.path().join("nowhere");
+        let path = std::env::join_paths([nowhere.as_path(), on_path.path()]).unwrap();
+        let err = look_for_tansu(None, Some(path.clone()), home.path()).unwrap_err();
+        assert!(err.contains("run scripts/setup"), "{err}");
+
+        std::fs::create_dir(home.path().join("bin")).unwrap();
+        std::fs::write(home.path().join("bin/tansu"), "").unwrap();
+        let found = look_for_tansu(None, Some(path.clone()), home.path());
+        assert_eq!(found, Ok(home.path().join("bin/tansu")));
+
+        std::fs::write(on_path.path().join("tansu"), "").unwrap();
+        let found = look_for_tansu(None, Some(path.clone()), home.path());
+        assert_eq!(found, Ok(on_path.path().join("tansu")));
+
+        let found = look_for_tansu(Some("/opt/tansu".into()), Some(path), home.path());
+        assert_eq!(found, Ok(PathBuf::from("/opt/tansu")));
+    }
 }

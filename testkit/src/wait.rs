@@ -52,10 +52,16 @@ where
 /// The blocking form of [`wait_until`], for code outside an async context
 /// (and for the synchronous `start` functions here).
 pub fn wait_until_blocking(what: &str, deadline: Duration, mut f: impl FnMut() -> bool) {
+    wait_for_blocking(what, deadline, || f().then_some(()))
+}
+
+/// The blocking form of [`wait_for`]: polls `f` until it returns `Some(v)`
+/// and returns `v`; panics with `what` once `deadline` has passed.
+pub fn wait_for_blocking<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     let start = Instant::now();
     loop {
-        if f() {
-            return;
+        if let Some(v) = f() {
+            return v;
         }
         if start.elapsed() >= deadline {
             panic!("timed out after {deadline:?} waiting until {what}");

@@ -17,7 +17,9 @@ use testkit::tempfile::TempDir;
 
 use crate::history::History;
 use crate::topology::Topology;
-use crate::{bin_path, metric_value, tansu_bin, temp_dir, write_config, Proc, START_DEADLINE};
+use crate::{
+    bin_path, metric_value, tansu_bin, temp_dir, try_text, write_config, Proc, START_DEADLINE,
+};
 
 pub const REGIONS: [&str; 3] = ["eu", "us", "ap"];
 pub const NODE_IDS: [&str; 2] = ["a", "b"];
@@ -313,7 +315,7 @@ policy = "deny"
     }
 
     pub async fn get_json(&self, url: &str) -> Option<Value> {
-        self.http.get(url).send().await.ok()?.json().await.ok()
+        crate::try_json(&self.http, url).await
     }
 
     /// Waits until every node and the aggregator answer `/readyz` 200.
@@ -496,26 +498,11 @@ policy = "deny"
     }
 
     pub async fn node_metrics_text(&self, node: &Node) -> Option<String> {
-        self.http
-            .get(format!("{}/metrics", node.base))
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()
+        try_text(&self.http, &format!("{}/metrics", node.base)).await
     }
 
     pub async fn aggregator_metric(&self, name: &str) -> Option<f64> {
-        let text = self
-            .http
-            .get(self.agg_url("/metrics"))
-            .send()
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
+        let text = try_text(&self.http, &self.agg_url("/metrics")).await?;
         Some(metric_value(&text, name))
     }
 

@@ -779,10 +779,6 @@ fn exported(text: &str) -> BTreeSet<String> {
     out
 }
 
-async fn get_text(http: &reqwest::Client, url: String) -> String {
-    http.get(url).send().await.unwrap().text().await.unwrap()
-}
-
 async fn post(http: &reqwest::Client, url: String, body: serde_json::Value) -> u16 {
     http.post(url)
         .json(&body)
@@ -862,8 +858,10 @@ plan = "p"
 
     let all_referenced: BTreeSet<String> = referenced.values().flatten().cloned().collect();
     let exported_now = || async {
-        let mut names = exported(&get_text(&http, node.url("/metrics")).await);
-        names.extend(exported(&get_text(&http, agg.url("/metrics")).await));
+        let mut names = exported(&harness::get_text(&http, &node.url("/metrics")).await);
+        names.extend(exported(
+            &harness::get_text(&http, &agg.url("/metrics")).await,
+        ));
         names
     };
     // Labelled families without a sample yet are absent from the text

@@ -95,6 +95,17 @@ policy = "deny"
     }
 }
 
+/// Two regions (eu, us) with the global-only plans: the world, the
+/// aggregator and one node per region, the aggregator ready.
+async fn two_regions() -> (World, Aggregator, RegionNode, RegionNode) {
+    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
+    let us = RegionNode::start(&w.cfg, "us", "a").await;
+    agg_ready(&agg).await;
+    (w, agg, eu, us)
+}
+
 async fn ready(url: String) -> bool {
     reqwest::get(url)
         .await
@@ -131,15 +142,7 @@ async fn check(http: &reqwest::Client, url: &str, tenant: &str) -> (u16, Value) 
 }
 
 async fn agg_total(a: &Aggregator, tenant: &str) -> Option<u64> {
-    let v: Value = a
-        .http
-        .get(a.url(&format!("/v1/global/{tenant}")))
-        .send()
-        .await
-        .ok()?
-        .json()
-        .await
-        .ok()?;
+    let v = harness::try_json(&a.http, &a.url(&format!("/v1/global/{tenant}"))).await?;
     v["today"]["total"].as_u64()
 }
 
@@ -321,11 +324,7 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_reordering_and_garbage_change_nothing() {
-    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
-    let agg = Aggregator::start(&w.cfg).await;
-    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
-    let us = RegionNode::start(&w.cfg, "us", "a").await;
-    agg_ready(&agg).await;
+    let (w, agg, eu, us) = two_regions().await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
     traffic.wait_allowed("some traffic", 200).await;
     let allowed = traffic.stop().await;
@@ -416,11 +415,7 @@ async fn duplicates_reordering_and_garbage_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn aggregator_killed_and_restarted_rebuilds_exactly() {
-    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
-    let mut agg = Aggregator::start(&w.cfg).await;
-    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
-    let us = RegionNode::start(&w.cfg, "us", "a").await;
-    agg_ready(&agg).await;
+    let (w, mut agg, eu, us) = two_regions().await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
     traffic.wait_allowed("traffic before the crash", 100).await;
     agg.proc.kill9();
@@ -463,11 +458,7 @@ async fn region_node_killed_mid_traffic_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
-    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
-    let agg = Aggregator::start(&w.cfg).await;
-    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
-    let us = RegionNode::start(&w.cfg, "us", "a").await;
-    agg_ready(&agg).await;
+    let (w, agg, eu, us) = two_regions().await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
     traffic.wait_allowed("traffic before the flush", 100).await;
     let before = traffic.stop().await;

@@ -514,15 +514,7 @@ plan = "local"
         allowed, 5,
         "local mode enforces the node's share of the region limit"
     );
-    let m = n
-        .http
-        .get(n.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = harness::get_text(&n.http, &n.url("/metrics")).await;
     assert!(m.contains("tierlimit_store_up 0"), "store_up gauge drops");
     assert!(m.contains("tierlimit_fail_mode_decisions_total{mode=\"local\"}"));
     let r: Value = harness::get_json(&n.http, &n.url("/readyz")).await;
@@ -578,15 +570,7 @@ async fn sighup_reload_good_and_bad() {
         "the refused reload is counted",
         Duration::from_secs(5),
         || async {
-            let m = n
-                .http
-                .get(n.url("/metrics"))
-                .send()
-                .await
-                .ok()?
-                .text()
-                .await
-                .ok()?;
+            let m = harness::try_text(&n.http, &n.url("/metrics")).await?;
             m.contains("tierlimit_config_reloads_total{result=\"refused\"} 1")
                 .then_some(m)
         },
@@ -621,15 +605,7 @@ plan = "p"
     let n = RegionNode::start(&cfg, "eu", "a").await;
     let mut admin = redis.client().await;
     let store_up = || async {
-        let m = n
-            .http
-            .get(n.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = harness::get_text(&n.http, &n.url("/metrics")).await;
         m.lines()
             .find(|l| l.starts_with("tierlimit_store_up "))
             .unwrap()

@@ -12,7 +12,7 @@ use testkit::{Aggregator, RegionNode};
 use crate::knobs::Knobs;
 use crate::loadgen::Summary;
 use crate::run::{strings, Run};
-use crate::world::{json_or_null, metric};
+use crate::world::metric;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Accuracy {
@@ -43,12 +43,37 @@ pub struct ViewGap {
     pub samples: u64,
 }
 
-/// The three regions' check URLs, eu, us, ap.
-pub fn urls(nodes: &[&RegionNode; 3]) -> Vec<String> {
-    nodes
+/// loadgen's options for the three regions' checks (eu, us, ap) in open
+/// loop at `rate` in all, 16 connections, `tenants` tenants named
+/// `prefix`N, with the accuracy figures for `limit` (scenarios 5 and 5b).
+pub fn three_regions(
+    nodes: &[&RegionNode; 3],
+    rate: u64,
+    tenants: u64,
+    prefix: &str,
+    limit: u64,
+) -> Vec<String> {
+    let mut a: Vec<String> = nodes
         .iter()
         .flat_map(|n| ["--url".to_string(), n.url("/v1/check")])
-        .collect()
+        .collect();
+    a.extend(strings([
+        "--mode".to_string(),
+        "open".into(),
+        "--rate".into(),
+        rate.to_string(),
+        "--connections".into(),
+        "16".into(),
+        "--tenants".into(),
+        tenants.to_string(),
+        "--tenant-prefix".into(),
+        prefix.into(),
+        "--warmup".into(),
+        "0".into(),
+        "--accuracy-limit".into(),
+        limit.to_string(),
+    ]));
+    a
 }
 
 pub async fn run(
@@ -81,12 +106,16 @@ pub async fn run(
                 _ = tick.tick() => {}
                 _ = stop_rx.changed() => {}
             }
-            let a = json_or_null(&sampler_http, &agg_url).await["today"]["total"]
+            let a = testkit::try_json(&sampler_http, &agg_url)
+                .await
+                .unwrap_or_default()["today"]["total"]
                 .as_f64()
                 .unwrap_or(0.0);
             let mut v = [0.0; 3];
             for (i, u) in view_urls.iter().enumerate() {
-                v[i] = json_or_null(&sampler_http, u).await["global_total"]
+                v[i] = testkit::try_json(&sampler_http, u)
+                    .await
+                    .unwrap_or_default()["global_total"]
                     .as_f64()
                     .unwrap_or(0.0);
             }
@@ -97,25 +126,8 @@ pub async fn run(
             }
         }
     });
-    let mut a = urls(&nodes);
-    a.extend(strings([
-        "--mode".to_string(),
-        "open".into(),
-        "--rate".into(),
-        k.acc_rate.to_string(),
-        "--connections".into(),
-        "16".into(),
-        "--tenants".into(),
-        "1".into(),
-        "--tenant-prefix".into(),
-        "acc".into(),
-        "--duration".into(),
-        seconds.to_string(),
-        "--warmup".into(),
-        "0".into(),
-        "--accuracy-limit".into(),
-        k.acc_limit.to_string(),
-    ]));
+    let mut a = three_regions(&nodes, k.acc_rate, 1, "acc", k.acc_limit);
+    a.extend(strings(["--duration".to_string(), seconds.to_string()]));
     let r = run.http("s5_accuracy", &a).await?;
     let _ = stop_tx.send(true);
     let samples = tokio::time::timeout(Duration::from_secs(30), sampler)
@@ -136,7 +148,9 @@ pub async fn run(
         max_view_gap_s: (max / k.acc_rate as f64 * 100.0).round() / 100.0,
         samples: samples.len() as u64,
     };
-    let aggregator = json_or_null(&http, &agg.url("/v1/global/acc0")).await;
+    let aggregator = testkit::try_json(&http, &agg.url("/v1/global/acc0"))
+        .await
+        .unwrap_or_default();
     let age1_sum = age("tierlimit_aggregator_delta_age_seconds_sum").await;
     let age1_n = age("tierlimit_aggregator_delta_age_seconds_count").await;
     let n = age1_n - age0_n;

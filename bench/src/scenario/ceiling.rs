@@ -131,7 +131,7 @@ pub async fn run(
     sa.extend(script_opts());
     sa.extend(strings(["--sha", &sha, "--tenant", "__rand_int__"]));
     let out = run
-        .exec_unrecorded("script_args", &run.loadgen, &sa, Duration::from_secs(60))
+        .exec("script_args", &run.loadgen, &sa, Duration::from_secs(60))
         .await?;
     let evalsha: Vec<String> = out.lines().map(str::to_string).collect();
 
@@ -170,7 +170,7 @@ pub async fn run(
     // redis-benchmark has no duration: -n sized for about DURATION seconds
     // from a probe.
     let probe = RbRun::parse(
-        &run.exec_unrecorded(
+        &run.exec(
             "rb_probe",
             &rb,
             &rb_args(30000, None),

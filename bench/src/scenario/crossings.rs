@@ -44,19 +44,10 @@ pub async fn run(
     ));
     super::drained(eu_redis, "the dirty set to drain", 60).await;
     let seconds = (k.cross_tenants + WIDTH - 1) as f64 * PHASE + 2.0;
-    let mut a = super::accuracy::urls(&nodes);
+    let mut a =
+        super::accuracy::three_regions(&nodes, k.acc_rate, k.cross_tenants, "x", k.cross_limit);
     a.extend(strings([
-        "--mode".to_string(),
-        "open".into(),
-        "--rate".into(),
-        k.acc_rate.to_string(),
-        "--connections".into(),
-        "16".into(),
-        "--tenants".into(),
-        k.cross_tenants.to_string(),
-        "--tenant-prefix".into(),
-        "x".into(),
-        "--dist".into(),
+        "--dist".to_string(),
         "phased".into(),
         "--phase-seconds".into(),
         crate::run::g(PHASE),
@@ -64,10 +55,6 @@ pub async fn run(
         WIDTH.to_string(),
         "--duration".into(),
         crate::run::g(seconds),
-        "--warmup".into(),
-        "0".into(),
-        "--accuracy-limit".into(),
-        k.cross_limit.to_string(),
     ]));
     let r = run.http("s5b_crossings", &a).await?;
     let c = Crossings {

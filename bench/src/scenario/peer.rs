@@ -65,6 +65,7 @@ pub async fn start(run: &Run) -> Throttlecrab {
         ])
     };
     let (proc, port) = start_on_free_port(
+        "throttlecrab-server",
         |port| Cmd::new(&bin).args(args(port)).log_file(&log),
         testkit::start::accepts,
     );

@@ -77,7 +77,7 @@ use testkit::{start_on_free_port, Cmd, Proc};
 
 use crate::knobs::Knobs;
 use crate::run::{strings, Run};
-use crate::world::{json_or_null, metric, metric_sum, RedisConn};
+use crate::world::{metric, metric_sum, RedisConn};
 
 /// C11 `cnd_timedwait` through `pthread_cond_timedwait`.
 ///
@@ -421,7 +421,9 @@ impl Stack {
             fake_unix: t,
             fake_utc: crate::report::utc(t, true),
             redis_day: t / 86400,
-            node_day: json_or_null(http, &self.node.url(&format!("/v1/tenants/{s}"))).await["day"]
+            node_day: testkit::try_json(http, &self.node.url(&format!("/v1/tenants/{s}")))
+                .await
+                .unwrap_or_default()["day"]
                 .clone(),
             elapsed_s: self.started.elapsed().as_secs(),
             redis_used_memory: c.info_u64("memory", "used_memory").await?,
@@ -562,7 +564,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Rollover> {
     let run_started = crate::report::utc(now_unix(), true) + " UTC";
     let libfaketime = libfaketime()?;
     let libc_malloc = libc_malloc_debug()?;
-    let dir = crate::world::subdir(run, "rollover")?;
+    let dir = testkit::port::sub_dir(&run.tmp, "rollover");
     let shim = compile_shim(&dir)?;
 
     // One offset for the whole run: the faked processes start at fake time
@@ -585,10 +587,11 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Rollover> {
         crate::report::utc(midnight, true)
     );
 
-    let redis_dir = crate::world::subdir(run, "rollover/redis")?;
+    let redis_dir = testkit::port::sub_dir(&run.tmp, "rollover/redis");
     let redis_log = redis_dir.join("redis.log");
     let preload = format!("{}:{}", libc_malloc.display(), libfaketime.display());
     let (redis, port) = start_on_free_port(
+        "redis-server (faked)",
         |port| {
             let mut cmd = Cmd::new(redis_server_bin()).label("redis (faked)");
             cmd = cmd.env("LD_PRELOAD", &preload);
@@ -723,7 +726,10 @@ plan = "bench"
     // Redis, reach the aggregator as a delta of that day, and come back in
     // the node's view.
     let probe_day = conn.time().await? / 86400;
-    let node_day = json_or_null(&node.http, &node.url("/v1/tenants/probe")).await["day"].as_u64();
+    let node_day = testkit::try_json(&node.http, &node.url("/v1/tenants/probe"))
+        .await
+        .unwrap_or_default()["day"]
+        .as_u64();
     ensure!(
         node_day == Some(probe_day),
         "region-node's day is {node_day:?}, Redis' fake day {probe_day} (libfaketime not in effect on region-node?)"
@@ -753,7 +759,7 @@ plan = "bench"
         || {
             let (ah, au) = (ah.clone(), au.clone());
             async move {
-                let v = json_or_null(&ah, &au).await;
+                let v = testkit::try_json(&ah, &au).await.unwrap_or_default();
                 v["today"]["day"].as_u64() == Some(probe_day) && v["today"]["total"].as_f64().unwrap_or(0.0) >= 1.0
             }
         },
@@ -766,7 +772,7 @@ plan = "bench"
         || {
             let (nh, nu) = (nh.clone(), nu.clone());
             async move {
-                json_or_null(&nh, &nu).await["global_total"]
+                testkit::try_json(&nh, &nu).await.unwrap_or_default()["global_total"]
                     .as_f64()
                     .unwrap_or(0.0)
                     >= 1.0
