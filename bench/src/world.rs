@@ -278,6 +278,28 @@ pub async fn start_tansu(run: &Run) -> Tansu {
     tansu
 }
 
+/// The throughput plan `bench` (scenarios 1, 2, 6, 6b and unknown
+/// tenants), its region tier's sliding window `region_window` long.
+pub fn bench_plan(region_window: &str) -> String {
+    format!(
+        r#"# Throughput runs: limits high enough that every check is allowed, so every
+# check runs the script's full write path (every tier charged, PN counter,
+# dirty mark).
+[plans.bench]
+on_store_error = "closed"
+global = {{ limit = 1000000000000 }}
+[plans.bench.node]
+limit = 1000000
+window = "1s"
+algorithm = "fixed_window"
+[plans.bench.region]
+limit = 100000000
+window = "{region_window}"
+algorithm = "sliding_window"
+"#
+    )
+}
+
 /// The configuration of the main run (`$TMP/tierlimit.toml`): three
 /// regions, the throughput, accuracy, fast-path and crossings plans, and
 /// tenants `x0` … for scenario 5b.
@@ -302,21 +324,7 @@ redis_url = "{us}"
 [regions.ap]
 redis_url = "{ap}"
 
-# Throughput runs: limits high enough that every check is allowed, so every
-# check runs the script's full write path (every tier charged, PN counter,
-# dirty mark).
-[plans.bench]
-on_store_error = "closed"
-global = {{ limit = 1000000000000 }}
-[plans.bench.node]
-limit = 1000000
-window = "1s"
-algorithm = "fixed_window"
-[plans.bench.region]
-limit = 100000000
-window = "1m"
-algorithm = "sliding_window"
-
+{bench_plan}
 # Accuracy: the design's daily limit, no other tier in the way.
 [plans.daily]
 on_store_error = "closed"
@@ -347,6 +355,7 @@ plan = "bench"
         ap = redis[2].redis.url(),
         acc = k.acc_limit,
         cross = k.cross_limit,
+        bench_plan = bench_plan("1m"),
     );
     for i in 0..k.cross_tenants {
         s.push_str(&format!("\n[tenants.x{i}]\nplan = \"cross\"\n"));

@@ -651,25 +651,13 @@ retention_days = {RETENTION_DAYS}
 [regions.eu]
 redis_url = "redis://127.0.0.1:{port}/"
 
-# Every check allowed, so every check runs the script's full write path
-# (node and region windows, PN counter, dirty mark).
-[plans.bench]
-on_store_error = "closed"
-global = {{ limit = 1000000000000 }}
-[plans.bench.node]
-limit = 1000000
-window = "1s"
-algorithm = "fixed_window"
-[plans.bench.region]
-limit = 100000000
-window = "{REGION_WINDOW_S}s"
-algorithm = "sliding_window"
-
+{bench_plan}
 [unknown_tenants]
 policy = "plan"
 plan = "bench"
 "#,
-            brokers = tansu.brokers()
+            brokers = tansu.brokers(),
+            bench_plan = crate::world::bench_plan(&format!("{REGION_WINDOW_S}s")),
         ),
     );
     let check = std::process::Command::new(testkit::bin_path("region-node"))
