@@ -214,25 +214,36 @@ struct ScriptArgs {
 
 impl ScriptArgs {
     fn call(&self) -> ScriptCall {
-        ScriptCall {
-            node_id: self.node_id.clone(),
-            node: TierArgs {
+        ScriptCall::new(
+            self.node_id.clone(),
+            TierArgs {
                 algorithm: self.node_algorithm,
                 limit: self.node_limit,
                 window_ms: self.node_window_ms,
                 burst: self.node_burst.unwrap_or(self.node_limit),
             },
-            region: TierArgs {
+            TierArgs {
                 algorithm: self.region_algorithm,
                 limit: self.region_limit,
                 window_ms: self.region_window_ms,
                 burst: self.region_burst.unwrap_or(self.region_limit),
             },
-            global_limit: self.global_limit,
-            cost: self.script_cost,
-            ttl_s: self.ttl_s,
-        }
+            self.global_limit,
+            self.script_cost,
+            self.ttl_s,
+        )
     }
+}
+
+/// The words of a command, as `script-args` prints them (one a line, for
+/// redis-benchmark).
+fn cmd_args(cmd: &redis::Cmd) -> Vec<String> {
+    cmd.args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+            _ => String::new(),
+        })
+        .collect()
 }
 
 fn main() -> anyhow::Result<()> {
@@ -243,10 +254,9 @@ fn main() -> anyhow::Result<()> {
             tenant,
             sha,
         } => {
-            let (keys, args) = script.call().keys_args(&tenant, ScriptCall::today());
+            let cmd = script.call().cmd(&sha, &tenant, ScriptCall::today());
             let mut out = std::io::stdout().lock();
-            writeln!(out, "EVALSHA\n{sha}\n{}", keys.len())?;
-            for a in keys.iter().chain(&args) {
+            for a in cmd_args(&cmd) {
                 writeln!(out, "{a}")?;
             }
             Ok(())
@@ -836,10 +846,13 @@ mod tests {
             script_cost: 1,
         }
         .call();
-        let (keys, args) = call.keys_args("acme", 20_000);
+        let args = cmd_args(&call.cmd("sha", "acme", 20_000));
         assert_eq!(
-            keys,
+            args[..9],
             [
+                "EVALSHA",
+                "sha",
+                "6",
                 "tl:{acme}:n:n1:_:1",
                 "tl:{acme}:r:_:2",
                 "tl:dirty",
@@ -848,9 +861,9 @@ mod tests {
                 "tl:{acme}:g:20001"
             ]
         );
-        assert_eq!(args.len(), 17);
-        assert_eq!(&args[..2], ["check", "1"]);
-        assert_eq!(&args[14..], ["acme", "20000", "259200"]);
+        assert_eq!(args.len(), 9 + 18);
+        assert_eq!(&args[9..11], ["check", "1"]);
+        assert_eq!(&args[23..26], ["acme", "20000", "259200"]);
     }
 
     #[test]

@@ -291,12 +291,10 @@ async fn worker(
                 }
             }
             Backend::Redis { sha, call, .. } => {
-                let (keys, args) = call.keys_args(&name, day);
-                let mut cmd = redis::cmd("EVALSHA");
-                cmd.arg(sha).arg(keys.len()).arg(&keys).arg(&args);
+                let cmd = call.cmd(sha, &name, day);
                 let c = redis_conn.as_mut().expect("redis connection");
                 match cmd.query_async::<redis::Value>(c).await {
-                    Ok(v) => Ok(ScriptCall::outcome(&v)),
+                    Ok(v) => Ok(ScriptCall::outcome(v)),
                     Err(e) => Err(format!("redis {:?}", e.kind())),
                 }
             }

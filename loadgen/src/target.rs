@@ -11,7 +11,9 @@ use crate::http1::Url;
 use crate::stats::Outcome;
 
 /// The decision script, byte for byte the one region-node runs.
-pub const DECIDE_LUA: &str = include_str!("../../region-node/src/lua/decide.lua");
+pub use region_node::storage::script::DECIDE_LUA;
+use region_node::storage::script::{self, DecideCall, DecideReply, Denied, GlobalArgs, Op};
+use tierlimit_shared::config::{Algorithm, Limit};
 
 #[derive(Debug, Clone)]
 pub enum Proto {
@@ -159,13 +161,32 @@ pub struct TierArgs {
     pub burst: u64,
 }
 
-/// KEYS and ARGV of one `decide.lua` check, laid out exactly as
-/// region-node's `Decider::script_call` does (see the script's header).
+impl TierArgs {
+    fn limit(self) -> Option<Limit> {
+        let algorithm = match self.algorithm {
+            1 => Algorithm::FixedWindow,
+            2 => Algorithm::SlidingWindow,
+            3 => Algorithm::TokenBucket,
+            4 => Algorithm::SlidingLog,
+            _ => return None,
+        };
+        Some(Limit {
+            algorithm,
+            limit: self.limit,
+            window_ms: self.window_ms,
+            burst: self.burst,
+        })
+    }
+}
+
+/// One `decide.lua` check as region-node makes it, built through
+/// region-node's typed script interface (`storage::script`), so the load
+/// generator cannot drift from the node's layout.
 #[derive(Debug, Clone)]
 pub struct ScriptCall {
     pub node_id: String,
-    pub node: TierArgs,
-    pub region: TierArgs,
+    node: Option<Limit>,
+    region: Option<Limit>,
     pub global_limit: u64,
     pub cost: u64,
     /// TTL of the PN counter: (retention_days + 1) days.
@@ -173,75 +194,77 @@ pub struct ScriptCall {
 }
 
 impl ScriptCall {
-    /// The UTC day number of now (what the node passes as ARGV[16]).
-    pub fn today() -> u64 {
+    pub fn new(
+        node_id: String,
+        node: TierArgs,
+        region: TierArgs,
+        global_limit: u64,
+        cost: u64,
+        ttl_s: u64,
+    ) -> ScriptCall {
+        ScriptCall {
+            node_id,
+            node: node.limit(),
+            region: region.limit(),
+            global_limit,
+            cost,
+            ttl_s,
+        }
+    }
+
+    /// The UTC day number of now (the day the node computes).
+    pub fn today() -> u32 {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs() / 86_400)
+            .map(|d| (d.as_secs() / 86_400) as u32)
             .unwrap_or(0)
     }
 
-    /// `(keys, args)` for a check of `tenant` on `day`.
-    pub fn keys_args(&self, tenant: &str, day: u64) -> (Vec<String>, Vec<String>) {
-        let keys = vec![
-            format!(
-                "tl:{{{tenant}}}:n:{}:_:{}",
-                self.node_id, self.node.algorithm
-            ),
-            format!("tl:{{{tenant}}}:r:_:{}", self.region.algorithm),
-            "tl:dirty".to_string(),
-            format!("tl:{{{tenant}}}:g:{}", day.saturating_sub(1)),
-            format!("tl:{{{tenant}}}:g:{day}"),
-            format!("tl:{{{tenant}}}:g:{}", day + 1),
-        ];
-        let mut args = vec!["check".to_string(), self.cost.to_string()];
-        for t in [self.node, self.region] {
-            if t.algorithm == 0 {
-                args.extend(["0", "0", "0", "0"].map(String::from));
-            } else {
-                args.extend(
-                    [t.algorithm as u64, t.limit, t.window_ms, t.burst].map(|v| v.to_string()),
-                );
-            }
-        }
-        args.push(self.global_limit.to_string());
-        args.push("0".into()); // broadcast total: nothing seen yet
-        args.push("-1".into()); // no staleness cap
-        args.push("00000000b3c4a001".into()); // epoch candidate
-        args.push(tenant.to_string());
-        args.push(day.to_string());
-        args.push(self.ttl_s.to_string());
-        (keys, args)
+    /// `EVALSHA sha …` of a check of `tenant` on `day`: nothing broadcast
+    /// yet, no staleness cap, no deadline.
+    pub fn cmd(&self, sha: &str, tenant: &str, day: u32) -> redis::Cmd {
+        let call = DecideCall {
+            op: Op::Check,
+            tenant,
+            key: tierlimit_shared::keys::WHOLE_TENANT,
+            node_id: &self.node_id,
+            cost: self.cost,
+            node: self.node.as_ref(),
+            region: self.region.as_ref(),
+            expected_nodes: 1,
+            global: (self.global_limit > 0).then(|| GlobalArgs {
+                limit: self.global_limit,
+                ..GlobalArgs::default()
+            }),
+            epoch_candidate: "00000000b3c4a001",
+            day,
+            now_ms: 0,
+            counter_ttl_secs: self.ttl_s,
+        };
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(sha);
+        script::encode(&mut cmd, &call, 0);
+        cmd
     }
 
-    /// Reads `decide.lua`'s reply: `{allowed, denied_tier, ...}`.
-    pub fn outcome(v: &redis::Value) -> Outcome {
-        let int = |v: Option<&redis::Value>| match v {
-            Some(redis::Value::Int(i)) => *i,
-            _ => -1,
+    /// Reads `decide.lua`'s reply.
+    pub fn outcome(v: redis::Value) -> Outcome {
+        let reply = match v {
+            redis::Value::Array(items) => DecideReply::parse(items).ok(),
+            _ => None,
         };
-        match v {
-            redis::Value::Array(items) => {
-                let allowed = int(items.first()) == 1;
-                let tier = match int(items.get(1)) {
-                    0 => None,
-                    1 => Some("node"),
-                    2 => Some("region"),
-                    3 => Some("global"),
-                    _ => Some("other"),
-                };
-                Outcome {
-                    status: 0,
-                    allowed,
-                    tier: if allowed {
-                        None
-                    } else {
-                        tier.or(Some("other"))
-                    },
-                    mode: Some("redis"),
-                }
-            }
-            _ => Outcome {
+        match reply {
+            Some(r) => Outcome {
+                status: 0,
+                allowed: r.allowed,
+                tier: r.denied.map(|d| match d {
+                    Denied::Node => "node",
+                    Denied::Region => "region",
+                    Denied::Global => "global",
+                }),
+                mode: Some("redis"),
+            },
+            None => Outcome {
                 status: 0,
                 allowed: false,
                 tier: None,

@@ -3,21 +3,22 @@
 //! 1. validate the request and resolve the tenant's policy (one map lookup);
 //! 2. global fast path: if the broadcast view already says the tenant is
 //!    over its daily limit, deny without touching Redis;
-//! 3. one `EVALSHA` of `decide.lua`, which checks node tier, region tier and
-//!    the region's global budget (`limit − others`, others = broadcast total
-//!    minus this region's current actor) and charges all of them only if all
-//!    pass;
-//! 4. if Redis cannot answer, the plan's `on_store_error` decides.
+//! 3. one call of the region's [`CounterStore`] (one `EVALSHA` of
+//!    `decide.lua`), which checks node tier, region tier and the region's
+//!    global budget (`limit − others`, others = broadcast total minus this
+//!    region's current actor) and charges all of them only if all pass;
+//! 4. if Redis cannot answer, the plan's `on_store_error` decides: `local`
+//!    is the same call answered by the in-process store ([`Local`]).
 //!
-//! `refund` and `peek` run the same script with another op, so every tier's
-//! arithmetic lives in exactly one place (the script).
+//! `refund` and `peek` are the same call with another [`Op`], so every
+//! tier's arithmetic lives in exactly one place (the script, and its
+//! in-process twin for the fail mode).
 
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use prometheus::IntCounter;
 
-use redis::Value;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -28,9 +29,9 @@ use tierlimit_shared::reload::Live;
 use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
-use crate::local::{Charge, Local, LocalTier};
+use crate::local::Local;
 use crate::metrics::Metrics;
-use crate::store::{Store, StoreError};
+use crate::storage::{CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, Op, StoreError};
 use crate::view::View;
 
 const DAY_MS: u64 = SECS_PER_DAY * 1000;
@@ -152,8 +153,10 @@ type Resolved<'r> = (arc_swap::Guard<Arc<Loaded>>, Arc<Policy>, &'r str);
 
 pub struct Decider {
     live: Live,
-    store: Arc<Store>,
+    /// The region's counters (Redis: standalone or behind Sentinel).
+    store: Arc<dyn CounterStore>,
     view: Arc<View>,
+    /// The `local` fail mode, behind the same interface.
     local: Arc<Local>,
     region: String,
     node_id: String,
@@ -164,24 +167,10 @@ pub struct Decider {
     counters: [OnceLock<IntCounter>; 32],
 }
 
-/// The reply of `decide.lua`, field by field (see the script's header).
-#[derive(Clone)]
-struct Reply {
-    allowed: bool,
-    denied: i64,
-    retry_ms: i64,
-    node: (i64, i64),
-    region: (i64, i64),
-    own_p: u64,
-    own_n: u64,
-    epoch: String,
-    global_remaining: i64,
-}
-
 impl Decider {
     pub fn new(
         live: Live,
-        store: Arc<Store>,
+        store: Arc<dyn CounterStore>,
         view: Arc<View>,
         local: Arc<Local>,
         region: String,
@@ -200,8 +189,8 @@ impl Decider {
         }
     }
 
-    pub fn store(&self) -> &Store {
-        &self.store
+    pub fn store(&self) -> &dyn CounterStore {
+        self.store.as_ref()
     }
 
     /// May `tenant` spend `cost` units now? Charges every tier if allowed.
@@ -221,16 +210,12 @@ impl Decider {
         }
 
         // 2. One round trip: every tier checked and charged atomically.
-        let cmd = self.script_call(
-            "check", req.cost, &cfg, &policy, req.tenant, key, today, now,
-        );
-        let decision = match self.store.decide(&cmd).await {
-            Ok(reply) => {
-                let r = parse_reply(reply);
-                self.reply_decision(&req, &policy, key, r, now)
-            }
+        let epoch = new_epoch();
+        let call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
+        let decision = match self.store.decide(&call).await {
+            Ok(r) => self.reply_decision(&req, &policy, key, r, Mode::Redis, &call),
             // 3. Redis unavailable: the plan's fail mode.
-            Err(e) => self.fail_mode(&req, &cfg, &policy, key, now, e)?,
+            Err(e) => self.fail_mode(&req, &policy, key, &call, e)?,
         };
         Ok(self.record(decision, started))
     }
@@ -240,20 +225,17 @@ impl Decider {
         let (cfg, policy, key) = self.resolve(&req)?;
         let now = now_ms();
         let today = day::of_unix_secs(now / 1000);
-        let cmd = self.script_call(
-            "refund", req.cost, &cfg, &policy, req.tenant, key, today, now,
-        );
+        let epoch = new_epoch();
+        let call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
         self.metrics.refunds.inc();
-        match self.store.decide(&cmd).await {
-            Ok(reply) => Ok(self.reply_decision(&req, &policy, key, parse_reply(reply), now)),
+        match self.store.decide(&call).await {
+            Ok(r) => Ok(self.reply_decision(&req, &policy, key, r, Mode::Redis, &call)),
             Err(_) => match policy.on_store_error {
                 StoreErrorMode::Closed => Err(DecideError::Unavailable),
-                StoreErrorMode::Open => Ok(self.open_decision(&req, &policy, key, now)),
+                StoreErrorMode::Open => Ok(self.open_decision(&req, &policy, key)),
                 StoreErrorMode::Local => {
-                    let nodes = self.expected_nodes(&cfg);
-                    self.local
-                        .refund(&policy, nodes, local_charge(&req, key, now, today));
-                    let mut d = self.open_decision(&req, &policy, key, now);
+                    self.local.decide_now(&call);
+                    let mut d = self.open_decision(&req, &policy, key);
                     d.mode = Mode::Local;
                     Ok(d)
                 }
@@ -271,12 +253,14 @@ impl Decider {
         let (cfg, policy, k) = self.resolve(&req)?;
         let now = now_ms();
         let today = day::of_unix_secs(now / 1000);
-        let cmd = self.script_call("peek", 0, &cfg, &policy, tenant, k, today, now);
-        let reply = self.store.decide(&cmd).await.ok().map(parse_reply);
+        let epoch = new_epoch();
+        let mut call = self.call(Op::Peek, &req, &cfg, &policy, k, today, now, &epoch);
+        call.cost = 0;
+        let reply = self.store.decide(&call).await.ok();
         let view = self.view.get(tenant, today);
         let d = match &reply {
-            Some(r) => self.reply_decision(&req, &policy, k, r.clone(), now),
-            None => self.open_decision(&req, &policy, k, now),
+            Some(r) => self.reply_decision(&req, &policy, k, r.clone(), Mode::Redis, &call),
+            None => self.open_decision(&req, &policy, k),
         };
         Ok(Usage {
             tenant: tenant.into(),
@@ -325,68 +309,53 @@ impl Decider {
             .map_or(1, |r| r.expected_nodes)
     }
 
-    /// The `EVALSHA` of one `decide.lua` call (KEYS and ARGV layout in the
-    /// script header). Numbers and the epoch go straight into the command
-    /// buffer, and this region's parts of the broadcast are read under the
-    /// view's lock without copying them out: no per-argument strings.
+    /// The store call of one request: its tiers from the policy, and the
+    /// global tier's inputs from the broadcast view (this region's parts
+    /// read under the view's lock).
     #[allow(clippy::too_many_arguments)]
-    fn script_call(
-        &self,
-        op: &str,
-        cost: u64,
+    fn call<'a>(
+        &'a self,
+        op: Op,
+        req: &Request<'a>,
         cfg: &Loaded,
-        policy: &Policy,
-        t: &str,
-        key: &str,
+        policy: &'a Policy,
+        key: &'a str,
         today: u32,
         now: u64,
-    ) -> redis::Cmd {
-        let code = |l: &Option<Limit>| l.as_ref().map_or(0, |l| l.algorithm.code());
-        let mut cmd = self.store.decide_cmd(6, 512);
-        cmd.arg(keys::node_tier(t, &self.node_id, key, code(&policy.node)))
-            .arg(keys::region_tier(t, key, code(&policy.region)))
-            .arg(keys::DIRTY)
-            .arg(keys::pn_counter(t, today.saturating_sub(1)))
-            .arg(keys::pn_counter(t, today))
-            .arg(keys::pn_counter(t, today + 1));
-        cmd.arg(op).arg(cost);
-        for limit in [&policy.node, &policy.region] {
-            match limit {
-                Some(l) => cmd
-                    .arg(l.algorithm.code())
-                    .arg(l.limit)
-                    .arg(l.window_ms)
-                    .arg(l.burst),
-                None => cmd.arg(0u8).arg(0u8).arg(0u8).arg(0u8),
-            };
-        }
-        let glimit = policy.global.unwrap_or(0);
-        cmd.arg(glimit);
-        let epoch = new_epoch();
-        let epoch = std::str::from_utf8(&epoch).expect("hex digits are ASCII");
-        let ttl = (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY;
-        // Broadcast total and this region's actors in it.
-        self.view.with(t, today, |e| {
-            let total = e.map_or(0, |e| e.total());
-            let own: u64 = e.map_or(0, |e| e.region_parts(&self.region).map(|(_, v)| v).sum());
-            let cap = self.staleness_cap(cfg, glimit, total, own, now);
-            cmd.arg(total);
-            match cap {
-                Some(c) => cmd.arg(c),
-                None => cmd.arg(-1i64),
-            };
-            cmd.arg(epoch)
-                .arg(t)
-                .arg(today)
-                .arg(ttl)
-                .arg(self.store.deadline_ms(now));
-            if let Some(e) = e {
-                for (epoch, part) in e.region_parts(&self.region) {
-                    cmd.arg(epoch).arg(part);
+        epoch: &'a [u8; 16],
+    ) -> DecideCall<'a> {
+        let global = policy.global.map(|limit| {
+            self.view.with(req.tenant, today, |e| {
+                let total = e.map_or(0, |e| e.total());
+                let own_parts: Vec<(String, u64)> = e.map_or_else(Vec::new, |e| {
+                    e.region_parts(&self.region)
+                        .map(|(epoch, v)| (epoch.to_string(), v))
+                        .collect()
+                });
+                let own: u64 = own_parts.iter().map(|(_, v)| v).sum();
+                GlobalArgs {
+                    limit,
+                    broadcast_total: total,
+                    own_cap: self.staleness_cap(cfg, limit, total, own, now),
+                    own_parts,
                 }
-            }
+            })
         });
-        cmd
+        DecideCall {
+            op,
+            tenant: req.tenant,
+            key,
+            node_id: &self.node_id,
+            cost: req.cost,
+            node: policy.node.as_ref(),
+            region: policy.region.as_ref(),
+            expected_nodes: self.expected_nodes(cfg),
+            global,
+            epoch_candidate: std::str::from_utf8(epoch).expect("hex digits are ASCII"),
+            day: today,
+            now_ms: now,
+            counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY,
+        }
     }
 
     /// With `node.max_staleness` set and the view older than that, this
@@ -415,46 +384,48 @@ impl Decider {
         Some(own + glimit.saturating_sub(total) / regions)
     }
 
+    /// The decision a store's reply makes. In `local` mode the region tier
+    /// shown is this node's share of it, which is what local mode enforces.
     fn reply_decision(
         &self,
         req: &Request<'_>,
         policy: &Policy,
         key: &str,
-        r: Reply,
-        now: u64,
+        r: DecideReply,
+        mode: Mode,
+        call: &DecideCall<'_>,
     ) -> Decision {
         let mut tiers = Vec::with_capacity(3);
-        for (tier, limit, (remaining, reset)) in [
-            (Tier::Node, &policy.node, r.node),
-            (Tier::Region, &policy.region, r.region),
+        let region_limit = match (mode, &policy.region) {
+            (Mode::Local, Some(l)) => Some(l.share(call.expected_nodes)),
+            (_, l) => l.clone(),
+        };
+        for (tier, limit, reply) in [
+            (Tier::Node, policy.node.as_ref(), r.node),
+            (Tier::Region, region_limit.as_ref(), r.region),
         ] {
-            if let Some(l) = limit {
-                tiers.push(status(
-                    tier,
-                    l,
-                    remaining.max(0) as u64,
-                    reset.max(0) as u64,
-                ));
+            if let (Some(l), Some(t)) = (limit, reply) {
+                tiers.push(status(tier, l, t.remaining, t.reset_ms));
             }
         }
+        let now = call.now_ms;
         if let Some(g) = policy.global {
-            tiers.push(global_status(g, r.global_remaining.max(0) as u64, now));
+            tiers.push(global_status(g, r.global_remaining.unwrap_or(0), now));
         }
-        let denied_by = match r.denied {
-            1 => Some(Tier::Node),
-            2 => Some(Tier::Region),
-            3 => Some(Tier::Global),
-            _ => None,
-        };
+        let denied_by = r.denied.map(|d| match d {
+            Denied::Node => Tier::Node,
+            Denied::Region => Tier::Region,
+            Denied::Global => Tier::Global,
+        });
         Decision {
             allowed: r.allowed,
             tenant: req.tenant.into(),
             key: key.into(),
             cost: req.cost,
             plan: policy.plan.clone(),
-            mode: Mode::Redis,
+            mode,
             denied_by,
-            retry_after_ms: (!r.allowed && r.retry_ms >= 0).then_some(r.retry_ms as u64),
+            retry_after_ms: if r.allowed { None } else { r.retry_ms },
             tiers,
         }
     }
@@ -480,7 +451,7 @@ impl Decider {
         }
     }
 
-    fn open_decision(&self, req: &Request<'_>, policy: &Policy, key: &str, _now: u64) -> Decision {
+    fn open_decision(&self, req: &Request<'_>, policy: &Policy, key: &str) -> Decision {
         Decision {
             allowed: true,
             tenant: req.tenant.into(),
@@ -494,13 +465,13 @@ impl Decider {
         }
     }
 
+    /// Redis could not decide: the plan's `on_store_error`.
     fn fail_mode(
         &self,
         req: &Request<'_>,
-        cfg: &Loaded,
         policy: &Policy,
         key: &str,
-        now: u64,
+        call: &DecideCall<'_>,
         error: StoreError,
     ) -> Result<Decision, DecideError> {
         if !matches!(error, StoreError::Down) {
@@ -513,53 +484,10 @@ impl Decider {
             .inc();
         match mode {
             StoreErrorMode::Closed => Err(DecideError::Unavailable),
-            StoreErrorMode::Open => Ok(self.open_decision(req, policy, key, now)),
+            StoreErrorMode::Open => Ok(self.open_decision(req, policy, key)),
             StoreErrorMode::Local => {
-                let today = day::of_unix_secs(now / 1000);
-                let nodes = self.expected_nodes(cfg);
-                let (allowed, node, region) =
-                    self.local
-                        .check(policy, nodes, local_charge(req, key, now, today));
-                let mut tiers = Vec::new();
-                let mut denied_by = None;
-                let mut retry: Option<u64> = Some(0);
-                for (tier, lt) in [(Tier::Node, node), (Tier::Region, region)] {
-                    let Some(LocalTier { limit, eval }) = lt else {
-                        continue;
-                    };
-                    if !eval.allowed {
-                        denied_by.get_or_insert(tier);
-                        retry = match (retry, eval.retry_ms) {
-                            (Some(a), Some(b)) => Some(a.max(b)),
-                            _ => None,
-                        };
-                    }
-                    // A tier that passed reports units after this request;
-                    // nothing was charged if another tier denied.
-                    let remaining = if eval.allowed && !allowed {
-                        eval.remaining + req.cost
-                    } else {
-                        eval.remaining
-                    };
-                    tiers.push(status(tier, &limit, remaining, eval.reset_ms));
-                }
-                if let Some(g) = policy.global {
-                    let total = self
-                        .view
-                        .with(req.tenant, today, |e| e.map_or(0, |e| e.total()));
-                    tiers.push(global_status(g, g.saturating_sub(total), now));
-                }
-                Ok(Decision {
-                    allowed,
-                    tenant: req.tenant.into(),
-                    key: key.into(),
-                    cost: req.cost,
-                    plan: policy.plan.clone(),
-                    mode: Mode::Local,
-                    denied_by,
-                    retry_after_ms: if allowed { None } else { retry },
-                    tiers,
-                })
+                let r = self.local.decide_now(call);
+                Ok(self.reply_decision(req, policy, key, r, Mode::Local, call))
             }
         }
     }
@@ -580,16 +508,6 @@ impl Decider {
             })
             .inc();
         d
-    }
-}
-
-fn local_charge<'a>(req: &Request<'a>, key: &'a str, now_ms: u64, day: u32) -> Charge<'a> {
-    Charge {
-        tenant: req.tenant,
-        key,
-        cost: req.cost,
-        now_us: now_ms * 1000,
-        day,
     }
 }
 
@@ -625,42 +543,4 @@ fn new_epoch() -> [u8; 16] {
         *b = HEX[((v >> (60 - 4 * i)) & 0xf) as usize];
     }
     out
-}
-
-fn int(v: Option<&Value>) -> i64 {
-    match v {
-        Some(Value::Int(i)) => *i,
-        Some(Value::BulkString(b)) => std::str::from_utf8(b)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0),
-        _ => 0,
-    }
-}
-
-/// Takes the value out (no copy of a bulk string that is valid UTF-8).
-fn text(v: Option<&mut Value>) -> String {
-    match v {
-        Some(Value::BulkString(b)) => match String::from_utf8(std::mem::take(b)) {
-            Ok(s) => s,
-            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
-        },
-        Some(Value::SimpleString(s)) => std::mem::take(s),
-        Some(Value::Int(i)) => i.to_string(),
-        _ => String::new(),
-    }
-}
-
-fn parse_reply(mut v: Vec<Value>) -> Reply {
-    Reply {
-        allowed: int(v.first()) == 1,
-        denied: int(v.get(1)),
-        retry_ms: int(v.get(2)),
-        node: (int(v.get(4)), int(v.get(5))),
-        region: (int(v.get(6)), int(v.get(7))),
-        own_p: int(v.get(8)).max(0) as u64,
-        own_n: int(v.get(9)).max(0) as u64,
-        epoch: text(v.get_mut(10)),
-        global_remaining: int(v.get(12)),
-    }
 }

@@ -3,9 +3,11 @@
 //!
 //! Module map:
 //! - [`decision`]: the hot path, top to bottom (validate → global fast path →
-//!   one `EVALSHA` → fail mode);
-//! - [`store`]: the region's Redis, the Lua scripts, the circuit breaker;
-//! - [`local`]: the in-process `local` fail mode;
+//!   one store call → fail mode);
+//! - [`storage`]: the counter stores behind one trait: the region's Redis
+//!   (standalone or behind Sentinel, the circuit breaker, start-up safety
+//!   checks) and the typed interface of the Lua scripts;
+//! - [`local`]: the in-process `local` fail mode (a store too);
 //! - [`view`] and [`follower`]: the broadcast view of global totals;
 //! - [`publisher`]: dirty set → deltas topic;
 //! - [`http`]: the axum API; [`metrics`]: Prometheus.
@@ -16,7 +18,7 @@ pub mod http;
 pub mod local;
 pub mod metrics;
 pub mod publisher;
-pub mod store;
+pub mod storage;
 pub mod view;
 
 use std::net::SocketAddr;
@@ -35,6 +37,8 @@ pub struct Settings {
     pub region: String,
     pub node_id: String,
     pub listen: SocketAddr,
+    /// Accept a Redis whose maxmemory-policy can evict counters.
+    pub allow_eviction: bool,
 }
 
 /// Runs a region-node until SIGINT/SIGTERM.
@@ -67,13 +71,20 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         })?;
     }
 
-    let store = store::Store::new(
+    let store = storage::redis::RedisStore::new(
         &region.redis_url,
-        config.node.store_timeout,
-        config.node.store_retry_interval,
+        storage::redis::Options {
+            timeout: config.node.store_timeout,
+            retry_interval: config.node.store_retry_interval,
+            allow_eviction: settings.allow_eviction,
+        },
         Arc::clone(&metrics),
     )
-    .context("regions.*.redis_url")?;
+    .with_context(|| format!("regions.{}.redis_url", settings.region))?;
+    store
+        .check_at_start()
+        .await
+        .with_context(|| format!("regions.{}.redis_url", settings.region))?;
     let view = Arc::new(view::View::new());
     let local = Arc::new(local::Local::new(&settings.region, &settings.node_id));
 

@@ -12,30 +12,24 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use crate::storage::{
+    BoxFuture, CounterStore, DecideCall, DecideReply, Denied, Op, StoreError, TierReply,
+};
+
 use tierlimit_shared::algorithm::{Evaluation, TierState};
-use tierlimit_shared::config::{Limit, Policy};
+use tierlimit_shared::config::Limit;
 
 /// (tenant, key, tier) → the limit a state was last used with, and the state.
 type TierStates = HashMap<(String, String, u8), (Limit, TierState)>;
 
-/// One request as local mode sees it.
-#[derive(Debug, Clone, Copy)]
-pub struct Charge<'a> {
-    pub tenant: &'a str,
-    /// The counting key (`_` unless the plan is key-scoped).
-    pub key: &'a str,
-    pub cost: u64,
-    pub now_us: u64,
-    pub day: u32,
-}
-
 /// The limits local mode enforces: the node tier as configured, and this
 /// node's share of the region tier.
-fn local_limits(policy: &Policy, expected_nodes: u32) -> [Option<Limit>; 2] {
-    [
-        policy.node.clone(),
-        policy.region.as_ref().map(|r| r.share(expected_nodes)),
-    ]
+fn local_limits(
+    node: Option<&Limit>,
+    region: Option<&Limit>,
+    expected_nodes: u32,
+) -> [Option<Limit>; 2] {
+    [node.cloned(), region.map(|r| r.share(expected_nodes))]
 }
 
 /// Per-process limiter used when Redis is down.
@@ -67,20 +61,9 @@ impl Local {
 
     /// Evaluates node and region-share tiers and charges both only if both
     /// pass. Returns `(allowed, node, region)`.
-    pub fn check(
-        &self,
-        policy: &Policy,
-        expected_nodes: u32,
-        c: Charge<'_>,
-    ) -> (bool, Option<LocalTier>, Option<LocalTier>) {
-        let Charge {
-            tenant,
-            key,
-            cost,
-            now_us,
-            day,
-        } = c;
-        let limits = local_limits(policy, expected_nodes);
+    fn check(&self, call: &DecideCall<'_>) -> (bool, Option<LocalTier>, Option<LocalTier>) {
+        let (tenant, key, cost, now_us) = (call.tenant, call.key, call.cost, call.now_ms * 1000);
+        let limits = local_limits(call.node, call.region, call.expected_nodes);
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         let mut out: [Option<LocalTier>; 2] = [None, None];
         for (i, limit) in limits.iter().enumerate() {
@@ -107,22 +90,16 @@ impl Local {
                 }
             }
             let mut counts = self.counts.lock().expect("local counts poisoned");
-            counts.entry((tenant.to_string(), day)).or_default().0 += cost;
+            counts.entry((tenant.to_string(), call.day)).or_default().0 += cost;
         }
         let [node, region] = out;
         (allowed, node, region)
     }
 
     /// Gives back units charged in local mode (never below zero).
-    pub fn refund(&self, policy: &Policy, expected_nodes: u32, c: Charge<'_>) {
-        let Charge {
-            tenant,
-            key,
-            cost,
-            now_us,
-            day,
-        } = c;
-        let limits = local_limits(policy, expected_nodes);
+    fn refund(&self, call: &DecideCall<'_>) {
+        let (tenant, key, cost, now_us) = (call.tenant, call.key, call.cost, call.now_ms * 1000);
+        let limits = local_limits(call.node, call.region, call.expected_nodes);
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         for (i, limit) in limits.iter().enumerate() {
             if let (Some(limit), Some((_, s))) = (
@@ -133,7 +110,7 @@ impl Local {
             }
         }
         let mut counts = self.counts.lock().expect("local counts poisoned");
-        if let Some(c) = counts.get_mut(&(tenant.to_string(), day)) {
+        if let Some(c) = counts.get_mut(&(tenant.to_string(), call.day)) {
             c.1 = (c.1 + cost).min(c.0);
         }
     }
@@ -159,5 +136,90 @@ impl Local {
             .lock()
             .expect("local counts poisoned")
             .retain(|(_, d), _| *d >= oldest_day);
+    }
+}
+
+impl Local {
+    /// One call of the decision script's interface, answered in process:
+    /// the node tier as configured and this node's share of the region
+    /// tier; the global tier is only reported (the view's fast path enforces
+    /// it before the call). Remaining units follow the script's rule: after
+    /// this request if it was charged, before it if not.
+    pub fn decide_now(&self, call: &DecideCall<'_>) -> DecideReply {
+        let global_remaining = call
+            .global
+            .as_ref()
+            .map(|g| g.limit.saturating_sub(g.broadcast_total));
+        let base = DecideReply {
+            allowed: true,
+            denied: None,
+            retry_ms: Some(0),
+            now_ms: call.now_ms as i64,
+            node: None,
+            region: None,
+            own_p: 0,
+            own_n: 0,
+            epoch: self.actor.clone(),
+            day: call.day,
+            global_remaining,
+        };
+        match call.op {
+            Op::Refund => {
+                self.refund(call);
+                base
+            }
+            // In local mode nothing is read without charging: a peek shows
+            // no windowed tier (as before this interface).
+            Op::Peek => base,
+            Op::Check => {
+                let (allowed, node, region) = self.check(call);
+                let mut denied = None;
+                let mut retry: Option<u64> = Some(0);
+                let mut tier = |t: Denied, lt: Option<LocalTier>| {
+                    let LocalTier { eval, .. } = lt?;
+                    if !eval.allowed {
+                        denied.get_or_insert(t);
+                        retry = match (retry, eval.retry_ms) {
+                            (Some(a), Some(b)) => Some(a.max(b)),
+                            _ => None,
+                        };
+                    }
+                    // A tier that passed reports units after this request;
+                    // nothing was charged if another tier denied.
+                    let remaining = if eval.allowed && !allowed {
+                        eval.remaining + call.cost
+                    } else {
+                        eval.remaining
+                    };
+                    Some(TierReply {
+                        remaining,
+                        reset_ms: eval.reset_ms,
+                    })
+                };
+                let node = tier(Denied::Node, node);
+                let region = tier(Denied::Region, region);
+                DecideReply {
+                    allowed,
+                    denied,
+                    retry_ms: if allowed { Some(0) } else { retry },
+                    node,
+                    region,
+                    ..base
+                }
+            }
+        }
+    }
+}
+
+impl CounterStore for Local {
+    fn kind(&self) -> &'static str {
+        "local"
+    }
+
+    fn decide<'a>(
+        &'a self,
+        call: &'a DecideCall<'a>,
+    ) -> BoxFuture<'a, Result<DecideReply, StoreError>> {
+        Box::pin(std::future::ready(Ok(self.decide_now(call))))
     }
 }

@@ -38,6 +38,11 @@ struct Cli {
     /// Log as JSON lines instead of text (level from RUST_LOG, default info).
     #[arg(long, env = "TIERLIMIT_LOG_JSON")]
     log_json: bool,
+    /// Serve even if the region's Redis may evict counters (a
+    /// maxmemory-policy other than noeviction). Evicted counters reset
+    /// tenants' spend; tierlimit_redis_eviction_allowed reports the choice.
+    #[arg(long, env = "TIERLIMIT_ALLOW_EVICTION")]
+    allow_eviction: bool,
 }
 
 const AFTER_HELP: &str = "\
@@ -100,6 +105,7 @@ fn main() -> ExitCode {
         region,
         node_id,
         listen: cli.listen,
+        allow_eviction: cli.allow_eviction,
     })) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -17,6 +17,12 @@ pub struct Metrics {
     pub fail_mode: IntCounterVec,
     /// 1 while Redis answers, 0 while the node runs in its fail mode.
     pub store_up: IntGauge,
+    /// Times the node asked for the region's master again (READONLY behind
+    /// Sentinel: a failover demoted the server it wrote to).
+    pub master_resolutions: IntCounter,
+    /// 1 when the master's maxmemory-policy can evict counters and the node
+    /// runs anyway (`--allow-eviction`).
+    pub eviction_allowed: IntGauge,
     pub refunds: IntCounter,
     pub bad_requests: IntCounterVec,
     pub config_reloads: IntCounterVec,
@@ -106,6 +112,22 @@ impl Metrics {
             store_up: reg(
                 &r,
                 IntGauge::new("tierlimit_store_up", "1 while the region's Redis answers").unwrap(),
+            ),
+            master_resolutions: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_redis_master_resolutions_total",
+                    "Times the node looked the region's master up again after a READONLY reply",
+                )
+                .unwrap(),
+            ),
+            eviction_allowed: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_redis_eviction_allowed",
+                    "1 if the region's Redis may evict counters and --allow-eviction accepted it",
+                )
+                .unwrap(),
             ),
             refunds: reg(
                 &r,

@@ -37,11 +37,23 @@ use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::storage::redis::RedisStore;
+use crate::storage::CounterStore;
+use crate::storage::StoreError;
 use crate::view::View;
 
+/// Why a flush did not publish everything it meant to. Nothing is lost:
+/// what was not acknowledged stays dirty in Redis for the next flush.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("reading the dirty set: {0}")]
+    Store(#[from] StoreError),
+    #[error("{0} deltas not acknowledged by Kafka")]
+    NotAcknowledged(u64),
+}
+
 pub struct Publisher {
-    store: Arc<Store>,
+    store: Arc<RedisStore>,
     local: Arc<Local>,
     producer: FutureProducer,
     topic: String,
@@ -81,7 +93,7 @@ impl Publisher {
         config: &Config,
         region: &str,
         node_id: &str,
-        store: Arc<Store>,
+        store: Arc<RedisStore>,
         local: Arc<Local>,
         live: Live,
         view: Arc<View>,
@@ -129,7 +141,7 @@ impl Publisher {
     }
 
     /// One flush. Returns how many deltas Kafka acknowledged.
-    pub async fn flush(&mut self) -> Result<usize, String> {
+    pub async fn flush(&mut self) -> Result<usize, PublishError> {
         let mut acked = 0;
         if self.store.is_up() {
             acked += self.flush_redis().await?;
@@ -141,7 +153,7 @@ impl Publisher {
         Ok(acked)
     }
 
-    async fn flush_redis(&mut self) -> Result<usize, String> {
+    async fn flush_redis(&mut self) -> Result<usize, PublishError> {
         // Read at every flush, so a SIGHUP reload applies to the next one.
         let cfg = self.live.load_full();
         let relaxed = cfg.config.node.relaxed_flush_interval();
@@ -162,11 +174,8 @@ impl Publisher {
                 .arg(format!("({}", prev - relaxed.as_millis() as i64))
                 .ignore();
         }
-        let (total, members, (secs, micros)): (i64, Vec<String>, (i64, i64)) = self
-            .store
-            .pipeline("dirty_read", pipe)
-            .await
-            .map_err(|e| e.to_string())?;
+        let (total, members, (secs, micros)): (i64, Vec<String>, (i64, i64)) =
+            self.store.pipeline("dirty_read", pipe).await?;
         self.metrics.dirty_entries.set(total);
         // Next flush reads the next window, back to the front at the end.
         self.cursor += self.batch;
@@ -195,11 +204,8 @@ impl Publisher {
                 None => stale.push((m.clone(), u64::MAX)),
             }
         }
-        let rows: Vec<(Option<String>, Option<u64>, Option<u64>)> = self
-            .store
-            .pipeline("dirty_counters", pipe)
-            .await
-            .map_err(|e| e.to_string())?;
+        let rows: Vec<(Option<String>, Option<u64>, Option<u64>)> =
+            self.store.pipeline("dirty_counters", pipe).await?;
         let published_at: Vec<Option<f64>> = if parsed.is_empty() {
             Vec::new()
         } else {
@@ -208,10 +214,7 @@ impl Publisher {
             for (m, _, _) in &parsed {
                 cmd.arg(m);
             }
-            self.store
-                .query("published_read", cmd)
-                .await
-                .map_err(|e| e.to_string())?
+            self.store.query("published_read", cmd).await?
         };
         let now = now_ms();
         let relaxed_ms = relaxed.as_millis() as f64;
@@ -307,11 +310,10 @@ impl Publisher {
         if !acks.is_empty() {
             self.store
                 .ack_dirty(keys::DIRTY, keys::PUBLISHED, relaxed, &acks)
-                .await
-                .map_err(|e| e.to_string())?;
+                .await?;
         }
         if failures > 0 {
-            return Err(format!("{failures} deltas not acknowledged by Kafka"));
+            return Err(PublishError::NotAcknowledged(failures));
         }
         Ok(ok)
     }

@@ -232,7 +232,9 @@ impl Default for AggregatorSettings {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegionConfig {
-    /// `redis://`, `rediss://` (TLS) or `unix://` URL of the region's Redis.
+    /// `redis://`, `rediss://` (TLS) or `unix://` URL of the region's Redis,
+    /// or `redis+sentinel://host:port[,host:port…]/<master name>` to follow
+    /// the master that Sentinel names.
     pub redis_url: String,
     /// Nodes expected in this region; `local` fail mode gives each node
     /// `region limit / expected_nodes`.
@@ -556,14 +558,21 @@ impl Config {
             let key = |k: &str| format!("regions.{name}.{k}");
             validate::name("region name", name)
                 .map_err(|e| ConfigError::invalid(format!("regions.{name}"), e.to_string()))?;
-            if !["redis://", "rediss://", "unix://", "redis+unix://"]
-                .iter()
-                .any(|p| r.redis_url.starts_with(p))
+            if ![
+                "redis://",
+                "rediss://",
+                "unix://",
+                "redis+unix://",
+                "redis+sentinel://",
+                "rediss+sentinel://",
+            ]
+            .iter()
+            .any(|p| r.redis_url.starts_with(p))
             {
                 return Err(ConfigError::invalid(
                     key("redis_url"),
                     format!(
-                        "{:?} is not a redis://, rediss:// or unix:// URL",
+                        "{:?} is not a redis://, rediss://, unix:// or redis+sentinel:// URL",
                         r.redis_url
                     ),
                 ));

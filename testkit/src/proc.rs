@@ -28,6 +28,8 @@ pub struct Cmd {
     env: Vec<(OsString, OsString)>,
     cwd: Option<PathBuf>,
     log: Option<PathBuf>,
+    /// Outlives its parent: a session of its own, no `PR_SET_PDEATHSIG`.
+    detached: bool,
 }
 
 impl Cmd {
@@ -47,6 +49,7 @@ impl Cmd {
             env: Vec::new(),
             cwd: None,
             log: None,
+            detached: false,
         }
     }
 
@@ -80,6 +83,14 @@ impl Cmd {
 
     pub fn current_dir(mut self, dir: impl Into<PathBuf>) -> Cmd {
         self.cwd = Some(dir.into());
+        self
+    }
+
+    /// The child outlives this process: it gets a session of its own and no
+    /// `PR_SET_PDEATHSIG`, and [`Proc::detach`] lets it go. Only for
+    /// servers started by hand (`scripts/infra`), never in tests.
+    pub fn detached(mut self) -> Cmd {
+        self.detached = true;
         self
     }
 
@@ -140,18 +151,32 @@ fn try_start_child(cmd: &Cmd, log_path: &Path) -> io::Result<Child> {
         .envs(cmd.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(log)
-        .stderr(stderr)
+        .stderr(stderr);
+    if !cmd.detached {
         // Its own process group, so that kill9 also reaches anything the
         // child started (a shell's children, say).
-        .process_group(0);
+        c.process_group(0);
+    }
     if let Some(dir) = &cmd.cwd {
         c.current_dir(dir);
     }
     let parent = std::process::id() as libc::pid_t;
-    // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and
-    // exec.
+    let detached = cmd.detached;
+    // SAFETY: only async-signal-safe calls (setsid, prctl, getppid, signal)
+    // between fork and exec.
     unsafe {
         c.pre_exec(move || {
+            if detached {
+                // A session (and process group) of its own: a terminal's
+                // hangup does not reach it, and nothing ties it to us.
+                if libc::setsid() < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                for sig in [libc::SIGHUP, libc::SIGINT, libc::SIGTERM, libc::SIGQUIT] {
+                    libc::signal(sig, libc::SIG_DFL);
+                }
+                return Ok(());
+            }
             // Die with the parent. Linux delivers this when the *thread* that
             // forked exits, so spawn from the test's thread (or another
             // thread that lives as long as the test), not from a short-lived
@@ -226,6 +251,18 @@ impl Proc {
             cmd = cmd.env(k, v);
         }
         cmd.spawn()
+    }
+
+    /// Lets a [`Cmd::detached`] process run on after this `Proc` is
+    /// dropped; returns its pid.
+    pub fn detach(mut self) -> u32 {
+        assert!(
+            self.cmd.detached,
+            "{}: only a Cmd::detached process can be let go",
+            self.cmd.label
+        );
+        self.child = None;
+        self.pid
     }
 
     /// The pid of the current (or last) incarnation.

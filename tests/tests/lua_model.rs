@@ -9,10 +9,10 @@
 
 use harness::Redis;
 use redis::Value;
+use region_node::storage::script::{encode, DecideCall, DecideReply, Op, DECIDE_LUA};
 use tierlimit_shared::algorithm::TierState;
 use tierlimit_shared::config::{Algorithm, Limit};
 
-const DECIDE: &str = include_str!("../../region-node/src/lua/decide.lua");
 const ALGORITHMS: [Algorithm; 4] = [
     Algorithm::FixedWindow,
     Algorithm::SlidingWindow,
@@ -38,21 +38,20 @@ impl Rng {
     }
 }
 
-fn int(v: &Value) -> i64 {
-    match v {
-        Value::Int(i) => *i,
-        other => panic!("expected an integer, got {other:?}"),
-    }
-}
-
 #[tokio::test]
 async fn script_matches_the_model() {
     let fake_clock = "local t = { redis.call('GET', 'fake:s'), redis.call('GET', 'fake:us') }";
-    let source = DECIDE.replace("local t = redis.call('TIME')", fake_clock);
-    assert_ne!(source, DECIDE, "the script's clock call was not found");
-    let script = redis::Script::new(&source);
+    let source = DECIDE_LUA.replace("local t = redis.call('TIME')", fake_clock);
+    assert_ne!(source, DECIDE_LUA, "the script's clock call was not found");
     let redis = Redis::start();
     let mut con = redis.client().await;
+    // Loaded once: FLUSHDB between scenarios keeps the script cache.
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(&source)
+        .query_async(&mut con)
+        .await
+        .unwrap();
 
     let seed: u64 = std::env::var("LUA_MODEL_SEED")
         .ok()
@@ -108,12 +107,12 @@ async fn script_matches_the_model() {
             };
             now_us += 1 + rng.below(scale * 2);
             let op = match rng.below(10) {
-                0..=6 => "check",
-                7..=8 => "refund",
-                _ => "peek",
+                0..=6 => Op::Check,
+                7..=8 => Op::Refund,
+                _ => Op::Peek,
             };
             let cost = match (op, rng.below(3)) {
-                ("peek", _) => 0,
+                (Op::Peek, _) => 0,
                 (_, 0) => 1,
                 (_, 1) => rng.range(1, limit.max(burst) + 1),
                 _ => rng.range(1, 4),
@@ -131,66 +130,61 @@ async fn script_matches_the_model() {
                 .await
                 .unwrap();
             let day = now_us / 1000 / 86_400_000;
-            let reply: Vec<Value> = script
-                .key("n")
-                .key("r")
-                .key("d")
-                .key("g0")
-                .key("g1")
-                .key("g2")
-                .arg(op)
-                .arg(cost)
-                .arg(algorithm.code())
-                .arg(limit)
-                .arg(window_ms)
-                .arg(burst)
+            let epoch_candidate = format!("ep{ops}");
+            let call = DecideCall {
+                op,
+                tenant: "t",
+                key: "_",
+                node_id: "n1",
+                cost,
+                node: Some(&l),
                 // No region tier, no global tier, no broadcast, no cap.
-                .arg(&[0u64; 4][..])
-                .arg(&[0u64; 2][..])
-                .arg(-1)
-                .arg(format!("ep{ops}"))
-                .arg("t")
-                .arg(day)
-                .arg(100_000)
-                .arg(0) // no deadline
-                .invoke_async(&mut con)
-                .await
-                .unwrap();
+                region: None,
+                expected_nodes: 1,
+                global: None,
+                epoch_candidate: &epoch_candidate,
+                day: day as u32,
+                now_ms: now_us / 1000,
+                counter_ttl_secs: 100_000,
+            };
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(&sha);
+            encode(&mut cmd, &call, 0); // no deadline
+            let reply: Vec<Value> = cmd.query_async(&mut con).await.unwrap();
+            let reply = DecideReply::parse(reply).unwrap();
             let ev = model.evaluate(&l, now_us, cost);
-            let (allowed, retry, remaining, reset) = (
-                int(&reply[0]) == 1,
-                int(&reply[2]),
-                int(&reply[4]),
-                int(&reply[5]),
-            );
+            let node = reply.node.expect("the reply has no node tier");
+            let (allowed, retry, remaining, reset) =
+                (reply.allowed, reply.retry_ms, node.remaining, node.reset_ms);
             let mut bad = Vec::new();
-            if op == "check" {
+            if op == Op::Check {
                 if allowed != ev.allowed {
                     bad.push("allowed");
                 }
-                if retry != ev.retry_ms.map_or(-1, |r| r as i64) {
+                if retry != ev.retry_ms {
                     bad.push("retry");
                 }
             }
-            let model_remaining = if op == "check" {
+            let model_remaining = if op == Op::Check {
                 ev.remaining
             } else {
                 model.evaluate(&l, now_us, 0).remaining
             };
-            if remaining != model_remaining as i64 {
+            if remaining != model_remaining {
                 bad.push("remaining");
             }
-            if reset != ev.reset_ms as i64 {
+            if reset != ev.reset_ms {
                 bad.push("reset");
             }
             if !bad.is_empty() && mismatches.len() < 10 {
+                let op = op.name();
                 mismatches.push(format!(
-                    "scenario {sc} {l:?} {op} cost {cost} at {now_us}: {bad:?}; script allowed={allowed} retry={retry} remaining={remaining} reset={reset}; model {ev:?}"
+                    "scenario {sc} {l:?} {op} cost {cost} at {now_us}: {bad:?}; script allowed={allowed} retry={retry:?} remaining={remaining} reset={reset}; model {ev:?}"
                 ));
             }
             match op {
-                "check" if ev.allowed => model.commit(&l, now_us, cost),
-                "refund" => model.refund(&l, now_us, cost),
+                Op::Check if ev.allowed => model.commit(&l, now_us, cost),
+                Op::Refund => model.refund(&l, now_us, cost),
                 _ => {}
             }
         }

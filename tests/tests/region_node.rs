@@ -585,7 +585,8 @@ async fn sighup_reload_good_and_bad() {
 }
 
 /// One slow Redis call takes the fail mode for that request only; the
-/// breaker opens after consecutive timeouts (`store::TIMEOUTS_TO_OPEN`).
+/// breaker opens after consecutive timeouts
+/// (`storage::redis::TIMEOUTS_TO_OPEN`).
 #[tokio::test]
 async fn one_slow_call_does_not_open_the_breaker_three_do() {
     let redis = Redis::start();
@@ -649,4 +650,97 @@ plan = "p"
         || async { store_up().await == "tierlimit_store_up 1" },
     )
     .await;
+}
+
+/// The breaker's probe asks `ROLE`, not PING: a node pointed at a replica
+/// (a failover behind a fixed URL) stays in its fail mode instead of
+/// flapping back to a server that refuses its writes, and returns to Redis
+/// once that server is a master again.
+#[tokio::test]
+async fn a_replica_is_not_taken_for_the_master() {
+    let master = Redis::start();
+    let replica = Redis::start();
+    let mut admin = replica.client().await;
+    redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(master.port())
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let dir = temp_dir();
+    let cfg = config(
+        &replica,
+        r#"
+[plans.p]
+region = { limit = 1000, window = "1h" }
+on_store_error = "open"
+[tenants.t]
+plan = "p"
+"#,
+    );
+    let cfg = write_config(dir.path(), &cfg);
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    for _ in 0..3 {
+        let (status, body) = check(&n, "t", 1).await;
+        assert_eq!(
+            (status, body["mode"].as_str()),
+            (200, Some("open")),
+            "{body}"
+        );
+    }
+    let m = harness::get_text(&n.http, &n.url("/metrics")).await;
+    assert!(
+        m.contains("tierlimit_store_up 0"),
+        "a replica is not a store"
+    );
+    // Promoted: the probe sees a master and the node uses it.
+    redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    wait_until(
+        "the node decides in Redis again",
+        Duration::from_secs(10),
+        || async { check(&n, "t", 1).await.1["mode"] == "redis" },
+    )
+    .await;
+}
+
+/// A Redis that may evict counters is refused at start with an error that
+/// names the setting; `--allow-eviction` accepts it and says so in a metric.
+#[tokio::test]
+async fn an_evicting_redis_is_refused_unless_allowed() {
+    let redis = Redis::start();
+    let mut admin = redis.client().await;
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("volatile-lru")
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let dir = temp_dir();
+    let plans = "[plans.p]\nregion = { limit = 10, window = \"1h\" }\n[tenants.t]\nplan = \"p\"\n";
+    let cfg = write_config(dir.path(), &config(&redis, plans));
+    let mut refused = harness::Cmd::new(harness::bin_path("region-node"))
+        .args(["--config"])
+        .arg(&cfg)
+        .args(["--region", "eu", "--node-id", "a", "--listen"])
+        .arg(format!("127.0.0.1:{}", harness::free_port()))
+        .spawn();
+    let status = refused
+        .wait_exit(Duration::from_secs(30))
+        .expect("region-node exits at start");
+    assert!(!status.success());
+    let log = refused.log();
+    assert!(
+        log.contains("maxmemory-policy is volatile-lru") && log.contains("--allow-eviction"),
+        "the error names the setting and the way out:\n{log}"
+    );
+    let n =
+        RegionNode::start_with_env(&cfg, "eu", "a", &[("TIERLIMIT_ALLOW_EVICTION", "true")]).await;
+    let m = harness::get_text(&n.http, &n.url("/metrics")).await;
+    assert!(m.contains("tierlimit_redis_eviction_allowed 1"), "{m}");
 }

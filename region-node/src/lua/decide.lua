@@ -25,16 +25,24 @@
 --          clock says otherwise the broadcast is not for this day (others=0)
 -- ARGV[17] TTL of the PN counter in seconds
 -- ARGV[18] deadline in Redis' clock, ms (0 = none): a call that reaches Redis
---          after it does nothing and answers denied_tier 4. The node gave
+--          after it does nothing and answers denied = 'expired'. The node gave
 --          up on it at its store_timeout and answered from its fail mode, so
 --          charging it now would count the request twice.
 -- ARGV[19..] pairs: epoch, part — this region's actors in the broadcast
 --
--- Returns: { allowed, denied_tier(0 none,1 node,2 region,3 global,4 expired),
---            retry_ms, now_ms,
---            node_remaining, node_reset_ms,
---            region_remaining, region_reset_ms,
---            own_p, own_n, epoch, day, global_remaining(-1 = no tier) }
+-- Returns a flat list of name, value pairs (parsed by name in
+-- region-node/src/storage/script.rs, so a field can be added without
+-- breaking a reader):
+--   allowed           1 or 0
+--   denied            '' | 'node' | 'region' | 'global' | 'expired'
+--                     ('expired': the call reached Redis after its deadline
+--                     and did nothing)
+--   retry_ms          ms until the request could pass; -1 = never
+--   now_ms            Redis TIME
+--   node_remaining, node_reset_ms       (absent: no node tier)
+--   region_remaining, region_reset_ms   (absent: no region tier)
+--   own_p, own_n, epoch, day            this region's PN counter for the day
+--   global_remaining                    (absent: no global tier)
 --
 -- Numbers are Lua doubles: exact integers up to 2^53, which microsecond
 -- timestamps (~1.8e15) and counts stay far below. Integers are written back
@@ -51,7 +59,25 @@ local function int(x) return string.format('%.0f', x) end
 
 local deadline = tonumber(ARGV[18]) or 0
 if deadline > 0 and now_ms > deadline then
-  return { 0, 4, 0, now_ms, -1, 0, -1, 0, 0, 0, '', 0, -1 }
+  return { 'allowed', 0, 'denied', 'expired', 'now_ms', now_ms }
+end
+
+-- The reply: name, value pairs (see the header).
+local function reply(allowed, denied, retry, node, region, own_p, own_n, epoch, day, global_remaining)
+  local out = { 'allowed', allowed, 'denied', denied, 'retry_ms', retry, 'now_ms', now_ms,
+    'own_p', own_p, 'own_n', own_n, 'epoch', epoch, 'day', day }
+  if node then
+    out[#out + 1] = 'node_remaining'; out[#out + 1] = node.remaining
+    out[#out + 1] = 'node_reset_ms'; out[#out + 1] = node.reset
+  end
+  if region then
+    out[#out + 1] = 'region_remaining'; out[#out + 1] = region.remaining
+    out[#out + 1] = 'region_reset_ms'; out[#out + 1] = region.reset
+  end
+  if global_remaining >= 0 then
+    out[#out + 1] = 'global_remaining'; out[#out + 1] = global_remaining
+  end
+  return out
 end
 
 -- Each algorithm: eval(key, limit, window_ms, burst, cost) returns
@@ -259,10 +285,7 @@ if glimit > 0 then
 end
 
 if op == 'peek' then
-  return { 1, 0, 0, now_ms,
-    node and node.remaining or -1, node and node.reset or 0,
-    region and region.remaining or -1, region and region.reset or 0,
-    own_p, own_n, epoch, day, global_remaining }
+  return reply(1, '', 0, node, region, own_p, own_n, epoch, day, global_remaining)
 end
 
 if op == 'refund' then
@@ -277,24 +300,21 @@ if op == 'refund' then
       redis.call('ZADD', KEYS[3], int(own_p + own_n), ARGV[15] .. '|' .. int(day))
     end
   end
-  return { 1, 0, 0, now_ms,
-    node and node.remaining or -1, node and node.reset or 0,
-    region and region.remaining or -1, region and region.reset or 0,
-    own_p, own_n, epoch, day, global_remaining }
+  return reply(1, '', 0, node, region, own_p, own_n, epoch, day, global_remaining)
 end
 
 -- op == 'check': deny if any tier denies; retry after the longest wait.
-local denied, retry = 0, 0
-local function deny(code, r)
-  if denied == 0 then denied = code end
+local denied, retry = '', 0
+local function deny(tier, r)
+  if denied == '' then denied = tier end
   if r < 0 or retry < 0 then retry = -1 elseif r > retry then retry = r end
 end
-if node and not node.ok then deny(1, node.retry) end
-if region and not region.ok then deny(2, region.retry) end
-if not global_ok then deny(3, global_retry) end
+if node and not node.ok then deny('node', node.retry) end
+if region and not region.ok then deny('region', region.retry) end
+if not global_ok then deny('global', global_retry) end
 
 -- Remaining units are reported after this request only if it was charged.
-if denied == 0 then
+if denied == '' then
   if node then node.commit(); node.remaining = math.max(0, node.remaining - cost) end
   if region then region.commit(); region.remaining = math.max(0, region.remaining - cost) end
   if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - cost) end
@@ -304,7 +324,5 @@ if denied == 0 then
   redis.call('ZADD', KEYS[3], int(own_p + own_n), ARGV[15] .. '|' .. int(day))
 end
 
-return { denied == 0 and 1 or 0, denied, retry, now_ms,
-  node and node.remaining or -1, node and node.reset or 0,
-  region and region.remaining or -1, region and region.reset or 0,
-  own_p, own_n, epoch, day, global_remaining }
+return reply(denied == '' and 1 or 0, denied, retry, node, region, own_p, own_n, epoch, day,
+  global_remaining)

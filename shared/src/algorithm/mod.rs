@@ -68,6 +68,14 @@ pub struct TierState {
     state: State,
 }
 
+/// What a commit does to a tier's state: the script's `commit()` and
+/// `refund()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    Charge,
+    Refund,
+}
+
 /// Per-algorithm state, mirroring what the script keeps in Redis.
 #[derive(Debug, Clone, PartialEq)]
 enum State {
@@ -220,33 +228,40 @@ impl TierState {
     /// Charges `cost` at `now_us`, whatever `evaluate` said (the caller
     /// commits only what every tier allowed, like the script).
     pub fn commit(&mut self, limit: &Limit, now_us: u64, cost: u64) {
-        self.reset_if_changed(limit);
-        let clock = Clock::new(limit, now_us);
-        match &mut self.state {
-            State::Fixed { window, count } => fixed_window::commit(clock, window, count, cost),
-            State::Sliding {
-                window,
-                current,
-                previous,
-            } => sliding_window::commit(clock, window, current, previous, cost),
-            State::Gcra { t_us, frac } => token_bucket::commit(limit, clock, t_us, frac, cost),
-            State::Log { runs } => sliding_log::commit(clock, runs, cost),
-        }
+        self.change(limit, now_us, cost, Change::Charge)
     }
 
     /// Gives `cost` back at `now_us`; never below zero, never ahead of now.
     pub fn refund(&mut self, limit: &Limit, now_us: u64, cost: u64) {
+        self.change(limit, now_us, cost, Change::Refund)
+    }
+
+    fn change(&mut self, limit: &Limit, now_us: u64, cost: u64, change: Change) {
         self.reset_if_changed(limit);
         let clock = Clock::new(limit, now_us);
-        match &mut self.state {
-            State::Fixed { window, count } => fixed_window::refund(clock, window, count, cost),
-            State::Sliding {
-                window,
-                current,
-                previous,
-            } => sliding_window::refund(clock, window, current, previous, cost),
-            State::Gcra { t_us, frac } => token_bucket::refund(limit, clock, t_us, frac, cost),
-            State::Log { runs } => sliding_log::refund(clock, runs, cost),
+        match (&mut self.state, change) {
+            (State::Fixed { window, count }, Change::Charge) => {
+                fixed_window::commit(clock, window, count, cost)
+            }
+            (State::Fixed { window, count }, Change::Refund) => {
+                fixed_window::refund(clock, window, count, cost)
+            }
+            (
+                State::Sliding {
+                    window,
+                    current,
+                    previous,
+                },
+                change,
+            ) => sliding_window::change(clock, window, current, previous, cost, change),
+            (State::Gcra { t_us, frac }, Change::Charge) => {
+                token_bucket::commit(limit, clock, t_us, frac, cost)
+            }
+            (State::Gcra { t_us, frac }, Change::Refund) => {
+                token_bucket::refund(limit, clock, t_us, frac, cost)
+            }
+            (State::Log { runs }, Change::Charge) => sliding_log::commit(clock, runs, cost),
+            (State::Log { runs }, Change::Refund) => sliding_log::refund(clock, runs, cost),
         }
     }
 

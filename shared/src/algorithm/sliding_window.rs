@@ -13,7 +13,7 @@
 //! limit the script clamps its `-1` ("never") to a retry of 1 ms; the model
 //! says `None`.
 
-use super::{after, ceil_u64, floor_u64, Clock, Evaluation};
+use super::{after, ceil_u64, floor_u64, Change, Clock, Evaluation};
 use crate::config::Limit;
 
 pub(super) fn evaluate(
@@ -28,32 +28,26 @@ pub(super) fn evaluate(
     sliding_eval(limit, clock, cur, prev, cost)
 }
 
-pub(super) fn commit(
+/// The script's `commit()` (charge) and `refund()`: both roll the windows
+/// forward to now first; a refund into an empty current window changes
+/// nothing.
+pub(super) fn change(
     clock: Clock,
     window: &mut u64,
     current: &mut u64,
     previous: &mut u64,
     cost: u64,
+    change: Change,
 ) {
     let (cur, prev) = sliding_counts(clock, *window, *current, *previous);
+    let cur = match change {
+        Change::Charge => cur.saturating_add(cost),
+        Change::Refund if cur > 0 => cur.saturating_sub(cost),
+        Change::Refund => return,
+    };
     *window = clock.idx;
-    *current = cur.saturating_add(cost);
+    *current = cur;
     *previous = prev;
-}
-
-pub(super) fn refund(
-    clock: Clock,
-    window: &mut u64,
-    current: &mut u64,
-    previous: &mut u64,
-    cost: u64,
-) {
-    let (cur, prev) = sliding_counts(clock, *window, *current, *previous);
-    if cur > 0 {
-        *window = clock.idx;
-        *current = cur.saturating_sub(cost);
-        *previous = prev;
-    }
 }
 
 pub(super) fn is_idle(clock: Clock, window: u64, current: u64, previous: u64) -> bool {

@@ -1,0 +1,124 @@
+//! Where a region's counters live, behind one trait.
+//!
+//! [`CounterStore`] is what the decision path talks to: one atomic call that
+//! checks (or refunds, or peeks) every tier of a tenant and charges all of
+//! them or none. Two kinds of store implement it:
+//!
+//! - [`redis::RedisStore`], the region's Redis, strict for the whole region:
+//!   a standalone server (`redis://`, `rediss://`, `unix://`) or a master
+//!   found through Sentinel (`redis+sentinel://`, see [`link`]), with a
+//!   circuit breaker that keeps a failing Redis off the hot path;
+//! - [`crate::local::Local`], the `local` fail mode: this node's share of
+//!   the limits, in process, while Redis cannot answer.
+//!
+//! The script's arguments and reply are typed in [`script`]; the start-up
+//! safety checks (can Redis evict counters?) are in [`safety`]. Redis
+//! Cluster lands here as a third [`link`] kind with the cluster-safe key
+//! scheme of the next script redesign.
+
+pub mod link;
+pub mod redis;
+pub mod safety;
+pub mod script;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use thiserror::Error;
+
+pub use self::script::{DecideCall, DecideReply, Denied, GlobalArgs, Op, TierReply};
+
+/// A boxed future: the trait is used as `dyn CounterStore`, and one
+/// allocation per decision is noise beside a Redis round trip.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A region's counters: every tier of one tenant decided in one atomic call.
+pub trait CounterStore: Send + Sync {
+    /// `"redis"`, `"sentinel"` or `"local"`: for logs and `/readyz`.
+    fn kind(&self) -> &'static str;
+
+    /// False while the store is known to be unable to answer (an open
+    /// breaker): decisions then go straight to their fail mode.
+    fn is_up(&self) -> bool {
+        true
+    }
+
+    /// Runs one call atomically: a check charges every tier or none.
+    fn decide<'a>(
+        &'a self,
+        call: &'a DecideCall<'a>,
+    ) -> BoxFuture<'a, Result<DecideReply, StoreError>>;
+}
+
+/// Why a store could not decide.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("Redis is marked down; waiting for the probe to see it back")]
+    Down,
+    #[error("Redis did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The call reached Redis after its deadline and did nothing: for the
+    /// caller, a timeout that is known not to have charged.
+    #[error("the call reached Redis after its deadline and did nothing")]
+    Expired,
+    /// The server is a replica (READONLY, or ROLE says so): the master must
+    /// be found again (Sentinel), or an operator must fix the URL.
+    #[error("the Redis server is not a master (READONLY)")]
+    NotMaster,
+    #[error("Redis error: {0}")]
+    Redis(#[from] ::redis::RedisError),
+    #[error(transparent)]
+    Reply(#[from] script::ReplyError),
+    #[error("invalid Redis URL {url:?}: {reason}")]
+    Url { url: String, reason: String },
+    #[error("Redis refused at start: {0}")]
+    Unsafe(String),
+}
+
+impl StoreError {
+    /// The `kind` label of `tierlimit_redis_errors_total`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Down => "down",
+            StoreError::Timeout(_) | StoreError::Expired => "timeout",
+            StoreError::NotMaster => "readonly",
+            StoreError::Redis(_) => "redis",
+            StoreError::Reply(_) => "reply",
+            StoreError::Url { .. } | StoreError::Unsafe(_) => "config",
+        }
+    }
+
+    /// Errors that mean "this server cannot serve us now" (as opposed to a
+    /// bad reply to one call).
+    pub fn is_unavailability(&self) -> bool {
+        match self {
+            StoreError::Down | StoreError::Timeout(_) | StoreError::Expired => true,
+            StoreError::NotMaster => true,
+            StoreError::Redis(e) => {
+                e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || e.is_timeout()
+                    || e.is_unrecoverable_error()
+                    || matches!(
+                        e.kind(),
+                        ::redis::ErrorKind::Server(::redis::ServerErrorKind::BusyLoading)
+                            | ::redis::ErrorKind::Server(::redis::ServerErrorKind::TryAgain)
+                            | ::redis::ErrorKind::Server(::redis::ServerErrorKind::ClusterDown)
+                            | ::redis::ErrorKind::Server(::redis::ServerErrorKind::MasterDown)
+                    )
+            }
+            StoreError::Reply(_) | StoreError::Url { .. } | StoreError::Unsafe(_) => false,
+        }
+    }
+
+    /// A redis-rs error that says the server is a replica.
+    pub(crate) fn from_redis(e: ::redis::RedisError) -> StoreError {
+        if e.kind() == ::redis::ErrorKind::Server(::redis::ServerErrorKind::ReadOnly) {
+            StoreError::NotMaster
+        } else {
+            StoreError::Redis(e)
+        }
+    }
+}

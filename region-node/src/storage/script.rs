@@ -1,0 +1,455 @@
+//! The typed interface of the decision script (`lua/decide.lua`): what a
+//! call carries ([`DecideCall`]), how it is laid out as KEYS and ARGV
+//! ([`encode`]), and what comes back ([`DecideReply`], parsed by field name).
+//!
+//! Everything that knows the script's argument positions is in this module,
+//! so the decision path, the `local` fail mode, the load generator and the
+//! script tests all speak in named fields. The reply is a flat list of
+//! name/value pairs rather than positions: a field added to the script does
+//! not shift the others, and a reader of an older layout fails loudly
+//! (`missing field`) instead of misreading a number.
+
+use redis::Value;
+
+use tierlimit_shared::config::Limit;
+use tierlimit_shared::keys;
+
+/// The decision script.
+pub const DECIDE_LUA: &str = include_str!("../lua/decide.lua");
+
+/// What a call asks of the script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Charge every tier if every tier allows.
+    Check,
+    /// Give units back to every tier (never below zero).
+    Refund,
+    /// Read every tier without charging.
+    Peek,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Check => "check",
+            Op::Refund => "refund",
+            Op::Peek => "peek",
+        }
+    }
+}
+
+/// The global tier's inputs, as the node's broadcast view sees them.
+#[derive(Debug, Clone, Default)]
+pub struct GlobalArgs {
+    /// Daily limit.
+    pub limit: u64,
+    /// Broadcast total for (tenant, day), every actor.
+    pub broadcast_total: u64,
+    /// The most this region's current actor may reach (set when the view is
+    /// stale: see `Decider::staleness_cap`).
+    pub own_cap: Option<u64>,
+    /// This region's actors in the broadcast: (epoch, P − N).
+    pub own_parts: Vec<(String, u64)>,
+}
+
+/// One call of the decision script.
+#[derive(Debug, Clone)]
+pub struct DecideCall<'a> {
+    pub op: Op,
+    pub tenant: &'a str,
+    /// The counting key (`_` unless the plan is key-scoped).
+    pub key: &'a str,
+    pub node_id: &'a str,
+    /// Units to charge or refund (0 for a peek).
+    pub cost: u64,
+    pub node: Option<&'a Limit>,
+    pub region: Option<&'a Limit>,
+    /// Nodes the region is expected to run (the `local` fail mode enforces
+    /// `region / expected_nodes` on its own).
+    pub expected_nodes: u32,
+    pub global: Option<GlobalArgs>,
+    /// Used only if the day's PN counter does not exist yet.
+    pub epoch_candidate: &'a str,
+    /// The day the node computed (UTC days since the epoch).
+    pub day: u32,
+    /// The node's clock, ms (the `local` fail mode decides by it; Redis uses
+    /// its own `TIME`).
+    pub now_ms: u64,
+    /// TTL of the PN counter, seconds.
+    pub counter_ttl_secs: u64,
+}
+
+/// Appends KEYS and ARGV of `call` to `cmd` (an `EVALSHA <sha>` without its
+/// key count). `deadline_ms` is in Redis' clock (0 = none): past it the
+/// script does nothing, because the node has given up on the call.
+pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
+    let t = call.tenant;
+    let code = |l: Option<&Limit>| l.map_or(0, |l| l.algorithm.code());
+    cmd.arg(6)
+        .arg(keys::node_tier(t, call.node_id, call.key, code(call.node)))
+        .arg(keys::region_tier(t, call.key, code(call.region)))
+        .arg(keys::DIRTY)
+        .arg(keys::pn_counter(t, call.day.saturating_sub(1)))
+        .arg(keys::pn_counter(t, call.day))
+        .arg(keys::pn_counter(t, call.day + 1));
+    cmd.arg(call.op.name()).arg(call.cost);
+    for limit in [call.node, call.region] {
+        match limit {
+            Some(l) => cmd
+                .arg(l.algorithm.code())
+                .arg(l.limit)
+                .arg(l.window_ms)
+                .arg(l.burst),
+            None => cmd.arg(0u8).arg(0u8).arg(0u8).arg(0u8),
+        };
+    }
+    let g = call.global.as_ref();
+    cmd.arg(g.map_or(0, |g| g.limit))
+        .arg(g.map_or(0, |g| g.broadcast_total));
+    match g.and_then(|g| g.own_cap) {
+        Some(c) => cmd.arg(c),
+        None => cmd.arg(-1i64),
+    };
+    cmd.arg(call.epoch_candidate)
+        .arg(t)
+        .arg(call.day)
+        .arg(call.counter_ttl_secs)
+        .arg(deadline_ms);
+    if let Some(g) = g {
+        for (epoch, part) in &g.own_parts {
+            cmd.arg(epoch).arg(part);
+        }
+    }
+}
+
+/// The tier that denied a check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Denied {
+    Node,
+    Region,
+    Global,
+}
+
+/// One windowed tier's state after the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierReply {
+    /// Units left: after this request if it was charged, before it if not.
+    pub remaining: u64,
+    /// ms until the window resets.
+    pub reset_ms: u64,
+}
+
+/// What the script answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecideReply {
+    pub allowed: bool,
+    pub denied: Option<Denied>,
+    /// When denied: ms until the request could pass; `None` means never
+    /// (the cost exceeds the limit).
+    pub retry_ms: Option<u64>,
+    /// Redis' clock when the script ran.
+    pub now_ms: i64,
+    pub node: Option<TierReply>,
+    pub region: Option<TierReply>,
+    /// This region's PN counter for the day: cumulative P and N, and the
+    /// epoch that names the actor.
+    pub own_p: u64,
+    pub own_n: u64,
+    pub epoch: String,
+    pub day: u32,
+    pub global_remaining: Option<u64>,
+}
+
+/// Why a reply could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplyError {
+    /// The call reached Redis after its deadline and did nothing.
+    #[error("the call reached Redis after its deadline (at Redis time {now_ms} ms)")]
+    Expired { now_ms: i64 },
+    #[error("decision script reply: {0}")]
+    Malformed(String),
+}
+
+impl DecideReply {
+    /// Parses the script's name/value list.
+    pub fn parse(reply: Vec<Value>) -> Result<DecideReply, ReplyError> {
+        if !reply.len().is_multiple_of(2) {
+            return Err(ReplyError::Malformed(format!(
+                "odd number of items ({})",
+                reply.len()
+            )));
+        }
+        let mut f = Fields::default();
+        let mut it = reply.into_iter();
+        while let (Some(name), Some(value)) = (it.next(), it.next()) {
+            let name = match name {
+                Value::BulkString(b) => b,
+                Value::SimpleString(s) => s.into_bytes(),
+                other => return Err(ReplyError::Malformed(format!("field name {other:?}"))),
+            };
+            f.set(&name, value)?;
+        }
+        f.finish()
+    }
+}
+
+/// The fields as they arrive, before the required ones are checked.
+#[derive(Default)]
+struct Fields {
+    allowed: Option<i64>,
+    denied: Option<String>,
+    retry_ms: Option<i64>,
+    now_ms: Option<i64>,
+    node_remaining: Option<i64>,
+    node_reset_ms: Option<i64>,
+    region_remaining: Option<i64>,
+    region_reset_ms: Option<i64>,
+    own_p: Option<i64>,
+    own_n: Option<i64>,
+    epoch: Option<String>,
+    day: Option<i64>,
+    global_remaining: Option<i64>,
+}
+
+impl Fields {
+    fn set(&mut self, name: &[u8], v: Value) -> Result<(), ReplyError> {
+        let slot = match name {
+            b"allowed" => &mut self.allowed,
+            b"retry_ms" => &mut self.retry_ms,
+            b"now_ms" => &mut self.now_ms,
+            b"node_remaining" => &mut self.node_remaining,
+            b"node_reset_ms" => &mut self.node_reset_ms,
+            b"region_remaining" => &mut self.region_remaining,
+            b"region_reset_ms" => &mut self.region_reset_ms,
+            b"own_p" => &mut self.own_p,
+            b"own_n" => &mut self.own_n,
+            b"day" => &mut self.day,
+            b"global_remaining" => &mut self.global_remaining,
+            b"denied" => {
+                self.denied = Some(text(v));
+                return Ok(());
+            }
+            b"epoch" => {
+                self.epoch = Some(text(v));
+                return Ok(());
+            }
+            // A field of a newer script: ignored, so nodes of both
+            // versions can share a Redis during a rolling upgrade.
+            _ => return Ok(()),
+        };
+        *slot = Some(int(&v).ok_or_else(|| {
+            ReplyError::Malformed(format!(
+                "{} is not an integer: {v:?}",
+                String::from_utf8_lossy(name)
+            ))
+        })?);
+        Ok(())
+    }
+
+    fn finish(self) -> Result<DecideReply, ReplyError> {
+        let need = |v: Option<i64>, name: &str| {
+            v.ok_or_else(|| ReplyError::Malformed(format!("missing field {name}")))
+        };
+        let now_ms = need(self.now_ms, "now_ms")?;
+        let denied = match self.denied.as_deref() {
+            Some("") => None,
+            Some("node") => Some(Denied::Node),
+            Some("region") => Some(Denied::Region),
+            Some("global") => Some(Denied::Global),
+            Some("expired") => return Err(ReplyError::Expired { now_ms }),
+            Some(other) => return Err(ReplyError::Malformed(format!("denied = {other:?}"))),
+            None => return Err(ReplyError::Malformed("missing field denied".into())),
+        };
+        let tier = |remaining: Option<i64>, reset: Option<i64>| {
+            remaining.map(|r| TierReply {
+                remaining: r.max(0) as u64,
+                reset_ms: reset.unwrap_or(0).max(0) as u64,
+            })
+        };
+        let retry = need(self.retry_ms, "retry_ms")?;
+        Ok(DecideReply {
+            allowed: need(self.allowed, "allowed")? == 1,
+            denied,
+            retry_ms: (retry >= 0).then_some(retry as u64),
+            now_ms,
+            node: tier(self.node_remaining, self.node_reset_ms),
+            region: tier(self.region_remaining, self.region_reset_ms),
+            own_p: need(self.own_p, "own_p")?.max(0) as u64,
+            own_n: need(self.own_n, "own_n")?.max(0) as u64,
+            epoch: self.epoch.unwrap_or_default(),
+            day: need(self.day, "day")?.max(0) as u32,
+            global_remaining: self.global_remaining.map(|g| g.max(0) as u64),
+        })
+    }
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+/// Takes the value out (no copy of a bulk string that is valid UTF-8).
+fn text(v: Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()),
+        Value::SimpleString(s) => s,
+        Value::Int(i) => i.to_string(),
+        _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(items: &[(&str, Value)]) -> Vec<Value> {
+        items
+            .iter()
+            .flat_map(|(k, v)| [Value::BulkString(k.as_bytes().to_vec()), v.clone()])
+            .collect()
+    }
+
+    fn s(x: &str) -> Value {
+        Value::BulkString(x.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn a_denial_parses_by_name_in_any_order() {
+        let r = DecideReply::parse(pairs(&[
+            ("denied", s("region")),
+            ("allowed", Value::Int(0)),
+            ("retry_ms", Value::Int(250)),
+            ("now_ms", Value::Int(1_700_000_000_000)),
+            ("own_p", Value::Int(7)),
+            ("own_n", Value::Int(1)),
+            ("epoch", s("abc")),
+            ("day", Value::Int(20_000)),
+            ("region_remaining", Value::Int(0)),
+            ("region_reset_ms", Value::Int(900)),
+            ("a_field_of_a_newer_script", Value::Int(3)),
+        ]))
+        .unwrap();
+        assert!(!r.allowed);
+        assert_eq!(r.denied, Some(Denied::Region));
+        assert_eq!(r.retry_ms, Some(250));
+        assert_eq!(r.node, None);
+        assert_eq!(
+            r.region,
+            Some(TierReply {
+                remaining: 0,
+                reset_ms: 900
+            })
+        );
+        assert_eq!((r.own_p, r.own_n, r.epoch.as_str()), (7, 1, "abc"));
+        assert_eq!(r.global_remaining, None);
+    }
+
+    #[test]
+    fn never_is_a_negative_retry_and_expired_is_an_error() {
+        let mut base = vec![
+            ("allowed", Value::Int(0)),
+            ("denied", s("node")),
+            ("retry_ms", Value::Int(-1)),
+            ("now_ms", Value::Int(5)),
+            ("own_p", Value::Int(0)),
+            ("own_n", Value::Int(0)),
+            ("day", Value::Int(1)),
+        ];
+        assert_eq!(DecideReply::parse(pairs(&base)).unwrap().retry_ms, None);
+        base[1].1 = s("expired");
+        assert_eq!(
+            DecideReply::parse(pairs(&base)),
+            Err(ReplyError::Expired { now_ms: 5 })
+        );
+    }
+
+    #[test]
+    fn a_reply_of_another_layout_is_refused() {
+        let positional = vec![Value::Int(1), Value::Int(0), Value::Int(0), Value::Int(5)];
+        assert!(matches!(
+            DecideReply::parse(positional),
+            Err(ReplyError::Malformed(_))
+        ));
+        let missing = pairs(&[("allowed", Value::Int(1)), ("denied", s(""))]);
+        assert!(matches!(
+            DecideReply::parse(missing),
+            Err(ReplyError::Malformed(m)) if m.contains("now_ms")
+        ));
+    }
+
+    #[test]
+    fn encode_lays_out_keys_and_argv_as_the_script_reads_them() {
+        let limit = Limit {
+            algorithm: tierlimit_shared::config::Algorithm::FixedWindow,
+            limit: 10,
+            window_ms: 1000,
+            burst: 10,
+        };
+        let call = DecideCall {
+            op: Op::Check,
+            tenant: "acme",
+            key: "_",
+            node_id: "n1",
+            cost: 2,
+            node: Some(&limit),
+            region: None,
+            expected_nodes: 1,
+            global: Some(GlobalArgs {
+                limit: 100,
+                broadcast_total: 40,
+                own_cap: None,
+                own_parts: vec![("e1".into(), 9)],
+            }),
+            epoch_candidate: "cand",
+            day: 20_000,
+            now_ms: 0,
+            counter_ttl_secs: 259_200,
+        };
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg("sha");
+        encode(&mut cmd, &call, 77);
+        let args: Vec<String> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+                _ => "<cursor>".into(),
+            })
+            .collect();
+        let expect = [
+            "EVALSHA",
+            "sha",
+            "6",
+            "tl:{acme}:n:n1:_:1",
+            "tl:{acme}:r:_:0",
+            "tl:dirty",
+            "tl:{acme}:g:19999",
+            "tl:{acme}:g:20000",
+            "tl:{acme}:g:20001",
+            "check",
+            "2",
+            "1",
+            "10",
+            "1000",
+            "10",
+            "0",
+            "0",
+            "0",
+            "0",
+            "100",
+            "40",
+            "-1",
+            "cand",
+            "acme",
+            "20000",
+            "259200",
+            "77",
+            "e1",
+            "9",
+        ];
+        assert_eq!(args, expect);
+    }
+}
