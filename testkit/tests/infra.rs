@@ -36,8 +36,13 @@ fn up_outlives_the_command_status_finds_it_down_stops_it() {
     assert!(ok, "{err}");
     let redis = port_of(&env, "TIERLIMIT_REDIS_URL_1");
     let kafka = port_of(&env, "TIERLIMIT_KAFKA_BROKERS");
-    assert!(testkit::redis_server::ping(redis), "redis answers after infra exited");
-    assert!(testkit::tansu::answers_metadata(&format!("127.0.0.1:{kafka}")));
+    assert!(
+        testkit::redis_server::ping(redis),
+        "redis answers after infra exited"
+    );
+    assert!(testkit::tansu::answers_metadata(&format!(
+        "127.0.0.1:{kafka}"
+    )));
 
     let (ok, again, err) = infra(dir.path(), &["up"]);
     assert!(ok && err.contains("already up"), "{err}");
