@@ -56,6 +56,35 @@ pub fn parse_dirty_member(m: &str) -> Option<(&str, u32)> {
     Some((t, d.parse().ok()?))
 }
 
+/// Slots of a Redis Cluster.
+pub const CLUSTER_SLOTS: u16 = 16384;
+
+/// The Redis Cluster slot of `key`: CRC16-XMODEM of its hash tag (the text
+/// between the first `{` and the next `}`, if not empty) or of the whole
+/// key, modulo 16384, exactly as Redis computes it. Keys that must be
+/// touched by one script have to share it.
+pub fn cluster_slot(key: &[u8]) -> u16 {
+    let hashed = match key.iter().position(|&b| b == b'{') {
+        Some(open) => match key[open + 1..].iter().position(|&b| b == b'}') {
+            Some(len) if len > 0 => &key[open + 1..open + 1 + len],
+            _ => key,
+        },
+        None => key,
+    };
+    let mut crc: u16 = 0;
+    for &byte in hashed {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % CLUSTER_SLOTS
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -65,6 +94,22 @@ mod tests {
         assert_eq!(node_tier("acme", "n1", "_", 2), "tl:{acme}:n:n1:_:2");
         assert_eq!(region_tier("acme", "GET/x", 3), "tl:{acme}:r:GET/x:3");
         assert_eq!(pn_counter("acme", 20_000), "tl:{acme}:g:20000");
+    }
+
+    #[test]
+    fn cluster_slots_follow_hash_tags() {
+        // Values from `redis-cli CLUSTER KEYSLOT`.
+        assert_eq!(cluster_slot(b"foo"), 12182);
+        assert_eq!(
+            cluster_slot(b"{user1000}.following"),
+            cluster_slot(b"user1000")
+        );
+        assert_eq!(cluster_slot(b"{}x"), cluster_slot(b"{}x"));
+        assert_eq!(cluster_slot(b"123456789"), 0x31c3);
+        assert_eq!(
+            cluster_slot(pn_counter("acme", 1).as_bytes()),
+            cluster_slot(region_tier("acme", "_", 1).as_bytes())
+        );
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::redis_server::{
 use crate::wait::{wait_for_blocking, wait_until_blocking, START_DEADLINE};
 
 /// Hash slots of a Redis Cluster.
-pub const SLOTS: u16 = 16384;
+pub const SLOTS: u16 = tierlimit_shared::keys::CLUSTER_SLOTS;
 
 /// Builder of a [`RedisCluster`]: how many masters, replicas per master,
 /// and the node timeout.
@@ -207,15 +207,7 @@ impl RedisCluster {
     /// (the part between the first `{` and the next `}`, if not empty),
     /// modulo 16384, as Redis computes it.
     pub fn slot_of(key: impl AsRef<[u8]>) -> u16 {
-        let key = key.as_ref();
-        let hashed = match key.iter().position(|&b| b == b'{') {
-            Some(open) => match key[open + 1..].iter().position(|&b| b == b'}') {
-                Some(len) if len > 0 => &key[open + 1..open + 1 + len],
-                _ => key,
-            },
-            None => key,
-        };
-        crc16_xmodem(hashed) % SLOTS
+        tierlimit_shared::keys::cluster_slot(key.as_ref())
     }
 
     /// SIGKILLs the master serving `slot` and returns its port. Its replica
@@ -547,23 +539,6 @@ fn redis_cli(args: &[String], deadline: Duration) {
         args.join(" "),
         cli.log()
     );
-}
-
-/// CRC16, XMODEM variant (polynomial 0x1021, initial value 0): the one Redis
-/// Cluster hashes keys with.
-fn crc16_xmodem(data: &[u8]) -> u16 {
-    let mut crc: u16 = 0;
-    for &byte in data {
-        crc ^= u16::from(byte) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@
 //! Cluster lands here as a third [`link`] kind with the cluster-safe key
 //! scheme of the next script redesign.
 
+pub mod cluster;
 pub mod link;
 pub mod redis;
 pub mod safety;

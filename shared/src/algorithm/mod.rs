@@ -401,14 +401,19 @@ mod tests {
 
     // ----- all algorithms -----------------------------------------------
 
-    #[test]
-    fn evaluate_never_mutates() {
-        for l in [
+    /// 3 units a second under each algorithm (burst 3).
+    fn every_algorithm() -> [Limit; 4] {
+        [
             fixed(3, 1000),
             sliding(3, 1000),
             bucket(3, 1000, 3),
             log(3, 1000),
-        ] {
+        ]
+    }
+
+    #[test]
+    fn evaluate_never_mutates() {
+        for l in every_algorithm() {
             let mut s = TierState::new(&l);
             s.commit(&l, T0, 2);
             let before = s.clone();
@@ -481,12 +486,7 @@ mod tests {
     #[test]
     fn idle_means_indistinguishable_from_fresh() {
         let t = aligned(1000);
-        for l in [
-            fixed(3, 1000),
-            sliding(3, 1000),
-            bucket(3, 1000, 3),
-            log(3, 1000),
-        ] {
+        for l in every_algorithm() {
             let mut s = TierState::new(&l);
             s.commit(&l, t, 2);
             let mut at = t;
