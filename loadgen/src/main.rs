@@ -607,6 +607,8 @@ fn per_tenant(events: &[Event], limit: u64, targets: usize) -> Value {
             "p99": ms(nearest_rank(&to_deny, 0.99)),
             "max": ms(to_deny.last().copied()),
             "n": to_deny.len(),
+            // Every crossing's time, ascending (the bench charts them).
+            "all": to_deny.iter().map(|&ns| ms(Some(ns))).collect::<Vec<_>>(),
         },
         "overshoot": {
             "total": overshoot.iter().sum::<u64>(),

@@ -19,6 +19,8 @@
 //! | [`tansu`]          | a Tansu broker, librdkafka config, topic creation           |
 //! | [`server`]         | `region-node` and `aggregator` processes, ready on /healthz |
 //! | [`scrape`]         | HTTP JSON and Prometheus text helpers                       |
+//! | [`start`]          | any server on a free port, ready when a probe says so       |
+//! | [`procfs`]         | RSS and CPU time of a pid, the load average, from /proc     |
 //!
 //! The rules it is built on, and why:
 //!
@@ -46,11 +48,13 @@
 pub mod bins;
 pub mod port;
 pub mod proc;
+pub mod procfs;
 pub mod redis_cluster;
 pub mod redis_sentinel;
 pub mod redis_server;
 pub mod scrape;
 pub mod server;
+pub mod start;
 pub mod tansu;
 pub mod wait;
 
@@ -59,11 +63,15 @@ pub use tempfile;
 pub use crate::bins::{bin_path, set_bin_dir};
 pub use crate::port::{free_port, temp_dir, write_config};
 pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
+pub use crate::procfs::{cpu_ticks, load_average, rss_kib};
 pub use crate::redis_cluster::RedisCluster;
 pub use crate::redis_sentinel::SentinelGroup;
 pub use crate::redis_server::{query, Redis};
-pub use crate::scrape::{get_json, get_text, metric_value, scrape_metric, try_json, try_text};
+pub use crate::scrape::{
+    get_json, get_text, metric_sample, metric_value, scrape_metric, try_json, try_text,
+};
 pub use crate::server::{http_client, Aggregator, RegionNode};
+pub use crate::start::start_on_free_port;
 pub use crate::tansu::{client_config, tansu_bin, try_tansu_bin, Tansu};
 pub use crate::wait::{
     wait_for, wait_for_blocking, wait_until, wait_until_blocking, Budget, POLL, START_DEADLINE,

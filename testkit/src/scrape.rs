@@ -59,9 +59,34 @@ pub fn metric_value(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// The value of one sample of a Prometheus text exposition, named exactly
+/// as written, labels included (`x_total`, or `x_total{reason="future"}`);
+/// `None` if there is no such line. Unlike [`metric_value`] it tells an
+/// absent metric from a zero.
+pub fn metric_sample(text: &str, sample: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == sample).then(|| value.parse::<f64>().ok())?
+        })
+        .next_back()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metric_sample_matches_name_and_labels_exactly() {
+        let text = "# TYPE x_total counter\nx_total{reason=\"future\"} 2\nx_total{reason=\"expired\"} 3\ny 0\n";
+        assert_eq!(
+            metric_sample(text, "x_total{reason=\"expired\"}"),
+            Some(3.0)
+        );
+        assert_eq!(metric_sample(text, "y"), Some(0.0));
+        assert_eq!(metric_sample(text, "x_total"), None);
+    }
 
     #[test]
     fn metric_value_sums_label_sets_of_the_exact_name() {

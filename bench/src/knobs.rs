@@ -1,0 +1,148 @@
+//! The runner's options: every `BENCH_*` environment knob of
+//! `scripts/bench` (and the `ROLLOVER_*` ones of scenario 6b), also
+//! accepted as command-line options.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use serde::{Deserialize, Serialize};
+
+/// The scenarios, in the order they run.
+pub const SCENARIOS: &[&str] = &[
+    "ceiling",
+    "latency",
+    "fast_path",
+    "kafka",
+    "accuracy",
+    "crossings",
+    "scale",
+    "rollover",
+    "peer",
+];
+
+/// Every benchmark scenario of tierlimit on this machine, in one run, then
+/// BENCHMARKS.md rewritten from bench/BENCHMARKS.md.j2 with the figures and
+/// SVG charts in benchmarks/ beside it.
+///
+/// Run it through `scripts/bench` (which runs `scripts/setup --bench` and
+/// builds the release binaries first). It starts its own redis-servers,
+/// Tansu broker, aggregator, region-nodes and throttlecrab-server on
+/// loopback ports, drives them with `loadgen` and `redis-benchmark`, and
+/// stops everything when done. About 15 minutes on 2 cores.
+///
+/// Scenarios (BENCHMARKS.md says what each measures):
+///   ceiling    1: redis-benchmark EVALSHA decide.lua (plain, pipelined) vs
+///                 region-node checks over HTTP, same concurrency
+///   latency    2: p50/p99/p99.9 at 50% of the saturated rate (runs ceiling)
+///   fast_path  3: decisions/s for a tenant the broadcast marked over its limit
+///   kafka      4: deltas produced per 1000 allowed decisions
+///   accuracy   5: three regions push one tenant past its daily limit
+///   crossings 5b: many staggered tenants past a small daily limit
+///   scale      6: many distinct tenants: Redis bytes/tenant, RSS
+///   rollover  6b: the same across a (faked) UTC midnight (libfaketime)
+///   peer       7: throttlecrab-server under the same load generator
+///                 (its rounds alternate with ceiling's)
+#[derive(Debug, Clone, Parser, Serialize, Deserialize)]
+#[command(name = "bench", verbatim_doc_comment)]
+pub struct Knobs {
+    /// Seconds per throughput run.
+    #[arg(long, env = "BENCH_DURATION", default_value_t = 5)]
+    pub duration: u64,
+    /// Alternating rounds of the compared runs (scenarios 1 and 7).
+    #[arg(long, env = "BENCH_ROUNDS", default_value_t = 3)]
+    pub rounds: u64,
+    /// Connections of the closed-loop runs.
+    #[arg(long, env = "BENCH_CONNECTIONS", default_value_t = 50)]
+    pub connections: u64,
+    /// Tenants of the throughput runs.
+    #[arg(long, env = "BENCH_TENANTS", default_value_t = 1000)]
+    pub tenants: u64,
+    /// Distinct tenants of scenario 6.
+    #[arg(long, env = "BENCH_SCALE_TENANTS", default_value_t = 1_000_000)]
+    pub scale_tenants: u64,
+    /// Daily limit of scenario 5's tenant.
+    #[arg(long, env = "BENCH_ACC_LIMIT", default_value_t = 100_000)]
+    pub acc_limit: u64,
+    /// Requests/s over the three regions (scenarios 5 and 5b).
+    #[arg(long, env = "BENCH_ACC_RATE", default_value_t = 3000)]
+    pub acc_rate: u64,
+    /// Tenants crossing their limit one after the other in scenario 5b
+    /// (the run lasts about 1.5 s per tenant).
+    #[arg(long, env = "BENCH_CROSS_TENANTS", default_value_t = 60)]
+    pub cross_tenants: u64,
+    /// Their daily limit.
+    #[arg(long, env = "BENCH_CROSS_LIMIT", default_value_t = 1500)]
+    pub cross_limit: u64,
+    /// Distinct tenants per phase of scenario 6b.
+    #[arg(long, env = "BENCH_ROLLOVER_TENANTS", default_value_t = 200_000)]
+    pub rollover_tenants: u64,
+    /// 6b: expected duration of phase A (populate, then publish, merge and
+    /// broadcast back); the fake midnight falls this plus the margin after
+    /// the faked processes start.
+    #[arg(long, env = "ROLLOVER_PHASE_A_SECONDS", default_value_t = 150)]
+    pub rollover_phase_a_seconds: u64,
+    /// 6b: extra lead before the fake midnight (the stack's start, slack).
+    #[arg(long, env = "ROLLOVER_MARGIN_SECONDS", default_value_t = 60)]
+    pub rollover_margin_seconds: u64,
+    /// 6b: loadgen connections.
+    #[arg(long, env = "ROLLOVER_CONNECTIONS", default_value_t = 50)]
+    pub rollover_connections: u64,
+    /// 6b: bound on each phase's drain wait, seconds.
+    #[arg(long, env = "ROLLOVER_DRAIN_SECONDS", default_value_t = 600)]
+    pub rollover_drain_seconds: u64,
+    /// 6b: 1 also records b_settled, once phase B's window keys expired
+    /// (about 2 minutes more); 0 skips it.
+    #[arg(long, env = "ROLLOVER_SETTLE", default_value_t = 1)]
+    pub rollover_settle: u8,
+    /// 6b: 1 passes FAKETIME_NO_CACHE=1 to the faked processes (not needed
+    /// with a relative offset).
+    #[arg(long, env = "ROLLOVER_FAKETIME_NO_CACHE", default_value_t = 0)]
+    pub rollover_faketime_no_cache: u8,
+    /// 6b: RUST_LOG of the faked region-node and aggregator.
+    #[arg(long, env = "ROLLOVER_LOG", default_value = "warn")]
+    pub rollover_log: String,
+    /// Only these scenarios, comma-separated (names above); `latency` runs
+    /// `ceiling` too, whose saturated rate it halves.
+    #[arg(long, env = "BENCH_ONLY", value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Keep the temporary directory (logs, JSON results); it is always kept
+    /// when the run fails.
+    #[arg(long, env = "BENCH_KEEP", value_parser = clap::builder::FalseyValueParser::new())]
+    pub keep: bool,
+    /// The Markdown file to write; the charts go to benchmarks/ beside it.
+    #[arg(long, env = "BENCH_OUT", default_value = "BENCHMARKS.md")]
+    pub out: PathBuf,
+    /// Render the report again from a kept run's directory (no run).
+    #[arg(long, env = "BENCH_REPORT_FROM")]
+    #[serde(skip)]
+    pub report_from: Option<PathBuf>,
+    /// Where the release binaries are (region-node, aggregator, loadgen);
+    /// default: this executable's directory.
+    #[arg(long)]
+    #[serde(skip)]
+    pub bin_dir: Option<PathBuf>,
+}
+
+/// The scenarios that need the Kafka side (Tansu, the aggregator).
+pub const KAFKA_SIDE: &[&str] = &["fast_path", "kafka", "accuracy", "crossings", "scale"];
+
+impl Knobs {
+    /// Whether scenario `name` runs.
+    pub fn runs(&self, name: &str) -> bool {
+        self.only.is_empty()
+            || self.only.iter().any(|o| o == name)
+            || (name == "ceiling" && self.only.iter().any(|o| o == "latency" || o == "peer"))
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for o in &self.only {
+            anyhow::ensure!(
+                SCENARIOS.contains(&o.as_str()),
+                "unknown scenario {o:?} (one of {})",
+                SCENARIOS.join(", ")
+            );
+        }
+        anyhow::ensure!(self.rounds >= 1, "BENCH_ROUNDS must be at least 1");
+        Ok(())
+    }
+}

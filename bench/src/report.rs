@@ -1,0 +1,366 @@
+//! BENCHMARKS.md: the run's typed results rendered through the template
+//! `bench/BENCHMARKS.md.j2` (minijinja), which holds every word of prose;
+//! here only the machine's description, number formatting filters and the
+//! charts.
+
+use std::path::Path;
+
+use anyhow::Context;
+use minijinja::value::Value;
+use minijinja::{Environment, UndefinedBehavior};
+use serde::{Deserialize, Serialize};
+
+use crate::chart::{line_chart, Chart, Series};
+use crate::knobs::Knobs;
+use crate::loadgen::Summary;
+use crate::scenario::{
+    accuracy::Accuracy, ceiling::Ceiling, crossings::Crossings, fast_path::FastPath, kafka::Kafka,
+    latency::Latency, peer::Peer, rollover::Rollover, scale::Scale,
+};
+
+/// The template, compiled in (scripts/bench rebuilds the runner first).
+pub const TEMPLATE: &str = include_str!("../BENCHMARKS.md.j2");
+
+/// Everything a run measured, as written to `$TMP/results/bench.json` and
+/// rendered into BENCHMARKS.md. A scenario that did not run is `None`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Results {
+    pub run_date: String,
+    pub elapsed_s: u64,
+    pub knobs: Knobs,
+    pub machine: Machine,
+    pub load_start: String,
+    /// (scenario, 1-min load average as it started), then ("end", …).
+    pub loads: Vec<(String, String)>,
+    pub ceiling: Option<Ceiling>,
+    pub latency: Option<Latency>,
+    pub fast_path: Option<FastPath>,
+    pub kafka: Option<Kafka>,
+    pub accuracy: Option<Accuracy>,
+    pub crossings: Option<Crossings>,
+    pub scale: Option<Scale>,
+    pub rollover: Option<Rollover>,
+    pub rollover_error: Option<String>,
+    pub peer: Option<Peer>,
+    pub commands: Vec<String>,
+    /// The main run's configuration file.
+    pub config: Option<String>,
+    /// Charts written beside the report (name → relative path).
+    #[serde(default)]
+    pub charts: std::collections::BTreeMap<String, String>,
+}
+
+impl Results {
+    /// A run that has measured nothing yet.
+    pub fn new(run_date: String, knobs: Knobs, machine: Machine, load_start: String) -> Results {
+        Results {
+            run_date,
+            elapsed_s: 0,
+            knobs,
+            machine,
+            load_start,
+            loads: Vec::new(),
+            ceiling: None,
+            latency: None,
+            fast_path: None,
+            kafka: None,
+            accuracy: None,
+            crossings: None,
+            scale: None,
+            rollover: None,
+            rollover_error: None,
+            peer: None,
+            commands: Vec::new(),
+            config: None,
+            charts: Default::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Machine {
+    pub cpu: String,
+    pub cores: usize,
+    pub memory: String,
+    pub kernel: String,
+    pub redis: String,
+    pub tansu: String,
+    pub rustc: String,
+}
+
+impl Machine {
+    pub fn describe() -> Machine {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split(':').nth(1))
+            .unwrap_or("")
+            .trim()
+            .to_string();
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let mem_kib: f64 = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0.0);
+        let read = |p: &str| {
+            std::fs::read_to_string(p)
+                .unwrap_or_default()
+                .trim()
+                .to_string()
+        };
+        let last_word = |s: String| s.split_whitespace().last().unwrap_or("").to_string();
+        Machine {
+            cpu,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            memory: format!("{:.1} GiB", mem_kib / 1048576.0),
+            kernel: format!(
+                "{} {}",
+                read("/proc/sys/kernel/ostype"),
+                read("/proc/sys/kernel/osrelease")
+            ),
+            redis: redis_version(),
+            tansu: testkit::try_tansu_bin()
+                .map(|t| {
+                    last_word(crate::run::version_of(
+                        &t.display().to_string(),
+                        &["--version"],
+                    ))
+                })
+                .unwrap_or_default(),
+            rustc: crate::run::version_of("rustc", &["--version"])
+                .split_whitespace()
+                .nth(1)
+                .unwrap_or("")
+                .to_string(),
+        }
+    }
+}
+
+/// `redis-server --version`'s `v=X.Y.Z`, as `X.Y.Z`.
+pub fn redis_version() -> String {
+    crate::run::version_of("redis-server", &["--version"])
+        .split_whitespace()
+        .nth(2)
+        .unwrap_or("")
+        .trim_start_matches("v=")
+        .to_string()
+}
+
+/// A number as `jq` prints it: integers without a decimal point, others in
+/// their shortest form.
+pub fn num(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        format!("{}", x as i64)
+    } else {
+        format!("{x}")
+    }
+}
+
+/// (year, month, day, hour, minute, second) of a Unix time, UTC.
+fn civil(secs: u64) -> (i64, u64, u64, u64, u64, u64) {
+    let days = (secs / 86400) as i64;
+    let rem = secs % 86400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u64;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u64;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d, rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// `YYYY-MM-DD HH:MM[:SS]` (UTC).
+pub fn utc(secs: u64, seconds: bool) -> String {
+    let (y, m, d, h, mi, s) = civil(secs);
+    if seconds {
+        format!("{y:04}-{m:02}-{d:02} {h:02}:{mi:02}:{s:02}")
+    } else {
+        format!("{y:04}-{m:02}-{d:02} {h:02}:{mi:02}")
+    }
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn utc_iso(secs: u64) -> String {
+    utc(secs, true).replace(' ', "T") + "Z"
+}
+
+fn as_f64(v: &Value) -> Option<f64> {
+    if v.is_undefined() || v.is_none() {
+        return None;
+    }
+    f64::try_from(v.clone()).ok()
+}
+
+/// The template's environment: its filters format numbers as the old
+/// shell report did (`printf`, `jq`).
+pub fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_undefined_behavior(UndefinedBehavior::Chainable);
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_keep_trailing_newline(true);
+    // Like jq: 3.5, 2, 1.84.
+    env.add_filter("num", |v: Value| match as_f64(&v) {
+        Some(x) => num(x),
+        None => v.to_string(),
+    });
+    // Like printf %.Nf.
+    env.add_filter("fixed", |v: Value, digits: usize| match as_f64(&v) {
+        Some(x) => format!("{x:.digits$}"),
+        None => "n/a".to_string(),
+    });
+    // µs → ms, 2 decimals, like jq's `/ 1000 * 100 | round / 100`.
+    env.add_filter("ms", |v: Value| {
+        num((as_f64(&v).unwrap_or(0.0) / 1000.0 * 100.0).round() / 100.0)
+    });
+    // Rounded to an integer (jq's round).
+    env.add_filter("iround", |v: Value| num(as_f64(&v).unwrap_or(0.0).round()));
+    // A number or "n/a" when absent.
+    env.add_filter("na", |v: Value| match as_f64(&v) {
+        Some(x) => num(x),
+        None if v.is_undefined() || v.is_none() => "n/a".to_string(),
+        None => v.to_string(),
+    });
+    // Compact JSON, like jq's tostring.
+    env.add_filter("json", |v: Value| {
+        serde_json::to_string(&v).unwrap_or_default()
+    });
+    env.add_template("BENCHMARKS.md", TEMPLATE)
+        .expect("bench/BENCHMARKS.md.j2 is a valid template");
+    env
+}
+
+/// Renders the report.
+pub fn render(results: &Results) -> anyhow::Result<String> {
+    let env = environment();
+    let tmpl = env.get_template("BENCHMARKS.md")?;
+    tmpl.render(Value::from_serialize(results))
+        .context("rendering bench/BENCHMARKS.md.j2")
+}
+
+/// Writes the charts into `dir` (`benchmarks/` beside the report) and
+/// records them in `results.charts`.
+pub fn charts(results: &mut Results, dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let mut runs: Vec<(&str, &Summary)> = Vec::new();
+    if let Some(c) = &results.ceiling {
+        runs.push(("1 region-node (closed loop)", &c.node));
+        runs.push(("1 bare EVALSHA, redis-rs (closed)", &c.evalsha_mux));
+        runs.push(("1 region-node, Zipf tenants", &c.node_zipf));
+    }
+    if let Some(l) = &results.latency {
+        runs.push(("2 region-node at 50 % (open loop)", &l.check));
+        runs.push(("2 bare EVALSHA at 50 % (open loop)", &l.evalsha));
+    }
+    if let Some(f) = &results.fast_path {
+        runs.push(("3 over-limit fast path", &f.run));
+    }
+    if let Some(p) = &results.peer {
+        runs.push(("7 throttlecrab-server", &p.run));
+    }
+    let labels = ["p50", "p90", "p99", "p99.9", "p99.99", "max"];
+    let series: Vec<Series> = runs
+        .iter()
+        .filter_map(|(name, s)| {
+            let p = s.latency_us.as_ref()?;
+            let ms = [p.p50, p.p90, p.p99, p.p99_9, p.p99_99, p.max].map(|us| us / 1000.0);
+            Some(Series::new(
+                *name,
+                ms.iter().enumerate().map(|(i, v)| (i as f64, *v)).collect(),
+            ))
+        })
+        .collect();
+    if !series.is_empty() {
+        line_chart(
+            &dir.join("latency.svg"),
+            &Chart {
+                title: "Latency percentiles per scenario".into(),
+                x_desc: "percentile".into(),
+                y_desc: "latency, ms (log scale)".into(),
+                x_labels: labels.iter().map(|s| s.to_string()).collect(),
+                log_y: true,
+            },
+            &series,
+        )?;
+        results
+            .charts
+            .insert("latency".into(), "benchmarks/latency.svg".into());
+    }
+    if let Some(acc) = results
+        .crossings
+        .as_ref()
+        .and_then(|c| c.run.accuracy.as_ref())
+    {
+        let d = &acc.per_tenant.crossing_to_all_denying_ms;
+        // Share of crossings at or below each time (nearest rank), from
+        // every crossing when loadgen listed them, else its percentiles.
+        let points: Vec<(f64, f64)> = if !d.all.is_empty() {
+            // A step from 0: the share rises at each crossing's time.
+            let n = d.all.len() as f64;
+            let mut pts = vec![(0.0, 0.0)];
+            for (i, ms) in d.all.iter().enumerate() {
+                pts.push((*ms, i as f64 / n * 100.0));
+                pts.push((*ms, (i + 1) as f64 / n * 100.0));
+            }
+            pts
+        } else {
+            [(d.p50, 50.0), (d.p90, 90.0), (d.p99, 99.0), (d.max, 100.0)]
+                .iter()
+                .filter_map(|(v, p)| Some(((*v)?, *p)))
+                .collect()
+        };
+        if !points.is_empty() {
+            line_chart(
+                &dir.join("crossings.svg"),
+                &Chart {
+                    title: "5b: crossing → every region denying".into(),
+                    x_desc: "time from the crossing to every region denying, ms".into(),
+                    y_desc: "crossings at or below, %".into(),
+                    x_labels: Vec::new(),
+                    log_y: false,
+                },
+                &[Series::new(
+                    format!("{} crossings (cumulative)", d.n),
+                    points,
+                )],
+            )?;
+            results
+                .charts
+                .insert("crossings".into(), "benchmarks/crossings.svg".into());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_and_dates_print_like_the_shell_report() {
+        assert_eq!(num(26713.0), "26713");
+        assert_eq!(num(3.5), "3.5");
+        assert_eq!(num(1.84), "1.84");
+        assert_eq!(utc(0, true), "1970-01-01 00:00:00");
+        assert_eq!(utc(1_795_219_200, false), "2026-11-21 00:00");
+        assert_eq!(utc_iso(1_795_305_600), "2026-11-22T00:00:00Z");
+    }
+
+    #[test]
+    fn the_template_renders_an_empty_run() {
+        let results = Results::new(
+            "2026-11-21 15:25 UTC".into(),
+            <Knobs as clap::Parser>::parse_from(["bench"]),
+            Machine::default(),
+            "1 1 1".into(),
+        );
+        let md = render(&results).unwrap();
+        assert!(md.starts_with("# Benchmarks\n"));
+        assert!(md.contains("## Hot path: profile and changes"));
+    }
+}

@@ -1,0 +1,306 @@
+//! Scenario 1, the ceiling: `redis-benchmark` running `EVALSHA` of
+//! decide.lua (non-pipelined, then pipelined) against region-node's checks
+//! over HTTP at the same concurrency, in alternating rounds (with
+//! scenario 7's throttlecrab-server, see [`super::peer`]); each figure is
+//! the median round. Then region-node with Zipf tenants and the bare
+//! `EVALSHA` over one redis-rs multiplexed connection.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use testkit::RegionNode;
+
+use crate::knobs::Knobs;
+use crate::loadgen::{closed, Summary};
+use crate::run::{strings, Run};
+use crate::scenario::peer::{self, Peer};
+use crate::world::{RedisCounts, Region, DECIDE_LUA};
+
+pub const WARMUP: u64 = 1;
+
+/// One `redis-benchmark --csv` result line.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RbRun {
+    pub rps: f64,
+    /// As redis-benchmark prints them.
+    pub p50_ms: String,
+    pub p99_ms: String,
+}
+
+impl RbRun {
+    /// The last line of `--csv` output: `"test","rps","avg","min","p50",
+    /// "p95","p99","max"`.
+    pub fn parse(out: &str) -> anyhow::Result<RbRun> {
+        let line = out
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .ok_or_else(|| anyhow::anyhow!("redis-benchmark printed nothing"))?;
+        let f: Vec<String> = line
+            .split(',')
+            .map(|s| s.trim_matches('"').to_string())
+            .collect();
+        anyhow::ensure!(f.len() >= 7, "unexpected redis-benchmark line {line:?}");
+        Ok(RbRun {
+            rps: f[1].parse()?,
+            p50_ms: f[4].clone(),
+            p99_ms: f[6].clone(),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Ceiling {
+    pub connections: u64,
+    pub tenants: u64,
+    pub duration: u64,
+    pub warmup: u64,
+    pub rounds: u64,
+    /// `-n` of every non-pipelined round (about `duration` s from a probe).
+    pub rb_n: u64,
+    /// Median rounds.
+    pub rb_plain: RbRun,
+    pub node: Summary,
+    pub rb_pipe16: RbRun,
+    pub node_zipf: Summary,
+    pub evalsha_mux: Summary,
+    pub rb_rounds: Vec<f64>,
+    pub node_rounds: Vec<f64>,
+    /// Redis' counters over every round (warm-ups included).
+    pub node_redis: RedisCounts,
+    pub rb_redis: RedisCounts,
+    /// CPU ticks (1/100 s) over every region-node round.
+    pub node_ticks: u64,
+    pub redis_ticks: u64,
+    /// Derived: CPU µs per decision, EVALSHAs per read, µs per EVALSHA.
+    pub node_cpu_us: f64,
+    pub redis_cpu_us: f64,
+    pub node_per_read: f64,
+    pub rb_per_read: f64,
+    pub node_usec_per_call: f64,
+    pub rb_usec_per_call: f64,
+    pub ratio: f64,
+}
+
+/// Index of the median round (ties: the earlier round), as
+/// `sort -g | awk NR == (n + 1) / 2` picked it.
+pub fn median_index(values: &[f64]) -> usize {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|a, b| values[*a].total_cmp(&values[*b]).then(a.cmp(b)));
+    idx[values.len().div_ceil(2) - 1]
+}
+
+/// decide.lua's KEYS/ARGV exactly as region-node eu-1 sends them for the
+/// bench plan (loadgen's script options).
+pub fn script_opts() -> Vec<String> {
+    strings([
+        "--node-id",
+        "eu-1",
+        "--node-algorithm",
+        "1",
+        "--node-limit",
+        "1000000",
+        "--node-window-ms",
+        "1000",
+        "--region-algorithm",
+        "2",
+        "--region-limit",
+        "100000000",
+        "--region-window-ms",
+        "60000",
+        "--global-limit",
+        "1000000000000",
+        "--ttl-s",
+        &(3 * 86400).to_string(),
+    ])
+}
+
+/// Runs scenario 1 (and 7's rounds when `with_peer`) against `solo`, a
+/// region-node with its Kafka side detached whose Redis is `eu`.
+pub async fn run(
+    run: &Run,
+    k: &Knobs,
+    solo: &RegionNode,
+    eu: &Region,
+    with_peer: bool,
+) -> anyhow::Result<(Ceiling, Option<Peer>)> {
+    // EVALSHA line for redis-benchmark; __rand_int__ makes it draw tenants
+    // from -r TENANTS.
+    let sha = eu.conn.script_load(DECIDE_LUA).await?;
+    let mut sa = vec!["script-args".to_string()];
+    sa.extend(script_opts());
+    sa.extend(strings(["--sha", &sha, "--tenant", "__rand_int__"]));
+    let out = run
+        .exec("script_args", &run.loadgen, &sa, Duration::from_secs(60))
+        .await?;
+    let evalsha: Vec<String> = out.lines().map(str::to_string).collect();
+
+    let tc_version = peer::version();
+    run.scenario(&format!(
+        "1/7 + 7/7 ceiling and peer: redis-benchmark EVALSHA, region-node, throttlecrab-server {tc_version} ({} rounds, {} connections, {} tenants)",
+        k.rounds, k.connections, k.tenants
+    ));
+    let ceiling_redis = Region::start(run).await?;
+    ceiling_redis.conn.script_load(DECIDE_LUA).await?;
+    let tc = if with_peer {
+        Some(peer::start(run).await)
+    } else {
+        None
+    };
+
+    // Checked on PATH, run (and listed) by its name.
+    which("redis-benchmark")?;
+    let rb = std::path::PathBuf::from("redis-benchmark");
+    let rb_args = |n: u64, pipeline: Option<u64>| {
+        let mut a = strings([
+            "-p".to_string(),
+            ceiling_redis.redis.port().to_string(),
+            "-c".into(),
+            k.connections.to_string(),
+            "-n".into(),
+            n.to_string(),
+            "-r".into(),
+            k.tenants.to_string(),
+        ]);
+        if let Some(p) = pipeline {
+            a.extend(strings(["-P".to_string(), p.to_string()]));
+        }
+        a.push("--csv".into());
+        a.extend(evalsha.iter().cloned());
+        a
+    };
+    // redis-benchmark has no duration: -n sized for about DURATION seconds
+    // from a probe.
+    let probe = RbRun::parse(
+        &run.exec(
+            "rb_probe",
+            &rb,
+            &rb_args(30000, None),
+            Duration::from_secs(600),
+        )
+        .await?,
+    )?;
+    let rb_n = (probe.rps * k.duration as f64) as u64;
+    let common = closed(k.connections, k.tenants, k.duration, WARMUP);
+
+    let node_redis0 = eu.conn.counts().await?;
+    let rb_redis0 = ceiling_redis.conn.counts().await?;
+    let (mut node_ticks, mut redis_ticks) = (0u64, 0u64);
+    let mut rb_runs = Vec::new();
+    let mut node_runs = Vec::new();
+    let mut tc_runs = Vec::new();
+    for i in 1..=k.rounds {
+        let deadline = Duration::from_secs(600);
+        rb_runs.push(RbRun::parse(
+            &run.exec(
+                &format!("rb_plain_{i}"),
+                &rb,
+                &rb_args(rb_n, None),
+                deadline,
+            )
+            .await?,
+        )?);
+        let c0 = testkit::cpu_ticks(solo.proc.pid()).unwrap_or(0);
+        let r0 = testkit::cpu_ticks(eu.pid()).unwrap_or(0);
+        let mut a = strings(["--url".to_string(), solo.url("/v1/check")]);
+        a.extend(common.iter().cloned());
+        node_runs.push(run.http(&format!("s1_node_{i}"), &a).await?);
+        node_ticks += testkit::cpu_ticks(solo.proc.pid()).unwrap_or(0) - c0;
+        redis_ticks += testkit::cpu_ticks(eu.pid()).unwrap_or(0) - r0;
+        if let Some(tc) = &tc {
+            tc_runs.push(peer::round(run, tc, i, &common).await?);
+        }
+    }
+    let node_redis = eu.conn.counts().await?.since(node_redis0);
+    let rb_redis = ceiling_redis.conn.counts().await?.since(rb_redis0);
+    drop(tc);
+    let rb_pipe16 = RbRun::parse(
+        &run.exec(
+            "rb_pipe16",
+            &rb,
+            &rb_args(rb_n * 2, Some(16)),
+            Duration::from_secs(600),
+        )
+        .await?,
+    )?;
+    drop(ceiling_redis);
+
+    let rb_rounds: Vec<f64> = rb_runs.iter().map(|r| r.rps).collect();
+    let node_rounds: Vec<f64> = node_runs.iter().map(|r| r.throughput_rps).collect();
+    let rb_plain = rb_runs[median_index(&rb_rounds)].clone();
+    let node = node_runs[median_index(&node_rounds)].clone();
+    let peer = (!tc_runs.is_empty()).then(|| Peer::from_rounds(tc_version, tc_runs));
+
+    let mut a = strings(["--url".to_string(), solo.url("/v1/check")]);
+    a.extend(common.iter().cloned());
+    a.extend(strings([
+        "--dist", "zipf", "--zipf-s", "1.1", "--seed", "2",
+    ]));
+    let node_zipf = run.http("s1_node_zipf", &a).await?;
+    let mut a = strings(["--redis-url".to_string(), eu.redis.url()]);
+    a.extend(script_opts());
+    a.extend(common.iter().cloned());
+    let evalsha_mux = run.redis("s1_evalsha_mux", &a).await?;
+
+    // Every check of the rounds (warm-ups included) is one EVALSHA in Redis.
+    let n = node_redis.evalsha.max(1) as f64;
+    let per = |c: RedisCounts| c.evalsha as f64 / c.reads.max(1) as f64;
+    let usec = |c: RedisCounts| c.evalsha_usec as f64 / c.evalsha.max(1) as f64;
+    let rb_plain_rps = rb_plain.rps.round();
+    let c = Ceiling {
+        connections: k.connections,
+        tenants: k.tenants,
+        duration: k.duration,
+        warmup: WARMUP,
+        rounds: k.rounds,
+        rb_n,
+        ratio: node.throughput_rps / rb_plain_rps,
+        rb_plain,
+        node,
+        rb_pipe16,
+        node_zipf,
+        evalsha_mux,
+        rb_rounds,
+        node_rounds,
+        node_ticks,
+        redis_ticks,
+        node_cpu_us: node_ticks as f64 * 10000.0 / n,
+        redis_cpu_us: redis_ticks as f64 * 10000.0 / n,
+        node_per_read: per(node_redis),
+        rb_per_read: per(rb_redis),
+        node_usec_per_call: usec(node_redis),
+        rb_usec_per_call: usec(rb_redis),
+        node_redis,
+        rb_redis,
+    };
+    run.save("s1_ceiling", &c)?;
+    Ok((c, peer))
+}
+
+/// The full path of `program` on `PATH`, or an error naming
+/// `scripts/setup --bench`.
+pub fn which(program: &str) -> anyhow::Result<std::path::PathBuf> {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+        .ok_or_else(|| anyhow::anyhow!("{program} not found on PATH: run scripts/setup --bench"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_round_and_csv_line() {
+        assert_eq!(median_index(&[3.0, 1.0, 2.0]), 2);
+        assert_eq!(median_index(&[5.0]), 0);
+        assert_eq!(median_index(&[2.0, 1.0]), 1);
+        let r = RbRun::parse("\"test\",\"rps\"\n\"EVALSHA x\",\"28157.66\",\"1.7\",\"0.2\",\"1.575\",\"2.9\",\"3.271\",\"9.1\"\n").unwrap();
+        assert_eq!(
+            (r.rps, r.p50_ms.as_str(), r.p99_ms.as_str()),
+            (28157.66, "1.575", "3.271")
+        );
+    }
+}

@@ -1,0 +1,26 @@
+//! One module per scenario. Each runs its load against processes the
+//! caller started (or, for the rollover, starts its own), and returns its
+//! figures as a typed result, also written as JSON into `$TMP/results`.
+
+pub mod accuracy;
+pub mod ceiling;
+pub mod crossings;
+pub mod fast_path;
+pub mod kafka;
+pub mod latency;
+pub mod peer;
+pub mod rollover;
+pub mod scale;
+
+use std::time::Duration;
+
+use crate::world::RedisConn;
+
+/// Waits (up to `seconds`) until a region's dirty set `tl:dirty` is empty:
+/// every charge published to Kafka.
+pub async fn drained(redis: &RedisConn, what: &str, seconds: u64) {
+    testkit::wait_until(what, Duration::from_secs(seconds), || async {
+        redis.zcard("tl:dirty").await.is_ok_and(|n| n == 0)
+    })
+    .await
+}

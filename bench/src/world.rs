@@ -1,0 +1,364 @@
+//! The processes of the main run and how the bench reads them: the three
+//! regions' Redis, the configuration, region-nodes, the Kafka side (Tansu,
+//! the aggregator), Redis' own counters and Prometheus metrics.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use redis::aio::MultiplexedConnection;
+use testkit::{Aggregator, Redis, RegionNode, Tansu};
+
+use crate::knobs::Knobs;
+use crate::run::Run;
+
+/// region-node's own script: what `redis-benchmark` runs in scenario 1.
+pub const DECIDE_LUA: &str = include_str!("../../region-node/src/lua/decide.lua");
+
+/// A plain Redis connection for reading what the bench measures.
+#[derive(Clone)]
+pub struct RedisConn {
+    pub conn: MultiplexedConnection,
+}
+
+impl RedisConn {
+    pub async fn open(url: &str) -> anyhow::Result<RedisConn> {
+        let conn = redis::Client::open(url)?
+            .get_multiplexed_async_connection()
+            .await
+            .with_context(|| format!("connect to {url}"))?;
+        Ok(RedisConn { conn })
+    }
+
+    pub async fn query<T: redis::FromRedisValue>(&self, cmd: &mut redis::Cmd) -> anyhow::Result<T> {
+        let mut c = self.conn.clone();
+        Ok(cmd.query_async(&mut c).await?)
+    }
+
+    /// One `field:value` of `INFO section`, as text.
+    pub async fn info_field(&self, section: &str, field: &str) -> anyhow::Result<String> {
+        let info: String = self.query(redis::cmd("INFO").arg(section)).await?;
+        Ok(info
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{field}:")))
+            .unwrap_or("0")
+            .trim()
+            .to_string())
+    }
+
+    pub async fn info_u64(&self, section: &str, field: &str) -> anyhow::Result<u64> {
+        Ok(self.info_field(section, field).await?.parse().unwrap_or(0))
+    }
+
+    pub async fn zcard(&self, key: &str) -> anyhow::Result<u64> {
+        self.query(redis::cmd("ZCARD").arg(key)).await
+    }
+
+    pub async fn dbsize(&self) -> anyhow::Result<u64> {
+        self.query(&mut redis::cmd("DBSIZE")).await
+    }
+
+    pub async fn exists(&self, key: &str) -> anyhow::Result<bool> {
+        let n: u64 = self.query(redis::cmd("EXISTS").arg(key)).await?;
+        Ok(n > 0)
+    }
+
+    /// `MEMORY USAGE key SAMPLES 0`: `None` once the key is gone.
+    pub async fn memory_usage(&self, key: &str) -> anyhow::Result<Option<u64>> {
+        self.query(
+            redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(key)
+                .arg("SAMPLES")
+                .arg(0),
+        )
+        .await
+    }
+
+    pub async fn script_load(&self, script: &str) -> anyhow::Result<String> {
+        self.query(redis::cmd("SCRIPT").arg("LOAD").arg(script))
+            .await
+    }
+
+    /// Redis' clock (`TIME`), whole seconds.
+    pub async fn time(&self) -> anyhow::Result<u64> {
+        let (s, _us): (String, String) = self.query(&mut redis::cmd("TIME")).await?;
+        Ok(s.parse()?)
+    }
+
+    /// Every key matching `pattern`, by `SCAN` (which also deletes the
+    /// expired keys it meets).
+    pub async fn scan(&self, pattern: &str) -> anyhow::Result<Vec<String>> {
+        let mut keys = Vec::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, batch): (u64, Vec<String>) = self
+                .query(
+                    redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(pattern)
+                        .arg("COUNT")
+                        .arg(1000),
+                )
+                .await?;
+            keys.extend(batch);
+            if next == 0 {
+                return Ok(keys);
+            }
+            cursor = next;
+        }
+    }
+
+    /// (read system calls that carried commands, EVALSHA calls, µs inside
+    /// EVALSHA) from `INFO stats` and `INFO commandstats`.
+    pub async fn counts(&self) -> anyhow::Result<RedisCounts> {
+        let reads = self.info_u64("stats", "total_reads_processed").await?;
+        let stats = self.info_field("commandstats", "cmdstat_evalsha").await?;
+        let field = |k: &str| -> u64 {
+            stats
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        Ok(RedisCounts {
+            reads,
+            evalsha: field("calls"),
+            evalsha_usec: field("usec"),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
+pub struct RedisCounts {
+    pub reads: u64,
+    pub evalsha: u64,
+    pub evalsha_usec: u64,
+}
+
+impl RedisCounts {
+    pub fn since(self, before: RedisCounts) -> RedisCounts {
+        RedisCounts {
+            reads: self.reads - before.reads,
+            evalsha: self.evalsha - before.evalsha,
+            evalsha_usec: self.evalsha_usec - before.evalsha_usec,
+        }
+    }
+}
+
+/// A started redis-server and a connection to it.
+pub struct Region {
+    pub redis: Redis,
+    pub conn: RedisConn,
+}
+
+impl Region {
+    pub async fn start(run: &Run) -> anyhow::Result<Region> {
+        let redis = Redis::start();
+        run.record(format!(
+            "redis-server --port {} --bind 127.0.0.1 --protected-mode no --save '' --appendonly no --dir {} &",
+            redis.port(),
+            redis.dir().display()
+        ));
+        let conn = RedisConn::open(&redis.url()).await?;
+        Ok(Region { redis, conn })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.redis.proc.pid()
+    }
+}
+
+/// The text of `base/metrics`, empty on failure.
+pub async fn metrics_text(http: &reqwest::Client, base: &str) -> String {
+    match http
+        .get(format!("{base}/metrics"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+    {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// One sample of `base/metrics` (`None` if absent).
+pub async fn metric(http: &reqwest::Client, base: &str, sample: &str) -> Option<f64> {
+    testkit::metric_sample(&metrics_text(http, base).await, sample)
+}
+
+/// The sum over every label set of `name` at `base/metrics` (0 if absent).
+pub async fn metric_sum(http: &reqwest::Client, base: &str, name: &str) -> f64 {
+    testkit::metric_value(&metrics_text(http, base).await, name)
+}
+
+/// Waits until `GET url` answers 200 (`/readyz`: Kafka attached).
+pub async fn wait_ok(http: &reqwest::Client, what: &str, url: &str, deadline: Duration) {
+    let url = url.to_string();
+    testkit::wait_until(what, deadline, || {
+        let req = http.get(&url).timeout(Duration::from_secs(2)).send();
+        async move { req.await.is_ok_and(|r| r.status().is_success()) }
+    })
+    .await
+}
+
+/// A region-node started (recorded) with `env` on top of `RUST_LOG=warn`,
+/// and, unless `ready` is `/healthz`, waited for on `ready` too.
+pub async fn start_node(
+    run: &Run,
+    config: &Path,
+    region: &str,
+    node_id: &str,
+    ready: &str,
+    env: &[(&str, &str)],
+) -> RegionNode {
+    let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn")];
+    all.extend_from_slice(env);
+    let node = RegionNode::start_with_env(config, region, node_id, &all).await;
+    let envs: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    run.record(format!(
+        "env {envs}RUST_LOG=warn {} --config {} --region {region} --node-id {node_id} --listen 127.0.0.1:{} &",
+        testkit::bin_path("region-node").display(),
+        config.display(),
+        node.port()
+    ));
+    if ready != "/healthz" {
+        wait_ok(
+            &node.http,
+            &format!("region-node {node_id} ready on {ready}"),
+            &node.url(ready),
+            Duration::from_secs(60),
+        )
+        .await;
+    }
+    node
+}
+
+/// The aggregator (recorded), ready on `/readyz`.
+pub async fn start_aggregator(run: &Run, config: &Path, env: &[(&str, &str)]) -> Aggregator {
+    let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn")];
+    all.extend_from_slice(env);
+    let agg = Aggregator::start_with_env(config, &all).await;
+    run.record(format!(
+        "RUST_LOG=warn {} --config {} --listen 127.0.0.1:{} &",
+        testkit::bin_path("aggregator").display(),
+        config.display(),
+        agg.port()
+    ));
+    wait_ok(
+        &agg.http,
+        "the aggregator ready on /readyz",
+        &agg.url("/readyz"),
+        Duration::from_secs(60),
+    )
+    .await;
+    agg
+}
+
+/// A Tansu broker (recorded) with the two compacted topics of 8 partitions.
+pub async fn start_tansu(run: &Run) -> Tansu {
+    let tansu = Tansu::start();
+    run.record(format!(
+        "cd $TANSU_DIR; RUST_LOG=warn {} broker --kafka-cluster-id tierlimit-test --listener-url tcp://{b} --advertised-listener-url tcp://{b} --storage-engine sqlite://tansu.db &",
+        testkit::tansu_bin().display(),
+        b = tansu.brokers()
+    ));
+    run.record(format!(
+        "# topics tierlimit.deltas and tierlimit.global created on {} with 8 partitions, cleanup.policy=compact",
+        tansu.brokers()
+    ));
+    tansu
+        .create_topics_with_config(
+            &["tierlimit.deltas", "tierlimit.global"],
+            8,
+            &[("cleanup.policy", "compact")],
+        )
+        .await;
+    tansu
+}
+
+/// The throughput plan `bench` (scenarios 1, 2, 6, 6b and unknown
+/// tenants), its region tier's sliding window `region_window` long.
+pub fn bench_plan(region_window: &str) -> String {
+    format!(
+        r#"# Throughput runs: limits high enough that every check is allowed, so every
+# check runs the script's full write path (every tier charged, PN counter,
+# dirty mark).
+[plans.bench]
+on_store_error = "closed"
+global = {{ limit = 1000000000000 }}
+[plans.bench.node]
+limit = 1000000
+window = "1s"
+algorithm = "fixed_window"
+[plans.bench.region]
+limit = 100000000
+window = "{region_window}"
+algorithm = "sliding_window"
+"#
+    )
+}
+
+/// The configuration of the main run (`$TMP/tierlimit.toml`): three
+/// regions, the throughput, accuracy, fast-path and crossings plans, and
+/// tenants `x0` … for scenario 5b.
+pub fn config(k: &Knobs, brokers: &str, redis: [&Region; 3]) -> String {
+    let mut s = format!(
+        r#"# Written by scripts/bench.
+cluster = "bench"
+[kafka]
+brokers = "{brokers}"
+partitions = 8
+[node]
+flush_interval = "250ms"
+# Generous: a timeout under load would switch decisions to the fail mode
+# and the bench would measure that instead.
+store_timeout = "500ms"
+[aggregator]
+broadcast_interval = "250ms"
+[regions.eu]
+redis_url = "{eu}"
+[regions.us]
+redis_url = "{us}"
+[regions.ap]
+redis_url = "{ap}"
+
+{bench_plan}
+# Accuracy: the design's daily limit, no other tier in the way.
+[plans.daily]
+on_store_error = "closed"
+global = {{ limit = {acc} }}
+
+# Fast path: a tiny daily limit, quickly exceeded.
+[plans.tiny]
+on_store_error = "closed"
+global = {{ limit = 100 }}
+
+# Many crossings (5b): a small daily limit, no other tier in the way; the
+# tenants x0 ... are listed at the end.
+[plans.cross]
+on_store_error = "closed"
+global = {{ limit = {cross} }}
+
+[tenants.acc0]
+plan = "daily"
+[tenants.over0]
+plan = "tiny"
+
+[unknown_tenants]
+policy = "plan"
+plan = "bench"
+"#,
+        eu = redis[0].redis.url(),
+        us = redis[1].redis.url(),
+        ap = redis[2].redis.url(),
+        acc = k.acc_limit,
+        cross = k.cross_limit,
+        bench_plan = bench_plan("1m"),
+    );
+    for i in 0..k.cross_tenants {
+        s.push_str(&format!("\n[tenants.x{i}]\nplan = \"cross\"\n"));
+    }
+    s
+}
