@@ -485,53 +485,25 @@ impl Topology {
             format!("0x{PROXY_MARK:x}"),
         );
         let dest = format!("{}:{proxy_port}", hf.ip);
-        self.iptables(
-            &hf.ns,
-            &[
-                "-t",
-                "nat",
-                "-A",
-                NAT_CHAIN,
-                "-p",
-                "tcp",
-                "-d",
-                &to_ip,
-                "--dport",
-                &port_s,
-                "-m",
-                "mark",
-                "!",
-                "--mark",
-                &mark,
-                "-j",
-                "DNAT",
-                "--to-destination",
-                &dest,
-            ],
-        );
+        // TCP to the target that did not come through the forwarder (whose
+        // packets carry the mark).
+        let unproxied = [
+            "-p", "tcp", "-d", &to_ip, "--dport", &port_s, "-m", "mark", "!", "--mark", &mark,
+        ];
+        let dnat = ["-j", "DNAT", "--to-destination", &dest];
+        let nat: Vec<&str> = ["-t", "nat", "-A", NAT_CHAIN]
+            .iter()
+            .chain(&unproxied)
+            .chain(&dnat)
+            .copied()
+            .collect();
+        self.iptables(&hf.ns, &nat);
         // Connections made before the rule still go direct: reset them.
         // (Packets of new connections are already rewritten by DNAT when the
         // filter chain sees them, and the forwarder's carry the mark.)
-        self.fault_rule(
-            &hf,
-            &[
-                "-p",
-                "tcp",
-                "-d",
-                &to_ip,
-                "--dport",
-                &port_s,
-                "-m",
-                "mark",
-                "!",
-                "--mark",
-                &mark,
-                "-j",
-                "REJECT",
-                "--reject-with",
-                "tcp-reset",
-            ],
-        );
+        let reset = ["-j", "REJECT", "--reject-with", "tcp-reset"];
+        let rule: Vec<&str> = unproxied.iter().chain(&reset).copied().collect();
+        self.fault_rule(&hf, &rule);
     }
 
     /// Takes `host`'s link down (the veth end on the bridge).
