@@ -396,13 +396,17 @@ impl Decider {
         call: &DecideCall<'_>,
     ) -> Decision {
         let mut tiers = Vec::with_capacity(3);
+        let share;
         let region_limit = match (mode, &policy.region) {
-            (Mode::Local, Some(l)) => Some(l.share(call.expected_nodes)),
-            (_, l) => l.clone(),
+            (Mode::Local, Some(l)) => {
+                share = l.share(call.expected_nodes);
+                Some(&share)
+            }
+            (_, l) => l.as_ref(),
         };
         for (tier, limit, reply) in [
             (Tier::Node, policy.node.as_ref(), r.node),
-            (Tier::Region, region_limit.as_ref(), r.region),
+            (Tier::Region, region_limit, r.region),
         ] {
             if let (Some(l), Some(t)) = (limit, reply) {
                 tiers.push(status(tier, l, t.remaining, t.reset_ms));
