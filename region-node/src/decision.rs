@@ -31,7 +31,9 @@ use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
 use crate::metrics::Metrics;
-use crate::storage::{CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, Op, StoreError};
+use crate::storage::{
+    CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, Op, Scope, StoreError, TierCall,
+};
 use crate::view::View;
 
 const DAY_MS: u64 = SECS_PER_DAY * 1000;
@@ -327,28 +329,55 @@ impl Decider {
         let global = policy.global.map(|limit| {
             self.view.with(req.tenant, today, |e| {
                 let total = e.map_or(0, |e| e.total());
-                let own_parts: Vec<(String, u64)> = e.map_or_else(Vec::new, |e| {
-                    e.region_parts(&self.region)
-                        .map(|(epoch, v)| (epoch.to_string(), v))
+                // This region's actors in the broadcast, with P and N: the
+                // script takes others = total − its actor's part, and raises
+                // a rolled-back counter to it.
+                let own_parts: Vec<(String, u64, u64)> = e.map_or_else(Vec::new, |e| {
+                    e.parts
+                        .iter()
+                        .filter_map(|(actor, (p, n))| {
+                            let (region, epoch) = actor.split_once('/')?;
+                            (region == self.region).then(|| (epoch.to_string(), *p, *n))
+                        })
                         .collect()
                 });
-                let own: u64 = own_parts.iter().map(|(_, v)| v).sum();
+                let own: u64 = own_parts.iter().map(|(_, p, n)| p.saturating_sub(*n)).sum();
+                let node = &cfg.config.node;
                 GlobalArgs {
                     limit,
                     broadcast_total: total,
                     own_cap: self.staleness_cap(cfg, limit, total, own, now),
                     own_parts,
+                    urgent_at: crate::publisher::urgent_at(
+                        Some(limit),
+                        total,
+                        own,
+                        cfg.config.regions.len() as u64,
+                        node.urgent_fraction,
+                    ),
                 }
             })
         });
+        let tier = |scope, limit| TierCall {
+            scope,
+            rule: keys::WHOLE_TENANT,
+            key,
+            limit,
+            cost: req.cost,
+        };
+        let mut tiers = Vec::with_capacity(2);
+        if let Some(l) = &policy.node {
+            tiers.push(tier(Scope::Node, l));
+        }
+        if let Some(l) = &policy.region {
+            tiers.push(tier(Scope::Region, l));
+        }
         DecideCall {
             op,
             tenant: req.tenant,
-            key,
             node_id: &self.node_id,
             cost: req.cost,
-            node: policy.node.as_ref(),
-            region: policy.region.as_ref(),
+            tiers,
             expected_nodes: self.expected_nodes(cfg),
             global,
             epoch_candidate: std::str::from_utf8(epoch).expect("hex digits are ASCII"),
@@ -395,30 +424,40 @@ impl Decider {
         mode: Mode,
         call: &DecideCall<'_>,
     ) -> Decision {
+        if r.raised > 0 {
+            self.metrics.counter_rollbacks.inc();
+            tracing::warn!(
+                tenant = req.tenant,
+                raised = r.raised,
+                "Redis counter below its broadcast part (partial rollback); raised"
+            );
+        }
         let mut tiers = Vec::with_capacity(3);
-        let share;
-        let region_limit = match (mode, &policy.region) {
-            (Mode::Local, Some(l)) => {
-                share = l.share(call.expected_nodes);
-                Some(&share)
-            }
-            (_, l) => l.as_ref(),
-        };
-        for (tier, limit, reply) in [
-            (Tier::Node, policy.node.as_ref(), r.node),
-            (Tier::Region, region_limit, r.region),
-        ] {
-            if let (Some(l), Some(t)) = (limit, reply) {
-                tiers.push(status(tier, l, t.remaining, t.reset_ms));
-            }
+        for (t, reply) in call.tiers.iter().zip(&r.tiers) {
+            let tier = match t.scope {
+                Scope::Node => Tier::Node,
+                Scope::Region => Tier::Region,
+            };
+            // In local mode the region tier shown is this node's share.
+            let share;
+            let limit = match (mode, t.scope) {
+                (Mode::Local, Scope::Region) => {
+                    share = t.limit.share(call.expected_nodes);
+                    &share
+                }
+                _ => t.limit,
+            };
+            tiers.push(status(tier, limit, reply.remaining, reply.reset_ms));
         }
         let now = call.now_ms;
         if let Some(g) = policy.global {
             tiers.push(global_status(g, r.global_remaining.unwrap_or(0), now));
         }
         let denied_by = r.denied.map(|d| match d {
-            Denied::Node => Tier::Node,
-            Denied::Region => Tier::Region,
+            Denied::Tier(i) => match call.tiers.get(i).map(|t| t.scope) {
+                Some(Scope::Node) => Tier::Node,
+                _ => Tier::Region,
+            },
             Denied::Global => Tier::Global,
         });
         Decision {

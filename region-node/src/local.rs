@@ -13,23 +13,24 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use crate::storage::{
-    BoxFuture, CounterStore, DecideCall, DecideReply, Denied, Op, StoreError, TierReply,
+    BoxFuture, CounterStore, DecideCall, DecideReply, Denied, Op, Scope, StoreError, TierCall,
+    TierReply,
 };
 
 use tierlimit_shared::algorithm::{Evaluation, TierState};
 use tierlimit_shared::config::Limit;
 
-/// (tenant, key, tier) → the limit a state was last used with, and the state.
-type TierStates = HashMap<(String, String, u8), (Limit, TierState)>;
+/// (tenant, tier id, key) → the limit a state was last used with, and the
+/// state.
+type TierStates = HashMap<(String, String, String), (Limit, TierState)>;
 
-/// The limits local mode enforces: the node tier as configured, and this
-/// node's share of the region tier.
-fn local_limits(
-    node: Option<&Limit>,
-    region: Option<&Limit>,
-    expected_nodes: u32,
-) -> [Option<Limit>; 2] {
-    [node.cloned(), region.map(|r| r.share(expected_nodes))]
+/// The limit local mode enforces for a tier: a node tier as configured, and
+/// this node's share of a region tier.
+fn local_limit(tier: &TierCall<'_>, expected_nodes: u32) -> Limit {
+    match tier.scope {
+        Scope::Node => tier.limit.clone(),
+        Scope::Region => tier.limit.share(expected_nodes),
+    }
 }
 
 /// Per-process limiter used when Redis is down.
@@ -59,59 +60,53 @@ impl Local {
         }
     }
 
-    /// Evaluates node and region-share tiers and charges both only if both
-    /// pass. Returns `(allowed, node, region)`.
-    fn check(&self, call: &DecideCall<'_>) -> (bool, Option<LocalTier>, Option<LocalTier>) {
-        let (tenant, key, cost, now_us) = (call.tenant, call.key, call.cost, call.now_ms * 1000);
-        let limits = local_limits(call.node, call.region, call.expected_nodes);
+    /// Evaluates every tier (region tiers at this node's share) and charges
+    /// all of them only if all pass. Returns whether it did, and each tier's
+    /// evaluation in call order.
+    fn check(&self, call: &DecideCall<'_>) -> (bool, Vec<LocalTier>) {
+        let now_us = call.now_ms * 1000;
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
-        let mut out: [Option<LocalTier>; 2] = [None, None];
-        for (i, limit) in limits.iter().enumerate() {
-            if let Some(limit) = limit {
-                let (last, state) = tiers
-                    .entry((tenant.to_string(), key.to_string(), i as u8))
-                    .or_insert_with(|| (limit.clone(), TierState::new(limit)));
-                *last = limit.clone();
-                out[i] = Some(LocalTier {
-                    limit: limit.clone(),
-                    eval: state.evaluate(limit, now_us, cost),
-                });
-            }
+        let ids: Vec<(String, String, String)> = call
+            .tiers
+            .iter()
+            .map(|t| (call.tenant.to_string(), t.tier_id(call.node_id), t.key.to_string()))
+            .collect();
+        let mut out = Vec::with_capacity(call.tiers.len());
+        for (t, id) in call.tiers.iter().zip(&ids) {
+            let limit = local_limit(t, call.expected_nodes);
+            let (last, state) = tiers
+                .entry(id.clone())
+                .or_insert_with(|| (limit.clone(), TierState::new(&limit)));
+            *last = limit.clone();
+            let eval = state.evaluate(&limit, now_us, t.cost);
+            out.push(LocalTier { limit, eval });
         }
-        let allowed = out.iter().flatten().all(|t| t.eval.allowed);
+        let allowed = out.iter().all(|t| t.eval.allowed);
         if allowed {
-            for (i, limit) in limits.iter().enumerate() {
-                if let Some(limit) = limit {
-                    if let Some((_, s)) =
-                        tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8))
-                    {
-                        s.commit(limit, now_us, cost);
-                    }
+            for ((t, id), lt) in call.tiers.iter().zip(&ids).zip(&out) {
+                if let Some((_, s)) = tiers.get_mut(id) {
+                    s.commit(&lt.limit, now_us, t.cost);
                 }
             }
             let mut counts = self.counts.lock().expect("local counts poisoned");
-            counts.entry((tenant.to_string(), call.day)).or_default().0 += cost;
+            counts.entry((call.tenant.to_string(), call.day)).or_default().0 += call.cost;
         }
-        let [node, region] = out;
-        (allowed, node, region)
+        (allowed, out)
     }
 
     /// Gives back units charged in local mode (never below zero).
     fn refund(&self, call: &DecideCall<'_>) {
-        let (tenant, key, cost, now_us) = (call.tenant, call.key, call.cost, call.now_ms * 1000);
-        let limits = local_limits(call.node, call.region, call.expected_nodes);
+        let now_us = call.now_ms * 1000;
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
-        for (i, limit) in limits.iter().enumerate() {
-            if let (Some(limit), Some((_, s))) = (
-                limit,
-                tiers.get_mut(&(tenant.to_string(), key.to_string(), i as u8)),
-            ) {
-                s.refund(limit, now_us, cost);
+        for t in &call.tiers {
+            let id = (call.tenant.to_string(), t.tier_id(call.node_id), t.key.to_string());
+            if let Some((_, s)) = tiers.get_mut(&id) {
+                s.refund(&local_limit(t, call.expected_nodes), now_us, t.cost);
             }
         }
         let mut counts = self.counts.lock().expect("local counts poisoned");
-        if let Some(c) = counts.get_mut(&(tenant.to_string(), call.day)) {
-            c.1 = (c.1 + cost).min(c.0);
+        if let Some(c) = counts.get_mut(&(call.tenant.to_string(), call.day)) {
+            c.1 = (c.1 + call.cost).min(c.0);
         }
     }
 
@@ -155,13 +150,13 @@ impl Local {
             denied: None,
             retry_ms: Some(0),
             now_ms: call.now_ms as i64,
-            node: None,
-            region: None,
+            tiers: Vec::new(),
             own_p: 0,
             own_n: 0,
             epoch: self.actor.clone(),
             day: call.day,
             global_remaining,
+            raised: 0,
         };
         match call.op {
             Op::Refund => {
@@ -172,13 +167,13 @@ impl Local {
             // no windowed tier (as before this interface).
             Op::Peek => base,
             Op::Check => {
-                let (allowed, node, region) = self.check(call);
+                let (allowed, evals) = self.check(call);
                 let mut denied = None;
                 let mut retry: Option<u64> = Some(0);
-                let mut tier = |t: Denied, lt: Option<LocalTier>| {
-                    let LocalTier { eval, .. } = lt?;
+                let mut tiers = Vec::with_capacity(evals.len());
+                for (i, (LocalTier { eval, .. }, t)) in evals.into_iter().zip(&call.tiers).enumerate() {
                     if !eval.allowed {
-                        denied.get_or_insert(t);
+                        denied.get_or_insert(Denied::Tier(i));
                         retry = match (retry, eval.retry_ms) {
                             (Some(a), Some(b)) => Some(a.max(b)),
                             _ => None,
@@ -187,23 +182,20 @@ impl Local {
                     // A tier that passed reports units after this request;
                     // nothing was charged if another tier denied.
                     let remaining = if eval.allowed && !allowed {
-                        eval.remaining + call.cost
+                        eval.remaining + t.cost
                     } else {
                         eval.remaining
                     };
-                    Some(TierReply {
+                    tiers.push(TierReply {
                         remaining,
                         reset_ms: eval.reset_ms,
-                    })
-                };
-                let node = tier(Denied::Node, node);
-                let region = tier(Denied::Region, region);
+                    });
+                }
                 DecideReply {
                     allowed,
                     denied,
                     retry_ms: if allowed { Some(0) } else { retry },
-                    node,
-                    region,
+                    tiers,
                     ..base
                 }
             }

@@ -31,6 +31,8 @@ pub struct Metrics {
     /// Dirty entries a flush left for later: neither urgent nor due.
     pub deltas_deferred: IntCounter,
     pub dirty_entries: IntGauge,
+    pub dirty_oldest_seconds: prometheus::Gauge,
+    pub counter_rollbacks: IntCounter,
     pub publish_seconds: Histogram,
     pub last_publish_ms: IntGauge,
     pub view_age_seconds: prometheus::Gauge,
@@ -181,6 +183,22 @@ impl Metrics {
                 IntGauge::new(
                     "tierlimit_dirty_entries",
                     "Unpublished (tenant, day) entries seen at the last flush",
+                )
+                .unwrap(),
+            ),
+            dirty_oldest_seconds: reg(
+                &r,
+                prometheus::Gauge::new(
+                    "tierlimit_dirty_oldest_seconds",
+                    "Age of the oldest non-urgent unpublished (tenant, day) entry at the last flush (the publish backlog)",
+                )
+                .unwrap(),
+            ),
+            counter_rollbacks: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_counter_rollbacks_total",
+                    "Counters found in Redis below what the aggregator already has from the same actor (a partial Redis rollback), raised back",
                 )
                 .unwrap(),
             ),

@@ -1,27 +1,30 @@
-//! The delta publisher: drains the region's dirty set to the deltas topic.
+//! The delta publisher: drains the region's dirty sets to the deltas topic.
 //!
-//! Every `flush_interval` it reads up to `publish_batch` dirty (tenant, day)
-//! entries, reads each one's PN counter (epoch, cumulative P and N) and
-//! produces one delta per entry. Only after Kafka acknowledged a delta is its
-//! entry removed from the dirty set, and only if no charge raised it since
-//! (`ack.lua`). So a crash, a Kafka outage or a slow broker at any point
-//! leaves the entry dirty, and some node of the region publishes it later:
-//! deltas are at-least-once and cumulative, which the aggregator's max-merge
-//! makes exactly-once in effect.
+//! Every `flush_interval` it reads each of the [`keys::BUCKETS`] dirty sets
+//! (all at once; under Redis Cluster each bucket is one slot, so every
+//! master is covered), reads each due entry's PN counter (epoch, cumulative
+//! P and N) and produces one delta per entry. Only after Kafka acknowledged
+//! a delta does its entry leave the dirty set, and only if no charge raised
+//! it since (`ack.lua`). So a crash, a Kafka outage or a slow broker at any
+//! point leaves the entry dirty, and some node of the region publishes it
+//! later: deltas are at-least-once and cumulative, which the aggregator's
+//! max-merge makes exactly-once in effect.
 //!
-//! Every node of a region runs a publisher over the same dirty set. That is
+//! Every node of a region runs a publisher over the same dirty sets. That is
 //! harmless by construction (same actor, same cumulative values), so no
 //! leader election is needed; the cost is duplicate messages.
 //!
 //! Not every dirty entry goes out at every flush. The other regions need a
 //! tenant's exact count only once the tenant nears its global limit; until
 //! then, publishing every `flush_interval` makes Kafka traffic grow with time
-//! instead of with information. So an entry is published at this flush when
-//! it is **urgent** ([`urgent`]: the tenant's estimated global spend reached
-//! `urgent_fraction` of its limit) or **due** (the region last published it
-//! `relaxed_flush_interval` ago or more, per the shared `tl:published` set);
-//! the rest stay dirty and are counted as deferred. Deferring never loses a
-//! count: the entry stays in Redis until a later flush publishes it.
+//! instead of with information. The dirty set is therefore a queue ordered by
+//! when an entry is due: the decision script marks an entry **urgent** (score
+//! 0, published at the next flush whatever the backlog) once the region's
+//! count reaches the `urgent_at` the node computed from its view
+//! ([`urgent_at`]), and otherwise due a `relaxed_flush_interval` after it
+//! became dirty (or after its last publication, if charged since). A flush
+//! reads only what is due, urgent first, so the heaviest tenants never wait
+//! behind a backlog. Nothing is lost by waiting: the entry stays in Redis.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -38,8 +41,7 @@ use tierlimit_shared::{day, keys};
 use crate::local::Local;
 use crate::metrics::Metrics;
 use crate::storage::redis::RedisStore;
-use crate::storage::CounterStore;
-use crate::storage::StoreError;
+use crate::storage::{CounterStore, DecideCall, GlobalArgs, Op, StoreError};
 use crate::view::View;
 
 /// Why a flush did not publish everything it meant to. Nothing is lost:
@@ -66,25 +68,110 @@ pub struct Publisher {
     /// last global totals): what [`urgent`] estimates from.
     live: Live,
     view: Arc<View>,
-    /// Where the next read of the dirty set starts when it holds more than
-    /// `batch` entries: deferred entries stay, so always reading from the
-    /// front could leave the rest unread.
-    cursor: usize,
     metrics: Arc<Metrics>,
     /// Local-mode counts as last acknowledged, so unchanged ones are skipped.
     local_published: HashMap<(String, u32), (u64, u64)>,
     /// (tenant, day, epoch) already reported as a new epoch, so each data
     /// loss is counted once per node; pruned with the day.
     reported_epochs: HashSet<(String, u32, String)>,
-    /// Redis' clock at the previous flush, for pruning `tl:published` even
-    /// when nothing is published.
-    last_redis_now_ms: Option<i64>,
 }
 
-/// One dirty entry read back from Redis.
+/// One delta to publish, and where its dirty entry lives.
 struct Pending {
-    member: String,
+    bucket: u16,
+    tenant: String,
+    day: u32,
     delta: Delta,
+}
+
+/// What a flush read from one bucket.
+struct BucketRead {
+    bucket: u16,
+    /// Entries in the dirty set.
+    total: i64,
+    /// Redis time the oldest non-urgent entry became dirty.
+    oldest: Option<i64>,
+    entries: Vec<DirtyEntry>,
+}
+
+struct DirtyEntry {
+    tenant: String,
+    day: u32,
+    /// (epoch, P, N); `None` if the counter is gone.
+    counter: Option<(String, u64, u64)>,
+}
+
+/// Reads bucket `bucket`'s due entries (urgent first, then oldest, at most
+/// `limit`) and their counters: two round trips to the bucket's master.
+async fn read_bucket(
+    store: &RedisStore,
+    bucket: u16,
+    cutoff: i64,
+    limit: usize,
+) -> Result<BucketRead, StoreError> {
+    let slot = keys::bucket_slot(bucket);
+    let dirty = keys::dirty(bucket);
+    let mut pipe = redis::pipe();
+    pipe.cmd("ZCARD").arg(&dirty);
+    pipe.cmd("ZRANGE")
+        .arg(&dirty)
+        .arg("-inf")
+        .arg(cutoff)
+        .arg("BYSCORE")
+        .arg("LIMIT")
+        .arg(0)
+        .arg(limit);
+    pipe.cmd("ZRANGE")
+        .arg(&dirty)
+        .arg("(0")
+        .arg("+inf")
+        .arg("BYSCORE")
+        .arg("LIMIT")
+        .arg(0)
+        .arg(1)
+        .arg("WITHSCORES");
+    let (total, members, oldest): (i64, Vec<String>, Vec<(String, f64)>) =
+        store.pipeline("dirty_read", slot, pipe).await?;
+    let mut entries = Vec::with_capacity(members.len());
+    let mut pipe = redis::pipe();
+    for m in &members {
+        match keys::parse_dirty_member(m) {
+            Some((t, d)) => {
+                let g = keys::day_prefix(d);
+                pipe.cmd("HMGET")
+                    .arg(keys::tenant_hash(t))
+                    .arg(format!("{g}e"))
+                    .arg(format!("{g}p"))
+                    .arg(format!("{g}n"));
+                entries.push(DirtyEntry {
+                    tenant: t.to_string(),
+                    day: d,
+                    counter: None,
+                });
+            }
+            // Not ours: drop it so it cannot block the queue forever.
+            None => {
+                let mut cmd = redis::cmd("ZREM");
+                cmd.arg(&dirty).arg(m);
+                let _ = store.query::<i64>("dirty_drop", slot, cmd).await;
+            }
+        }
+    }
+    if !entries.is_empty() {
+        let rows: Vec<(Option<String>, Option<u64>, Option<u64>)> =
+            store.pipeline("dirty_counters", slot, pipe).await?;
+        for (e, (epoch, p, n)) in entries.iter_mut().zip(rows) {
+            if let (Some(epoch), Some(p)) = (epoch, p) {
+                e.counter = Some((epoch, p, n.unwrap_or(0)));
+            }
+        }
+    }
+    Ok(BucketRead {
+        bucket,
+        total,
+        oldest: oldest.first().map(|(_, s)| *s as i64),
+        entries,
+    })
 }
 
 impl Publisher {
@@ -114,11 +201,9 @@ impl Publisher {
             interval: config.node.flush_interval,
             live,
             view,
-            cursor: 0,
             metrics,
             local_published: HashMap::new(),
             reported_epochs: HashSet::new(),
-            last_redis_now_ms: None,
         })
     }
 
@@ -157,126 +242,102 @@ impl Publisher {
         // Read at every flush, so a SIGHUP reload applies to the next one.
         let cfg = self.live.load_full();
         let relaxed = cfg.config.node.relaxed_flush_interval();
-        let batch = self.batch as i64;
-        let mut pipe = redis::pipe();
-        pipe.cmd("ZCARD").arg(keys::DIRTY);
-        pipe.cmd("ZRANGE")
-            .arg(keys::DIRTY)
-            .arg(self.cursor as i64)
-            .arg(self.cursor as i64 + batch - 1);
-        pipe.cmd("TIME");
-        // Stamps older than the relaxed interval are of no use; the ack
-        // prunes them too, but only when something is published.
-        if let Some(prev) = self.last_redis_now_ms {
-            pipe.cmd("ZREMRANGEBYSCORE")
-                .arg(keys::PUBLISHED)
-                .arg("-inf")
-                .arg(format!("({}", prev - relaxed.as_millis() as i64))
-                .ignore();
+        let redis_now = self.store.redis_now_ms(now_ms());
+        // Due: urgent (score 0), or dirty since a relaxed interval ago.
+        let cutoff = redis_now - relaxed.as_millis() as i64;
+        let per_bucket = (self.batch * 4).div_ceil(usize::from(keys::BUCKETS)).max(16);
+
+        // 1. Every bucket's due entries and their counters, all buckets at
+        //    once (each bucket is one slot: one master serves its reads).
+        let mut reads = tokio::task::JoinSet::new();
+        for bucket in 0..keys::BUCKETS {
+            let store = Arc::clone(&self.store);
+            reads.spawn(async move { read_bucket(&store, bucket, cutoff, per_bucket).await });
         }
-        let (total, members, (secs, micros)): (i64, Vec<String>, (i64, i64)) =
-            self.store.pipeline("dirty_read", pipe).await?;
-        self.metrics.dirty_entries.set(total);
-        // Next flush reads the next window, back to the front at the end.
-        self.cursor += self.batch;
-        if self.cursor as i64 >= total {
-            self.cursor = 0;
-        }
-        let redis_now_ms = secs * 1000 + micros / 1000;
-        self.last_redis_now_ms = Some(redis_now_ms);
-        if members.is_empty() {
-            return Ok(0);
-        }
-        let mut pipe = redis::pipe();
-        let mut parsed = Vec::with_capacity(members.len());
-        let mut stale = Vec::new();
-        for m in &members {
-            match keys::parse_dirty_member(m) {
-                Some((t, d)) => {
-                    pipe.cmd("HMGET")
-                        .arg(keys::pn_counter(t, d))
-                        .arg("e")
-                        .arg("p")
-                        .arg("n");
-                    parsed.push((m.clone(), t.to_string(), d));
+        let mut total = 0;
+        let mut oldest: Option<i64> = None;
+        let mut entries = Vec::new();
+        let mut stale: HashMap<u16, Vec<(String, u32, u64)>> = HashMap::new();
+        let mut first_error = None;
+        while let Some(joined) = reads.join_next().await {
+            match joined {
+                Ok(Ok(read)) => {
+                    total += read.total;
+                    if let Some(o) = read.oldest {
+                        oldest = Some(oldest.map_or(o, |x: i64| x.min(o)));
+                    }
+                    for e in read.entries {
+                        match e.counter {
+                            Some(c) => entries.push((read.bucket, e.tenant, e.day, c)),
+                            // The counter expired or Redis lost it: nothing
+                            // to publish; the entry just leaves.
+                            None => stale
+                                .entry(read.bucket)
+                                .or_default()
+                                .push((e.tenant, e.day, u64::MAX)),
+                        }
+                    }
                 }
-                // Not ours: drop it so it cannot block the queue forever.
-                None => stale.push((m.clone(), u64::MAX)),
+                Ok(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(e) => tracing::warn!(error = %e, "bucket read task failed"),
             }
         }
-        let rows: Vec<(Option<String>, Option<u64>, Option<u64>)> =
-            self.store.pipeline("dirty_counters", pipe).await?;
-        let published_at: Vec<Option<f64>> = if parsed.is_empty() {
-            Vec::new()
-        } else {
-            let mut cmd = redis::cmd("ZMSCORE");
-            cmd.arg(keys::PUBLISHED);
-            for (m, _, _) in &parsed {
-                cmd.arg(m);
-            }
-            self.store.query("published_read", cmd).await?
-        };
+        self.metrics.dirty_entries.set(total);
+        self.metrics
+            .dirty_oldest_seconds
+            .set(oldest.map_or(0.0, |o| (redis_now - o).max(0) as f64 / 1000.0));
+        if let Some(e) = first_error {
+            // What was read is still published; the rest waits in Redis.
+            tracing::debug!(error = %e, "a bucket's dirty set could not be read");
+        }
+
+        // 2. One delta per entry, after the rollback check against the view.
         let now = now_ms();
-        let relaxed_ms = relaxed.as_millis() as f64;
-        let fraction = cfg.config.node.urgent_fraction;
-        let regions = cfg.config.regions.len().max(1) as u64;
-        let mut pending = Vec::with_capacity(parsed.len());
-        let mut deferred = 0;
-        for (((member, tenant, d), (e, p, n)), last) in
-            parsed.into_iter().zip(rows).zip(published_at)
-        {
-            let (Some(epoch), Some(p)) = (e, p) else {
-                // The counter expired or Redis lost it: nothing to publish.
-                stale.push((member, u64::MAX));
-                continue;
-            };
-            let n = n.unwrap_or(0).min(p);
+        let mut pending = Vec::with_capacity(entries.len());
+        for (bucket, tenant, d, (epoch, p, n)) in entries {
             let actor = actor(&self.region, &epoch);
-            // One look at the broadcast view serves both the epoch check and
-            // the urgency estimate: the global total, and this actor's part.
-            let (epoch_new, total, mine) = self.view.with(&tenant, d, |e| {
+            let (epoch_new, known) = self.view.with(&tenant, d, |e| {
                 (
                     epoch_is_new(e, &self.region, &epoch),
-                    e.map_or(0, |e| e.total()),
-                    e.and_then(|e| e.parts.get(&actor))
-                        .map_or(0, |(p, n)| p.saturating_sub(*n)),
+                    e.and_then(|e| e.parts.get(&actor)).copied(),
                 )
             });
             if epoch_new {
                 self.report_new_epoch(&tenant, d, &epoch);
             }
-            let due = last.is_none_or(|t| redis_now_ms as f64 - t >= relaxed_ms);
-            let limit = || cfg.policy(&tenant).and_then(|policy| policy.global);
-            if !due
-                && !urgent(
-                    limit(),
-                    total,
-                    (p - n).saturating_sub(mine),
-                    regions,
-                    fraction,
-                )
-            {
-                deferred += 1;
-                continue;
+            let (mut p, mut n) = (p, n.min(p));
+            if let Some((kp, kn)) = known.filter(|(kp, kn)| *kp > p || *kn > n) {
+                // Redis rolled back below what the aggregator holds from
+                // this actor (see decide.lua): raise it there, so the region
+                // does not spend it twice and the global count grows again.
+                match self.raise(&tenant, d, &epoch, kp, kn).await {
+                    Ok(()) => {
+                        self.metrics.counter_rollbacks.inc();
+                        tracing::warn!(tenant, day = d, epoch, redis_p = p, broadcast_p = kp, "Redis counter below its broadcast part (partial rollback); raised");
+                        p = p.max(kp);
+                        n = n.max(kn).min(p);
+                    }
+                    Err(e) => tracing::debug!(error = %e, "rollback raise failed; retried next flush"),
+                }
             }
             pending.push(Pending {
-                member,
+                bucket,
+                tenant: tenant.clone(),
+                day: d,
                 delta: Delta::new(&tenant, d, actor, p, n, now).from_node(&self.node_id),
             });
         }
+        let deferred = (total as u64).saturating_sub(pending.len() as u64);
         if deferred > 0 {
             self.metrics.deltas_deferred.inc_by(deferred);
         }
-        tracing::debug!(
-            dirty = total,
-            read = members.len(),
-            deferred,
-            publishing = pending.len(),
-            "flush"
-        );
+        tracing::debug!(dirty = total, publishing = pending.len(), deferred, "flush");
+
+        // 3. Produce everything, then await Kafka's acknowledgements.
         let mut acks = stale;
         let mut failures = 0;
-        // Enqueue everything first so librdkafka batches, then await acks.
         let mut deliveries = Vec::with_capacity(pending.len());
         for p in pending {
             let key = p.delta.key();
@@ -298,7 +359,8 @@ impl Publisher {
             match f.await {
                 Ok(Ok(_)) => {
                     ok += 1;
-                    acks.push((p.member, p.delta.p + p.delta.n));
+                    let pn = p.delta.p + p.delta.n;
+                    acks.entry(p.bucket).or_default().push((p.tenant, p.day, pn));
                 }
                 _ => failures += 1,
             }
@@ -307,15 +369,54 @@ impl Publisher {
         if failures > 0 {
             self.metrics.deltas_failed.inc_by(failures);
         }
-        if !acks.is_empty() {
-            self.store
-                .ack_dirty(keys::DIRTY, keys::PUBLISHED, relaxed, &acks)
-                .await?;
+
+        // 4. Acknowledge per bucket: entries leave their dirty set unless
+        //    charged since they were read.
+        let mut ack_tasks = tokio::task::JoinSet::new();
+        for (bucket, list) in acks {
+            let store = Arc::clone(&self.store);
+            ack_tasks.spawn(async move { store.ack_dirty(bucket, &list).await });
+        }
+        while let Some(r) = ack_tasks.join_next().await {
+            if let Ok(Err(e)) = r {
+                tracing::debug!(error = %e, "ack failed; entries stay dirty and are published again");
+            }
         }
         if failures > 0 {
             return Err(PublishError::NotAcknowledged(failures));
         }
         Ok(ok)
+    }
+
+    /// Raises (tenant, day)'s counter of `epoch` to the broadcast P and N:
+    /// a peek call carrying the part, which the script persists.
+    async fn raise(
+        &self,
+        tenant: &str,
+        day: u32,
+        epoch: &str,
+        p: u64,
+        n: u64,
+    ) -> Result<(), StoreError> {
+        let cfg = self.live.load();
+        let call = DecideCall {
+            op: Op::Peek,
+            tenant,
+            node_id: &self.node_id,
+            cost: 0,
+            tiers: Vec::new(),
+            expected_nodes: 1,
+            global: Some(GlobalArgs {
+                own_parts: vec![(epoch.to_string(), p, n)],
+                ..GlobalArgs::default()
+            }),
+            epoch_candidate: epoch,
+            day,
+            now_ms: now_ms(),
+            counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1)
+                * tierlimit_shared::day::SECS_PER_DAY,
+        };
+        self.store.decide(&call).await.map(|_| ())
     }
 
     /// Counts taken in `local` fail mode live in this process only until
@@ -386,33 +487,29 @@ fn epoch_is_new(e: Option<&crate::view::Entry>, region: &str, epoch: &str) -> bo
     })
 }
 
-/// Whether a tenant's delta must go out at this flush rather than when it is
-/// next due. `total` is the last broadcast global total, `unbroadcast` what
-/// this region spent since its own part in that broadcast. Without a global
-/// limit nobody enforces on the count, so it is never urgent.
+/// This region's P − N from which a tenant's (tenant, day) is urgent:
+/// published at the next flush rather than when it is next due. `total` is
+/// the last broadcast global total and `mine` this region's part of it.
+/// Without a global limit nobody enforces on the count: never urgent.
 ///
-/// The estimate assumes every region spent `unbroadcast` too since the
+/// The estimate assumes every region spent as much as this one since the
 /// broadcast: this region cannot see the others' unpublished spend, and its
-/// own is the best sample of the tenant's current rate. A burst therefore
-/// turns a tenant urgent early, which keeps the global overshoot where it was
+/// own is the best sample of the tenant's current rate. So the tenant is
+/// urgent once `total + regions × (own − mine) ≥ fraction × limit`, which
+/// turns a burst urgent early and keeps the global overshoot where it was
 /// when every entry was published at every flush.
-pub fn urgent(
-    limit: Option<u64>,
-    total: u64,
-    unbroadcast: u64,
-    regions: u64,
-    fraction: f64,
-) -> bool {
-    let Some(limit) = limit else {
-        return false;
-    };
-    let estimate = total as f64 + (regions as f64) * (unbroadcast as f64);
-    estimate >= fraction * limit as f64
+pub fn urgent_at(limit: Option<u64>, total: u64, mine: u64, regions: u64, fraction: f64) -> Option<u64> {
+    let limit = limit?;
+    let gap = fraction * limit as f64 - total as f64;
+    if gap <= 0.0 {
+        return Some(0);
+    }
+    Some(mine + (gap / regions.max(1) as f64).ceil() as u64)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{epoch_is_new, urgent};
+    use super::{epoch_is_new, urgent_at};
     use crate::view::Entry;
 
     #[test]
@@ -428,6 +525,11 @@ mod tests {
         // data loss.
         assert!(!epoch_is_new(Some(&e), "ap", "ddd"));
         assert!(!epoch_is_new(None, "eu", "ccc"));
+    }
+
+    /// Urgent iff `own ≥ urgent_at`, as the script applies it.
+    fn urgent(limit: Option<u64>, total: u64, unbroadcast: u64, regions: u64, f: f64) -> bool {
+        urgent_at(limit, total, 0, regions, f).is_some_and(|u| unbroadcast >= u)
     }
 
     #[test]
@@ -453,7 +555,9 @@ mod tests {
 
     #[test]
     fn no_global_limit_is_never_urgent_and_fraction_zero_always_is() {
-        assert!(!urgent(None, u64::MAX / 2, 1 << 40, 3, 0.0));
+        assert_eq!(urgent_at(None, u64::MAX / 2, 0, 3, 0.0), None);
         assert!(urgent(Some(1 << 40), 0, 0, 3, 0.0));
+        // This region's own broadcast part counts towards the threshold.
+        assert_eq!(urgent_at(Some(100), 40, 30, 2, 0.5), Some(35));
     }
 }

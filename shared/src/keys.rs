@@ -1,63 +1,130 @@
-//! The Redis key scheme of one region.
+//! The Redis key scheme of one region (scheme 2: bucketed, cluster-safe).
 //!
-//! Every key of a tenant carries the hash tag `{tenant}`, so one decision
-//! script touches a single Redis Cluster slot. Callers pass only ids that
-//! passed [`crate::validate`], whose alphabet excludes `{`, `}`, `:` and `|`,
-//! so no input can name a key of another tenant.
+//! Every key one decision touches shares one Redis Cluster slot, and so does
+//! the bookkeeping the publisher needs, without a key per tenant outside it:
 //!
-//! | key                     | type | holds                                   |
-//! |-------------------------|------|-----------------------------------------|
-//! | `tl:{T}:n:<node>:<k>:<a>` | hash/string/zset | node-tier state of one node   |
-//! | `tl:{T}:r:<k>:<a>`      | hash/string/zset | region-tier state             |
-//! | `tl:{T}:g:<day>`        | hash `e p n` | the region's PN counter part for (T, day): epoch, P, N |
-//! | `tl:dirty`              | zset `T|day → p+n` | (T, day) pairs not yet published |
-//! | `tl:published`          | zset `T|day → ms` | when the region last published (T, day), Redis clock; entries older than `relaxed_flush_interval` are dropped |
+//! - a tenant belongs to one of [`BUCKETS`] buckets (its CRC16 slot ÷ 256);
+//! - every key of the bucket carries the bucket's hash tag, chosen so that
+//!   bucket `i` hashes into slots `256·i .. 256·i+255` (see [`bucket_tag`]).
+//!   `redis-cli --cluster create` hands out contiguous slot ranges, so the
+//!   buckets spread evenly over the masters, and a reshard moves whole
+//!   buckets with their bookkeeping;
+//! - the publisher polls the [`BUCKETS`] dirty sets every flush (one small
+//!   read each, pipelined per master), not 16 384 slots.
 //!
-//! `<k>` is the request key when the plan is `key_scoped`, else `_`; `<a>` is
-//! the algorithm code.
+//! | key                          | type | holds |
+//! |------------------------------|------|-------|
+//! | `tl:{B}:t:T`                 | hash | the tenant: its whole-tenant tier states (fields `<tier id>:<f>`), its PN counter per day (`g:<day>:e`, `:p`, `:n`), the day's publish state (`g:<day>:d`: absent clean, 1 dirty, 2 urgent) and the list of its days (`gd`) |
+//! | `tl:{B}:t:T:k:<tier id>:<k>` | hash/zset | a tier that cannot live in the tenant hash: key-scoped (one per counting key, with its own TTL), a window longer than a day, or the exact sliding log (a zset) |
+//! | `tl:{B}:dirty`               | zset `T|day → score` | (tenant, day) pairs with unpublished changes; score 0 = urgent, else the Redis time (ms) it became due for the relaxed flush |
+//!
+//! `<tier id>` is `n:<node>:<rule>:<a>` (node tier) or `r:<rule>:<a>` (region
+//! tier), where `<rule>` is `_` for a plan's own tiers and `<a>` the
+//! algorithm code: each algorithm keeps other state, so a reload that changes
+//! it starts afresh instead of misreading. Callers pass only ids that passed
+//! [`crate::validate`], whose alphabet excludes `{`, `}`, `:` and `|`, so no
+//! input can name another tenant's key or field.
+//!
+//! Why one hash per tenant: a decision then reads every whole-tenant tier and
+//! the day's counter with one `HMGET` and writes them with one `HSET`,
+//! where scheme 1 (`tl:{T}:…`, one key per tier and per day, and the
+//! region-wide `tl:dirty` and `tl:published`, which no cluster can serve
+//! from one slot) needed a read, a write and a TTL per key.
 
-/// The region-wide set of (tenant, day) pairs with unpublished changes.
-pub const DIRTY: &str = "tl:dirty";
+/// Buckets of the key scheme. Part of the scheme: changing it moves every
+/// key. 64 lets a region spread over up to 64 masters.
+pub const BUCKETS: u16 = 64;
 
-/// When each (tenant, day) was last published by some node of the region
-/// (Redis clock, ms). Shared by the region's publishers so that a tenant
-/// published by one node is not published again by another before its
-/// `relaxed_flush_interval` is up.
-pub const PUBLISHED: &str = "tl:published";
-
-/// Placeholder for `<k>` when a plan counts per tenant, not per key.
+/// Placeholder for `<k>` when a plan counts per tenant, not per key, and for
+/// `<rule>` of a plan's own tiers.
 pub const WHOLE_TENANT: &str = "_";
 
-/// Node-tier state. The algorithm code is part of the key because each
-/// algorithm keeps a different Redis type there: a reload that changes the
-/// algorithm starts from fresh state instead of failing with WRONGTYPE.
-pub fn node_tier(tenant: &str, node: &str, key: &str, algorithm: u8) -> String {
-    format!("tl:{{{tenant}}}:n:{node}:{key}:{algorithm}")
+/// Slots of a Redis Cluster.
+pub const CLUSTER_SLOTS: u16 = 16384;
+
+/// The bucket of a tenant.
+pub fn bucket_of(tenant: &str) -> u16 {
+    cluster_slot(tenant.as_bytes()) / (CLUSTER_SLOTS / BUCKETS)
 }
 
-/// Region-tier state (see [`node_tier`] for the algorithm code).
-pub fn region_tier(tenant: &str, key: &str, algorithm: u8) -> String {
-    format!("tl:{{{tenant}}}:r:{key}:{algorithm}")
+/// The hash tag of bucket `i`: the first `b<i>.<n>` (n = 0, 1, …) whose
+/// slot lies in bucket `i`'s range of slots. Computed once.
+pub fn bucket_tag(i: u16) -> &'static str {
+    static TAGS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let tags = TAGS.get_or_init(|| {
+        let width = CLUSTER_SLOTS / BUCKETS;
+        (0..BUCKETS)
+            .map(|b| {
+                (0u32..)
+                    .map(|n| format!("b{b}.{n}"))
+                    .find(|t| cluster_slot(t.as_bytes()) / width == b)
+                    .expect("CRC16 reaches every range")
+            })
+            .collect()
+    });
+    &tags[usize::from(i % BUCKETS)]
 }
 
-pub fn pn_counter(tenant: &str, day: u32) -> String {
-    format!("tl:{{{tenant}}}:g:{day}")
+/// The slot every key of bucket `i` hashes to.
+pub fn bucket_slot(i: u16) -> u16 {
+    cluster_slot(bucket_tag(i).as_bytes())
 }
 
-/// Member of [`DIRTY`] for (tenant, day).
+/// The tenant hash.
+pub fn tenant_hash(tenant: &str) -> String {
+    format!("tl:{{{}}}:t:{tenant}", bucket_tag(bucket_of(tenant)))
+}
+
+/// The dirty set of bucket `i`.
+pub fn dirty(i: u16) -> String {
+    format!("tl:{{{}}}:dirty", bucket_tag(i))
+}
+
+/// The tier id of a node tier (see the module doc).
+pub fn node_tier_id(node: &str, rule: &str, algorithm: u8) -> String {
+    format!("n:{node}:{rule}:{algorithm}")
+}
+
+/// The tier id of a region tier.
+pub fn region_tier_id(rule: &str, algorithm: u8) -> String {
+    format!("r:{rule}:{algorithm}")
+}
+
+/// The key of a tier kept outside the tenant hash.
+pub fn tier_key(tenant: &str, tier_id: &str, key: &str) -> String {
+    format!("{}:k:{tier_id}:{key}", tenant_hash(tenant))
+}
+
+/// Field-name prefix of the PN counter of `day` in the tenant hash.
+pub fn day_prefix(day: u32) -> String {
+    format!("g:{day}:")
+}
+
+/// Member of a dirty set for (tenant, day).
 pub fn dirty_member(tenant: &str, day: u32) -> String {
     format!("{tenant}|{day}")
 }
 
-/// Parses a [`DIRTY`] member back; `None` for anything we did not write.
+/// Parses a dirty-set member back; `None` for anything we did not write.
 pub fn parse_dirty_member(m: &str) -> Option<(&str, u32)> {
     let (t, d) = m.rsplit_once('|')?;
     crate::validate::tenant(t).ok()?;
     Some((t, d.parse().ok()?))
 }
 
-/// Slots of a Redis Cluster.
-pub const CLUSTER_SLOTS: u16 = 16384;
+/// Scheme 1's keys, read only to carry a region's counts over an upgrade
+/// (`region-node migrate-keys`).
+pub mod v1 {
+    /// The region-wide dirty set of scheme 1.
+    pub const DIRTY: &str = "tl:dirty";
+    /// The region-wide publish stamps of scheme 1.
+    pub const PUBLISHED: &str = "tl:published";
+
+    /// Scheme 1's PN counter of (tenant, day): hash `e p n`.
+    pub fn pn_counter(tenant: &str, day: u32) -> String {
+        format!("tl:{{{tenant}}}:g:{day}")
+    }
+}
 
 /// The Redis Cluster slot of `key`: CRC16-XMODEM of its hash tag (the text
 /// between the first `{` and the next `}`, if not empty) or of the whole
@@ -90,10 +157,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn keys_carry_the_tenant_hash_tag() {
-        assert_eq!(node_tier("acme", "n1", "_", 2), "tl:{acme}:n:n1:_:2");
-        assert_eq!(region_tier("acme", "GET/x", 3), "tl:{acme}:r:GET/x:3");
-        assert_eq!(pn_counter("acme", 20_000), "tl:{acme}:g:20000");
+    fn every_key_of_a_tenant_shares_its_buckets_slot() {
+        for t in ["acme", "a.b-c", "x", "tenant-123456"] {
+            let b = bucket_of(t);
+            let slot = bucket_slot(b);
+            assert_eq!(cluster_slot(tenant_hash(t).as_bytes()), slot);
+            assert_eq!(cluster_slot(dirty(b).as_bytes()), slot);
+            let id = region_tier_id("_", 4);
+            assert_eq!(cluster_slot(tier_key(t, &id, "GET/x").as_bytes()), slot);
+        }
+    }
+
+    #[test]
+    fn bucket_tags_land_in_their_own_slot_range() {
+        let width = CLUSTER_SLOTS / BUCKETS;
+        for b in 0..BUCKETS {
+            assert_eq!(bucket_slot(b) / width, b, "{}", bucket_tag(b));
+        }
+        // A tenant's bucket is the range its own slot falls in.
+        assert_eq!(bucket_of("foo"), 12182 / width);
+    }
+
+    #[test]
+    fn keys_and_tier_ids_read_as_documented() {
+        let tag = bucket_tag(bucket_of("acme"));
+        assert_eq!(tenant_hash("acme"), format!("tl:{{{tag}}}:t:acme"));
+        assert_eq!(node_tier_id("n1", "_", 2), "n:n1:_:2");
+        assert_eq!(region_tier_id("_", 3), "r:_:3");
+        assert_eq!(
+            tier_key("acme", "r:_:4", "GET/x"),
+            format!("tl:{{{tag}}}:t:acme:k:r:_:4:GET/x")
+        );
+        assert_eq!(day_prefix(20_000), "g:20000:");
     }
 
     #[test]
@@ -106,10 +201,6 @@ mod tests {
         );
         assert_eq!(cluster_slot(b"{}x"), cluster_slot(b"{}x"));
         assert_eq!(cluster_slot(b"123456789"), 0x31c3);
-        assert_eq!(
-            cluster_slot(pn_counter("acme", 1).as_bytes()),
-            cluster_slot(region_tier("acme", "_", 1).as_bytes())
-        );
     }
 
     #[test]

@@ -1,26 +1,29 @@
--- Acknowledges published dirty entries.
+-- Acknowledges published entries of one bucket's dirty set.
 --
--- KEYS[1]  the dirty set (zset: member "tenant|day", score = p + n)
--- KEYS[2]  the published set (zset: member "tenant|day", score = when the
---          region last published it, ms of Redis TIME)
--- ARGV[1]  forget after (ms): published-set entries older than this are
---          removed, so the set holds only what is still being deferred
--- ARGV     then pairs: member, score-as-published
+-- KEYS[1]   the bucket's dirty set (zset: member "tenant|day")
+-- KEYS[2..] the tenant hash of each acknowledged member, in ARGV order
+-- ARGV[1]   unused (kept so the layout can grow)
+-- ARGV      then triplets: member, day, P + N as published
 --
--- A member is removed from the dirty set only if its score has not grown
--- since the publisher read it: a charge that landed after the read raised
--- p + n, so the entry stays dirty and is published again. Every member
--- acknowledged is stamped in the published set, whether or not it stayed
--- dirty. Returns how many members were removed from the dirty set.
+-- A member leaves the dirty set (and its hash loses the day's publish
+-- state `g:<day>:d`) only if its counter has not grown since the publisher
+-- read it: a charge that landed after the read raised P + N, so the entry
+-- stays dirty, due again a relaxed interval from now (an urgent entry keeps
+-- score 0). A member whose counter is gone (expired, lost) just leaves.
+-- Returns how many members left the dirty set.
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local removed = 0
-for i = 2, #ARGV, 2 do
-  local current = redis.call('ZSCORE', KEYS[1], ARGV[i])
-  if current and tonumber(current) <= tonumber(ARGV[i + 1]) then
+for i = 2, #ARGV, 3 do
+  local k = KEYS[(i + 1) / 3 + 1]
+  local gp = 'g:' .. ARGV[i + 1] .. ':'
+  local c = redis.call('HMGET', k, gp .. 'p', gp .. 'n', gp .. 'd')
+  local p = tonumber(c[1])
+  if not p or p + (tonumber(c[2]) or 0) <= tonumber(ARGV[i + 2]) then
     removed = removed + redis.call('ZREM', KEYS[1], ARGV[i])
+    if p then redis.call('HDEL', k, gp .. 'd') end
+  elseif tonumber(c[3]) ~= 2 then
+    redis.call('ZADD', KEYS[1], 'XX', now_ms, ARGV[i])
   end
-  redis.call('ZADD', KEYS[2], now_ms, ARGV[i])
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. (now_ms - tonumber(ARGV[1])))
 return removed

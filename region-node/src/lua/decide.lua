@@ -1,116 +1,91 @@
--- tierlimit decision script: node tier, region tier and the region's global
--- budget, evaluated together and charged all-or-nothing in one round trip.
+-- tierlimit decision script: every windowed tier of one tenant's request
+-- (node and region tiers, of the plan and of each descriptor) and the
+-- region's global budget, evaluated together and charged all-or-nothing in
+-- one round trip. Key scheme: shared/src/keys.rs. Arguments are laid out by
+-- region-node/src/storage/script.rs, the only reader of these positions.
 --
--- KEYS[1] node-tier state     tl:{T}:n:<node>:<key>:<algorithm code>
--- KEYS[2] region-tier state   tl:{T}:r:<key>:<algorithm code>
---         (the code is in the key because each algorithm keeps another
---         Redis type there; a reload that changes it starts afresh)
--- KEYS[3] dirty set           tl:dirty   (zset: member "T|day", score p+n)
--- KEYS[4..6] PN counters      tl:{T}:g:<d> for d = node_day-1, node_day,
---            node_day+1: the script picks the one of Redis' own day, so a
---            node whose clock is off around midnight still charges the
---            right day (and every key stays declared, as Cluster requires)
+-- KEYS[1]   the tenant hash   tl:{B}:t:T   (whole-tenant tier states, the
+--           PN counter of each day, its publish state)
+-- KEYS[2]   the bucket's dirty set   tl:{B}:dirty
+-- KEYS[3..] tiers kept outside the tenant hash (key-scoped, windows over a
+--           day, the sliding log), in the order their tiers name them
 --
--- ARGV[1]  op: "check" | "refund" | "peek"
--- ARGV[2]  cost (>= 1; 0 for peek)
--- ARGV[3..6]   node tier:   algorithm code (0 = no tier), limit, window_ms, burst
--- ARGV[7..10]  region tier: algorithm code (0 = no tier), limit, window_ms, burst
--- ARGV[11] global limit per day (0 = no global tier)
--- ARGV[12] broadcast total for (T, day) as last seen (all actors)
--- ARGV[13] own cap: most this region's current actor may reach (-1 = none);
---          set by the node when its broadcast view is stale
--- ARGV[14] epoch candidate, used only if today's PN counter does not exist
--- ARGV[15] tenant id (for the dirty-set member)
--- ARGV[16] the day the node computed (KEYS[5] is for this day); if Redis'
---          clock says otherwise the broadcast is not for this day (others=0)
--- ARGV[17] TTL of the PN counter in seconds
--- ARGV[18] deadline in Redis' clock, ms (0 = none): a call that reaches Redis
---          after it does nothing and answers denied = 'expired'. The node gave
---          up on it at its store_timeout and answered from its fail mode, so
---          charging it now would count the request twice.
--- ARGV[19..] pairs: epoch, part — this region's actors in the broadcast
+-- ARGV[1]   op: "check" | "refund" | "peek"
+-- ARGV[2]   deadline in Redis' clock, ms (0 = none): a call that reaches
+--           Redis after it does nothing and answers denied = 'expired' (the
+--           node gave up at its store_timeout and answered from its fail
+--           mode, so charging now would count the request twice)
+-- ARGV[3]   tenant id (the dirty-set member is "T|day")
+-- ARGV[4]   the day the node computed; if Redis' clock says otherwise the
+--           broadcast is not for this day (others = 0)
+-- ARGV[5]   epoch candidate, used if today's counter does not exist yet;
+--           also makes sliding-log members unique
+-- ARGV[6]   TTL of the tenant hash, s (retention + 1 day): days older than
+--           TTL/86400 are dropped from the hash when a new day starts
+-- ARGV[7]   global limit per day (0 = no global tier)
+-- ARGV[8]   global cost: units the request charges to the PN counter
+-- ARGV[9]   broadcast total for (T, day), all actors
+-- ARGV[10]  own cap: most this region's actor may reach (-1 = none); set by
+--           the node when its broadcast view is stale
+-- ARGV[11]  urgent_at: this region's P − N at which (T, day) must be
+--           published at the next flush (-1 = never)
+-- ARGV[12]  K, the number of windowed tiers; then 7 values per tier:
+--           location (0 = tenant hash, i = KEYS[i]), field prefix in the
+--           hash, algorithm code, limit, window_ms, burst, cost
+-- then      triplets epoch, P, N: this region's actors in the broadcast
 --
--- Returns a flat list of name, value pairs (parsed by name in
--- region-node/src/storage/script.rs, so a field can be added without
--- breaking a reader):
---   allowed           1 or 0
---   denied            '' | 'node' | 'region' | 'global' | 'expired'
---                     ('expired': the call reached Redis after its deadline
---                     and did nothing)
---   retry_ms          ms until the request could pass; -1 = never
---   now_ms            Redis TIME
---   node_remaining, node_reset_ms       (absent: no node tier)
---   region_remaining, region_reset_ms   (absent: no region tier)
---   own_p, own_n, epoch, day            this region's PN counter for the day
---   global_remaining                    (absent: no global tier)
+-- Returns name, value pairs (parsed by name in script.rs):
+--   allowed 1|0; denied '' | 'tier' | 'global' | 'expired'; denied_tier
+--   (1-based, when 'tier'); retry_ms (-1 = never); now_ms (Redis TIME);
+--   tiers {remaining, reset_ms, ...} in call order; own_p, own_n, epoch, day
+--   (this region's PN counter); global_remaining (absent: no global tier);
+--   raised (units the rollback check added to P, see below).
 --
--- Numbers are Lua doubles: exact integers up to 2^53, which microsecond
--- timestamps (~1.8e15) and counts stay far below. Integers are written back
--- with %.0f so no precision is lost to tostring's 14 digits.
+-- Numbers are Lua doubles: exact integers up to 2^53. Integers are written
+-- back with %.0f so no precision is lost to tostring's 14 digits.
 
 local op = ARGV[1]
-local cost = tonumber(ARGV[2])
-
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now_us / 1000)
 
 local function int(x) return string.format('%.0f', x) end
 
-local deadline = tonumber(ARGV[18]) or 0
+local deadline = tonumber(ARGV[2])
 if deadline > 0 and now_ms > deadline then
   return { 'allowed', 0, 'denied', 'expired', 'now_ms', now_ms }
 end
 
--- The reply: name, value pairs (see the header).
-local function reply(allowed, denied, retry, node, region, own_p, own_n, epoch, day, global_remaining)
-  local out = { 'allowed', allowed, 'denied', denied, 'retry_ms', retry, 'now_ms', now_ms,
-    'own_p', own_p, 'own_n', own_n, 'epoch', epoch, 'day', day }
-  if node then
-    out[#out + 1] = 'node_remaining'; out[#out + 1] = node.remaining
-    out[#out + 1] = 'node_reset_ms'; out[#out + 1] = node.reset
-  end
-  if region then
-    out[#out + 1] = 'region_remaining'; out[#out + 1] = region.remaining
-    out[#out + 1] = 'region_reset_ms'; out[#out + 1] = region.reset
-  end
-  if global_remaining >= 0 then
-    out[#out + 1] = 'global_remaining'; out[#out + 1] = global_remaining
-  end
-  return out
+local day = math.floor(now_ms / 86400000)
+local node_day = tonumber(ARGV[4])
+if math.abs(day - node_day) > 1 then
+  return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
 end
 
--- Each algorithm: eval(key, limit, window_ms, burst, cost) returns
---   ok, remaining (before this request), reset_ms, retry_ms, commit_fn, refund_fn
--- eval never writes; commit() charges cost, refund() gives cost back.
+-- Algorithms. Each reads its state from `s` (the values of its `fields`,
+-- false when absent) and returns a result whose `commit` and `refund` are
+-- the values to write back (nil: nothing to write), and `ttl_ms`, the life
+-- its state needs when kept in a key of its own. Nothing here writes.
 
-local function fixed_window(key, limit, w, _burst, c)
+local fixed_window = { fields = { 'w', 'c' } }
+function fixed_window.eval(s, limit, w, _burst, c)
   local idx = math.floor(now_ms / w)
-  local s = redis.call('HMGET', key, 'w', 'c')
   local used = 0
   if tonumber(s[1]) == idx then used = tonumber(s[2]) or 0 end
   local reset = (idx + 1) * w - now_ms
-  local ok = used + c <= limit
-  local remaining = limit - used
-  local retry = 0
-  if not ok then
-    if c > limit then retry = -1 else retry = reset end
+  local r = { ok = used + c <= limit, remaining = limit - used, reset = reset, retry = 0,
+    ttl_ms = reset + 1000 }
+  if not r.ok then
+    if c > limit then r.retry = -1 else r.retry = reset end
   end
-  local function commit()
-    redis.call('HSET', key, 'w', int(idx), 'c', int(used + c))
-    redis.call('PEXPIRE', key, int(reset + 1000))
-  end
-  local function refund()
-    if used > 0 then
-      redis.call('HSET', key, 'w', int(idx), 'c', int(math.max(0, used - c)))
-    end
-  end
-  return ok, remaining, reset, retry, commit, refund
+  r.commit = { int(idx), int(used + c) }
+  if used > 0 then r.refund = { int(idx), int(math.max(0, used - c)) } end
+  return r
 end
 
-local function sliding_window(key, limit, w, _burst, c)
+local sliding_window = { fields = { 'w', 'c', 'p' } }
+function sliding_window.eval(s, limit, w, _burst, c)
   local idx = math.floor(now_ms / w)
-  local s = redis.call('HMGET', key, 'w', 'c', 'p')
   local sw = tonumber(s[1])
   local cur, prev = 0, 0
   if sw == idx then
@@ -119,38 +94,28 @@ local function sliding_window(key, limit, w, _burst, c)
     prev = tonumber(s[2]) or 0
   end
   local elapsed = now_ms - idx * w
-  local weight = (w - elapsed) / w
-  local est = prev * weight + cur
-  local ok = est + c <= limit
+  local est = prev * ((w - elapsed) / w) + cur
   local remaining = math.floor(limit - est)
   if remaining < 0 then remaining = 0 end
   local reset = (idx + 1) * w - now_ms
-  local retry = 0
-  if not ok then
+  local r = { ok = est + c <= limit, remaining = remaining, reset = reset, retry = 0,
+    ttl_ms = 2 * w + 1000 }
+  if not r.ok then
     if c > limit then
-      retry = -1
+      r.retry = -1
     elseif cur + c <= limit then
       -- blocked by the weighted previous window: wait until it fades enough
-      local need = w * (1 - (limit - c - cur) / prev)
-      retry = math.ceil(need - elapsed)
+      r.retry = math.ceil(w * (1 - (limit - c - cur) / prev) - elapsed)
     else
       -- blocked by the current window: wait into the next one until
       -- cur * (1 - t/w) + c <= limit
-      local need = w * (1 - (limit - c) / cur)
-      retry = reset + math.ceil(need)
+      r.retry = reset + math.ceil(w * (1 - (limit - c) / cur))
     end
-    if retry ~= -1 and retry < 1 then retry = 1 end
+    if r.retry ~= -1 and r.retry < 1 then r.retry = 1 end
   end
-  local function commit()
-    redis.call('HSET', key, 'w', int(idx), 'c', int(cur + c), 'p', int(prev))
-    redis.call('PEXPIRE', key, int(2 * w + 1000))
-  end
-  local function refund()
-    if cur > 0 then
-      redis.call('HSET', key, 'w', int(idx), 'c', int(math.max(0, cur - c)), 'p', int(prev))
-    end
-  end
-  return ok, remaining, reset, retry, commit, refund
+  r.commit = { int(idx), int(cur + c), int(prev) }
+  if cur > 0 then r.refund = { int(idx), int(math.max(0, cur - c)), int(prev) } end
+  return r
 end
 
 -- GCRA: the theoretical arrival time (TAT). One unit is emitted every
@@ -159,62 +124,54 @@ end
 -- comparisons are made on `ahead` = TAT − now, a small number: absolute
 -- times (~1.8e15 µs) are only 0.25 µs apart as doubles, which would make a
 -- full burst fail by a rounding error when e is not a whole number.
-local function token_bucket(key, limit, w, burst, c)
+local token_bucket = { fields = { 't', 'f' } }
+function token_bucket.eval(s, limit, w, burst, c)
   local e = (w * 1000) / limit
   local tau = e * burst
-  local s = redis.call('HMGET', key, 't', 'f')
   local ahead = 0
-  local t = tonumber(s[1])
-  if t and t >= now_us then ahead = (t - now_us) + (tonumber(s[2]) or 0) end
+  local tat = tonumber(s[1])
+  if tat and tat >= now_us then ahead = (tat - now_us) + (tonumber(s[2]) or 0) end
   local new_ahead = ahead + c * e
-  local ok = new_ahead <= tau
   local remaining = math.floor((tau - ahead) / e)
   if remaining < 0 then remaining = 0 end
-  local retry = 0
-  if not ok then
-    if c > burst then retry = -1 else retry = math.max(1, math.ceil((new_ahead - tau) / 1000)) end
+  local r = { ok = new_ahead <= tau, remaining = remaining, retry = 0 }
+  if not r.ok then
+    if c > burst then r.retry = -1 else r.retry = math.max(1, math.ceil((new_ahead - tau) / 1000)) end
   end
-  local reset = math.ceil((ok and new_ahead or ahead) / 1000)
-  local function store(a)
+  r.reset = math.ceil((r.ok and new_ahead or ahead) / 1000)
+  local function state(a)
     local whole = math.floor(a)
-    redis.call('HSET', key, 't', int(now_us + whole), 'f', string.format('%.17g', a - whole))
-    redis.call('PEXPIRE', key, int(math.ceil(a / 1000) + 1000))
+    return { int(now_us + whole), string.format('%.17g', a - whole) }
   end
-  local function commit() store(new_ahead) end
-  local function refund()
-    local back = ahead - c * e
-    if back < 0 then back = 0 end
-    store(back)
-  end
-  return ok, remaining, reset, retry, commit, refund
+  r.commit = state(new_ahead)
+  r.ttl_ms = math.ceil(new_ahead / 1000) + 1000
+  if tat then r.refund = state(math.max(0, ahead - c * e)) end
+  return r
 end
 
 -- Exact sliding log: one zset entry per unit, scored by its time in ms.
-local function sliding_log(key, limit, w, _burst, c)
+-- Always in a key of its own; reads and writes it directly.
+local sliding_log = { zset = true }
+function sliding_log.eval_key(key, limit, w, _burst, c)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now_ms - w))
   local used = redis.call('ZCARD', key)
-  local ok = used + c <= limit
-  local remaining = limit - used
-  local reset = w
-  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if newest[2] then reset = tonumber(newest[2]) + w - now_ms end
-  if ok then reset = w end
-  local retry = 0
-  if not ok then
+  local r = { ok = used + c <= limit, remaining = limit - used, reset = w, retry = 0 }
+  if not r.ok then
+    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    if newest[2] then r.reset = tonumber(newest[2]) + w - now_ms end
     if c > limit then
-      retry = -1
+      r.retry = -1
     else
       -- the (used + c - limit)-th oldest entry must leave the window
       local nth = redis.call('ZRANGE', key, used + c - limit - 1, used + c - limit - 1, 'WITHSCORES')
-      retry = tonumber(nth[2]) + w - now_ms
-      if retry < 1 then retry = 1 end
+      r.retry = math.max(1, tonumber(nth[2]) + w - now_ms)
     end
   end
-  local function commit()
-    -- Members are unique per call (ARGV[14] is a fresh random id), and
-    -- added in chunks: Lua's unpack() takes at most ~8000 values.
+  function r.do_commit()
+    -- Members are unique per call (the epoch candidate is a fresh random
+    -- id), added in chunks: Lua's unpack() takes at most ~8000 values.
     local args = {}
-    local tag = int(now_us) .. ':' .. ARGV[14] .. ':'
+    local tag = int(now_us) .. ':' .. ARGV[5] .. ':'
     for i = 1, c do
       args[#args + 1] = int(now_ms)
       args[#args + 1] = tag .. i
@@ -226,103 +183,213 @@ local function sliding_log(key, limit, w, _burst, c)
     if #args > 0 then redis.call('ZADD', key, unpack(args)) end
     redis.call('PEXPIRE', key, int(w + 1000))
   end
-  local function refund()
+  function r.do_refund()
     if used > 0 then redis.call('ZPOPMAX', key, c) end
   end
-  return ok, remaining, reset, retry, commit, refund
+  return r
 end
 
 local algorithms = { fixed_window, sliding_window, token_bucket, sliding_log }
 
-local function tier(first_argv, key, c)
-  local code = tonumber(ARGV[first_argv])
-  if code == 0 then return nil end
-  local limit = tonumber(ARGV[first_argv + 1])
-  local w = tonumber(ARGV[first_argv + 2])
-  local burst = tonumber(ARGV[first_argv + 3])
-  local ok, remaining, reset, retry, commit, refund = algorithms[code](key, limit, w, burst, c)
-  return { ok = ok, remaining = remaining, reset = reset, retry = retry, commit = commit, refund = refund }
+-- Read: one HMGET of the tenant hash for the day's counter and every tier
+-- kept there; one HMGET per tier kept in a key of its own.
+local gp = 'g:' .. int(day) .. ':'
+local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd' }
+local K = tonumber(ARGV[12])
+local tiers = {}
+for i = 1, K do
+  local a = 12 + (i - 1) * 7
+  local tier = { loc = tonumber(ARGV[a + 1]), prefix = ARGV[a + 2], alg = algorithms[tonumber(ARGV[a + 3])],
+    limit = tonumber(ARGV[a + 4]), w = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
+    cost = tonumber(ARGV[a + 7]) }
+  if tier.loc == 0 then
+    tier.first = #fields
+    for _, f in ipairs(tier.alg.fields) do fields[#fields + 1] = tier.prefix .. f end
+  end
+  tiers[i] = tier
+end
+local h = redis.call('HMGET', KEYS[1], unpack(fields))
+
+for _, tier in ipairs(tiers) do
+  local alg = tier.alg
+  if alg.zset then
+    tier.r = alg.eval_key(KEYS[tier.loc], tier.limit, tier.w, tier.burst, tier.cost)
+  else
+    local s
+    if tier.loc == 0 then
+      s = {}
+      for j = 1, #alg.fields do s[j] = h[tier.first + j] end
+    else
+      s = redis.call('HMGET', KEYS[tier.loc], unpack(alg.fields))
+    end
+    tier.r = alg.eval(s, tier.limit, tier.w, tier.burst, tier.cost)
+  end
 end
 
-local node = tier(3, KEYS[1], cost)
-local region = tier(7, KEYS[2], cost)
+-- The region's PN counter for (T, day), in the tenant hash. Its epoch lives
+-- beside it, so a Redis that lost the tenant starts a new actor atomically
+-- with the first charge.
+local new_day = not h[1]
+local epoch = h[1] or ARGV[5]
+local own_p = tonumber(h[2]) or 0
+local own_n = tonumber(h[3]) or 0
+local dstate = tonumber(h[4]) or 0
 
--- The region's PN counter for (T, day). Its epoch lives inside the hash, so a
--- Redis that lost its data starts a new actor atomically with the first
--- charge, and no key outside the tenant's hash slot is needed for it.
-local day = math.floor(now_ms / 86400000)
-local node_day = tonumber(ARGV[16])
-if math.abs(day - node_day) > 1 then
-  return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
+-- This region's actors in the broadcast. The part of the current epoch is
+-- what the aggregator already holds from us: Redis below it has rolled back
+-- (an AOF everysec crash, an RDB restore, a failover to a lagging replica)
+-- with the epoch kept. Raise P and N to it: otherwise the region would
+-- re-admit what it already spent, and the aggregator, whose max-merge
+-- ignores a counter below what it saw, would stay short for good.
+local mine_p, mine_n = 0, 0
+local parts_from = 13 + K * 7
+if day == node_day then
+  for i = parts_from, #ARGV, 3 do
+    if ARGV[i] == epoch then
+      mine_p = tonumber(ARGV[i + 1]); mine_n = tonumber(ARGV[i + 2])
+    end
+  end
 end
-local gkey = KEYS[5 + day - node_day]
-local g = redis.call('HMGET', gkey, 'e', 'p', 'n')
-local epoch = g[1] or ARGV[14]
-local own_p = tonumber(g[2]) or 0
-local own_n = tonumber(g[3]) or 0
-local own = own_p - own_n
+local raised = 0
+if mine_p > own_p or mine_n > own_n then
+  raised = math.max(0, mine_p - own_p)
+  own_p = math.max(own_p, mine_p)
+  own_n = math.max(own_n, mine_n)
+end
 
-local glimit = tonumber(ARGV[11])
+local glimit = tonumber(ARGV[7])
+local gcost = tonumber(ARGV[8])
 local global_ok, global_remaining, global_retry = true, -1, 0
 if glimit > 0 then
   local others = 0
   if day == node_day then
-    local mine = 0
-    for i = 19, #ARGV, 2 do
-      if ARGV[i] == epoch then mine = tonumber(ARGV[i + 1]) end
-    end
-    others = tonumber(ARGV[12]) - mine
-    if others < 0 then others = 0 end
+    others = math.max(0, tonumber(ARGV[9]) - (mine_p - mine_n))
   end
+  local own = own_p - own_n
   global_remaining = glimit - others - own
-  local cap = tonumber(ARGV[13])
+  local cap = tonumber(ARGV[10])
   if cap >= 0 and cap - own < global_remaining then global_remaining = cap - own end
   if global_remaining < 0 then global_remaining = 0 end
   if op == 'check' then
-    global_ok = cost <= global_remaining
-    if not global_ok then global_retry = (86400000 - now_ms % 86400000) end
+    global_ok = gcost <= global_remaining
+    if not global_ok then global_retry = 86400000 - now_ms % 86400000 end
   end
+end
+
+local function reply(allowed, denied, denied_tier, retry)
+  local out = { 'allowed', allowed, 'denied', denied, 'denied_tier', denied_tier, 'retry_ms', retry,
+    'now_ms', now_ms, 'own_p', own_p, 'own_n', own_n, 'epoch', epoch, 'day', day, 'raised', raised }
+  local tr = {}
+  for i, tier in ipairs(tiers) do
+    tr[2 * i - 1] = tier.r.remaining; tr[2 * i] = tier.r.reset
+  end
+  out[#out + 1] = 'tiers'; out[#out + 1] = tr
+  if global_remaining >= 0 then
+    out[#out + 1] = 'global_remaining'; out[#out + 1] = global_remaining
+  end
+  return out
+end
+
+-- Writes: one HSET of the tenant hash; keys of their own are written apart.
+local hset = {}
+local function put(f, v) hset[#hset + 1] = f; hset[#hset + 1] = v end
+local function write(tier, values)
+  if not values then return end
+  local f = tier.alg.fields
+  if tier.loc == 0 then
+    for j = 1, #f do put(tier.prefix .. f[j], values[j]) end
+  else
+    local args = {}
+    for j = 1, #f do args[#args + 1] = f[j]; args[#args + 1] = values[j] end
+    redis.call('HSET', KEYS[tier.loc], unpack(args))
+    redis.call('PEXPIRE', KEYS[tier.loc], int(tier.r.ttl_ms or 1000))
+  end
+end
+
+-- The counter changed: write it, and mark (T, day) dirty in the bucket's
+-- set only when its publish state changes (clean → dirty, or → urgent), so a
+-- busy tenant costs no ZADD per request. Score 0 sorts urgent entries
+-- first; others are due a relaxed interval after the Redis time they got.
+local function counter_changed()
+  put(gp .. 'p', int(own_p)); put(gp .. 'n', int(own_n))
+  if new_day then
+    put(gp .. 'e', epoch)
+    -- A new day: forget days past retention, and give the hash its TTL.
+    local ttl = tonumber(ARGV[6])
+    local keep_from = day - math.floor(ttl / 86400)
+    local kept = { int(day) }
+    local listed = redis.call('HGET', KEYS[1], 'gd')
+    if listed then
+      for d in string.gmatch(listed, '%d+') do
+        if tonumber(d) >= keep_from then
+          if tonumber(d) ~= day then kept[#kept + 1] = d end
+        else
+          redis.call('HDEL', KEYS[1], 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d')
+        end
+      end
+    end
+    put('gd', table.concat(kept, ','))
+    redis.call('EXPIRE', KEYS[1], ttl)
+  end
+  local urgent_at = tonumber(ARGV[11])
+  local want = 1
+  if urgent_at >= 0 and own_p - own_n >= urgent_at then want = 2 end
+  if dstate == 0 or (want == 2 and dstate ~= 2) then
+    local score = now_ms
+    if want == 2 then score = 0 end
+    redis.call('ZADD', KEYS[2], score, ARGV[3] .. '|' .. int(day))
+    put(gp .. 'd', want)
+  end
+end
+
+local function flush()
+  if #hset > 0 then redis.call('HSET', KEYS[1], unpack(hset)) end
 end
 
 if op == 'peek' then
-  return reply(1, '', 0, node, region, own_p, own_n, epoch, day, global_remaining)
+  -- A peek charges nothing, but persists a rollback raise: the publisher
+  -- raises a counter it found below its broadcast part this way.
+  if raised > 0 then counter_changed(); flush() end
+  return reply(1, '', 0, 0)
 end
 
 if op == 'refund' then
-  if node then node.refund() end
-  if region then region.refund() end
-  -- N never exceeds P: the counter cannot go below zero.
-  if own_p > 0 then
-    local back = math.min(cost, own_p - own_n)
-    if back > 0 then
-      own_n = own_n + back
-      redis.call('HSET', gkey, 'n', int(own_n))
-      redis.call('ZADD', KEYS[3], int(own_p + own_n), ARGV[15] .. '|' .. int(day))
-    end
+  for _, tier in ipairs(tiers) do
+    if tier.alg.zset then tier.r.do_refund() else write(tier, tier.r.refund) end
   end
-  return reply(1, '', 0, node, region, own_p, own_n, epoch, day, global_remaining)
+  -- N never exceeds P: the counter cannot go below zero.
+  local back = math.min(gcost, own_p - own_n)
+  if back > 0 or raised > 0 then
+    own_n = own_n + math.max(0, back)
+    counter_changed()
+  end
+  flush()
+  return reply(1, '', 0, 0)
 end
 
 -- op == 'check': deny if any tier denies; retry after the longest wait.
-local denied, retry = '', 0
-local function deny(tier, r)
-  if denied == '' then denied = tier end
+local denied, denied_tier, retry = '', 0, 0
+local function deny(what, i, r)
+  if denied == '' then denied = what; denied_tier = i end
   if r < 0 or retry < 0 then retry = -1 elseif r > retry then retry = r end
 end
-if node and not node.ok then deny('node', node.retry) end
-if region and not region.ok then deny('region', region.retry) end
-if not global_ok then deny('global', global_retry) end
+for i, tier in ipairs(tiers) do
+  if not tier.r.ok then deny('tier', i, tier.r.retry) end
+end
+if not global_ok then deny('global', 0, global_retry) end
 
 -- Remaining units are reported after this request only if it was charged.
 if denied == '' then
-  if node then node.commit(); node.remaining = math.max(0, node.remaining - cost) end
-  if region then region.commit(); region.remaining = math.max(0, region.remaining - cost) end
-  if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - cost) end
-  own_p = own_p + cost
-  redis.call('HSET', gkey, 'e', epoch, 'p', int(own_p), 'n', int(own_n))
-  redis.call('EXPIRE', gkey, ARGV[17])
-  redis.call('ZADD', KEYS[3], int(own_p + own_n), ARGV[15] .. '|' .. int(day))
+  for _, tier in ipairs(tiers) do
+    if tier.alg.zset then tier.r.do_commit() else write(tier, tier.r.commit) end
+    tier.r.remaining = math.max(0, tier.r.remaining - tier.cost)
+  end
+  if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - gcost) end
+  own_p = own_p + gcost
+  counter_changed()
+elseif raised > 0 then
+  counter_changed()
 end
+flush()
 
-return reply(denied == '' and 1 or 0, denied, retry, node, region, own_p, own_n, epoch, day,
-  global_remaining)
+return reply(denied == '' and 1 or 0, denied, denied_tier, retry)

@@ -106,6 +106,13 @@ fn parse_slots(reply: &Value) -> Result<SlotMap, StoreError> {
     Ok(map)
 }
 
+/// What is sent to one slot's master.
+#[derive(Clone, Copy)]
+enum Req<'a> {
+    Cmd(&'a redis::Cmd),
+    Pipe(&'a redis::Pipeline),
+}
+
 /// A Redis Cluster: the slot map and a connection per master.
 pub struct ClusterRouter {
     seeds: Vec<String>,
@@ -124,7 +131,15 @@ impl ClusterRouter {
         seeds: Vec<String>,
         timeout: Duration,
     ) -> Result<Arc<ClusterRouter>, StoreError> {
-        let router = ClusterRouter {
+        let router = ClusterRouter::new(seeds, timeout);
+        router.refresh().await?;
+        Ok(router)
+    }
+
+    /// A router that knows no slot yet: [`Self::refresh`] learns the map
+    /// (the store's probe does, so a node starts while the cluster is down).
+    pub fn new(seeds: Vec<String>, timeout: Duration) -> Arc<ClusterRouter> {
+        Arc::new(ClusterRouter {
             seeds,
             map: ArcSwap::from_pointee(SlotMap {
                 masters: Vec::new(),
@@ -134,9 +149,17 @@ impl ClusterRouter {
             refreshing: Mutex::new(()),
             refresh_pending: AtomicBool::new(false),
             timeout,
-        };
-        router.refresh().await?;
-        Ok(Arc::new(router))
+        })
+    }
+
+    /// One command on the master at `addr` (not routed by slot: `INFO`).
+    pub async fn query_on<T: FromRedisValue>(
+        &self,
+        addr: &str,
+        cmd: &redis::Cmd,
+    ) -> Result<T, StoreError> {
+        let v = self.on(addr, Req::Cmd(cmd)).await?;
+        Ok(T::from_redis_value(v).map_err(redis::RedisError::from)?)
     }
 
     /// The masters of the current slot map (`host:port`): the publisher
@@ -165,7 +188,7 @@ impl ClusterRouter {
         for addr in candidates {
             let mut cmd = redis::cmd("CLUSTER");
             cmd.arg("SLOTS");
-            match self.on(&addr, &cmd).await {
+            match self.on(&addr, Req::Cmd(&cmd)).await {
                 Ok(reply) => match parse_slots(&reply) {
                     Ok(map) if map.slots.iter().all(|s| *s != u16::MAX) => {
                         self.map.store(Arc::new(map));
@@ -199,9 +222,12 @@ impl ClusterRouter {
 
     /// One command on one node, bounded by the timeout; a broken
     /// connection is forgotten so the next call makes a new one.
-    async fn on(&self, addr: &str, cmd: &redis::Cmd) -> Result<Value, StoreError> {
+    async fn on(&self, addr: &str, req: Req<'_>) -> Result<Value, StoreError> {
         let mut c = self.conn(addr).await?;
-        let result = tokio::time::timeout(self.timeout, cmd.query_async::<Value>(&mut c)).await;
+        let result = match req {
+            Req::Cmd(cmd) => tokio::time::timeout(self.timeout, cmd.query_async::<Value>(&mut c)).await,
+            Req::Pipe(p) => tokio::time::timeout(self.timeout, p.query_async::<Value>(&mut c)).await,
+        };
         match result {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
@@ -223,17 +249,47 @@ impl ClusterRouter {
         slot: u16,
         cmd: &redis::Cmd,
     ) -> Result<T, StoreError> {
+        let v = self.exec(slot, Req::Cmd(cmd)).await?;
+        Ok(T::from_redis_value(v).map_err(redis::RedisError::from)?)
+    }
+
+    /// A pipeline whose keys all hash to `slot`, routed as [`Self::query`].
+    /// Only for commands that are safe to repeat after a redirection (the
+    /// publisher's reads): a pipeline redirected half-way ran its first part.
+    pub async fn pipeline<T: FromRedisValue>(
+        self: &Arc<Self>,
+        slot: u16,
+        pipe: &redis::Pipeline,
+    ) -> Result<T, StoreError> {
+        let v = self.exec(slot, Req::Pipe(pipe)).await?;
+        Ok(T::from_redis_value(v).map_err(redis::RedisError::from)?)
+    }
+
+    async fn exec(self: &Arc<Self>, slot: u16, req: Req<'_>) -> Result<Value, StoreError> {
         let mut ask: Option<String> = None;
         for _ in 0..=MAX_REDIRECTS {
             let result = match ask.take() {
                 Some(addr) => {
                     let mut pipe = redis::pipe();
-                    pipe.cmd("ASKING").ignore().add_command(cmd.clone());
+                    pipe.cmd("ASKING").ignore();
+                    match req {
+                        Req::Cmd(c) => {
+                            pipe.add_command(c.clone());
+                        }
+                        Req::Pipe(p) => {
+                            for c in p.cmd_iter() {
+                                pipe.add_command(c.clone());
+                            }
+                        }
+                    }
                     let mut c = self.conn(&addr).await?;
                     match tokio::time::timeout(self.timeout, pipe.query_async::<Vec<Value>>(&mut c))
                         .await
                     {
-                        Ok(Ok(mut v)) => Ok(v.pop().unwrap_or(Value::Nil)),
+                        Ok(Ok(mut v)) => Ok(match req {
+                            Req::Cmd(_) => v.pop().unwrap_or(Value::Nil),
+                            Req::Pipe(_) => Value::Array(v),
+                        }),
                         Ok(Err(e)) => Err(StoreError::from_redis(e)),
                         Err(_) => Err(StoreError::Timeout(self.timeout)),
                     }
@@ -245,11 +301,11 @@ impl ClusterRouter {
                         .master(slot)
                         .map(|m| m.to_string())
                         .ok_or(StoreError::Down)?;
-                    self.on(&addr, cmd).await
+                    self.on(&addr, req).await
                 }
             };
             match result {
-                Ok(v) => return Ok(T::from_redis_value(v).map_err(redis::RedisError::from)?),
+                Ok(v) => return Ok(v),
                 Err(StoreError::Redis(e)) => match e.kind() {
                     redis::ErrorKind::Server(redis::ServerErrorKind::Moved) => {
                         if let Some((addr, moved)) = e.redirect_node() {

@@ -33,6 +33,9 @@ use super::StoreError;
 pub enum Target {
     /// One server at a fixed URL.
     Fixed(String),
+    /// A Redis Cluster, found through any of its nodes (`host:port`):
+    /// `redis+cluster://h1:p1,h2:p2`.
+    Cluster { seeds: Vec<String> },
     /// The master that sentinels name `master`.
     Sentinel {
         sentinels: Vec<String>,
@@ -51,6 +54,19 @@ impl Target {
             url: redact(url),
             reason: reason.into(),
         };
+        if let Some(rest) = url.strip_prefix("redis+cluster://") {
+            let mut seeds = Vec::new();
+            for h in rest.trim_end_matches('/').split(',') {
+                let (host, port) = h
+                    .rsplit_once(':')
+                    .ok_or_else(|| bad("every cluster node needs host:port"))?;
+                if host.is_empty() || port.parse::<u16>().is_err() {
+                    return Err(bad("every cluster node needs host:port"));
+                }
+                seeds.push(h.to_string());
+            }
+            return Ok(Target::Cluster { seeds });
+        }
         let (rest, tls) = if let Some(r) = url.strip_prefix("redis+sentinel://") {
             (r, false)
         } else if let Some(r) = url.strip_prefix("rediss+sentinel://") {
@@ -105,6 +121,7 @@ impl Target {
         match self {
             Target::Fixed(_) => "redis",
             Target::Sentinel { .. } => "sentinel",
+            Target::Cluster { .. } => "cluster",
         }
     }
 }
@@ -192,6 +209,12 @@ impl Link {
                     Resolver::Sentinel(Box::new(tokio::sync::Mutex::new(client))),
                     None,
                 )
+            }
+            Target::Cluster { .. } => {
+                return Err(StoreError::Url {
+                    url: redact(url),
+                    reason: "a cluster is reached through ClusterRouter, not one link".into(),
+                })
             }
         };
         Ok(Link {

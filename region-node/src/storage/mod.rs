@@ -28,7 +28,9 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-pub use self::script::{DecideCall, DecideReply, Denied, GlobalArgs, Op, TierReply};
+pub use self::script::{
+    DecideCall, DecideReply, Denied, GlobalArgs, Op, Scope, TierCall, TierReply,
+};
 
 /// A boxed future: the trait is used as `dyn CounterStore`, and one
 /// allocation per decision is noise beside a Redis round trip.

@@ -26,11 +26,13 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionManager;
 use redis::{FromRedisValue, Value};
 use tokio::sync::Notify;
 
-use super::link::Link;
+use super::cluster::ClusterRouter;
+use super::link::{Link, Target};
+use super::safety::Eviction;
+use tierlimit_shared::keys;
 use super::script::{self, DecideCall, DecideReply, ReplyError, DECIDE_LUA};
 use super::{BoxFuture, CounterStore, StoreError};
 use crate::metrics::Metrics;
@@ -52,10 +54,11 @@ pub struct Options {
 }
 
 pub struct RedisStore {
-    link: Link,
+    /// A standalone or Sentinel-found master, or a Redis Cluster.
+    route: Route,
     /// SHA1 of `DECIDE_LUA`, for `EVALSHA`.
     decide_sha: String,
-    ack: redis::Script,
+    ack_sha: String,
     /// `tierlimit_redis_seconds{op="decide"}`, resolved once: looking a
     /// labelled child up hashes the labels and takes a lock on every call.
     decide_seconds: prometheus::Histogram,
@@ -76,6 +79,15 @@ pub struct RedisStore {
     metrics: Arc<Metrics>,
 }
 
+/// How calls reach Redis.
+enum Route {
+    /// One master (standalone, or found through Sentinel).
+    Master(Link),
+    /// Every call goes to the master of its slot; `allow_eviction` applies
+    /// to every master.
+    Cluster(Arc<ClusterRouter>, bool),
+}
+
 impl RedisStore {
     /// Creates the store without connecting: a node starts (and serves in its
     /// fail mode) even while its Redis is down.
@@ -89,13 +101,22 @@ impl RedisStore {
             retry_interval,
             allow_eviction,
         } = options;
-        let link = Link::new(url, timeout, retry_interval, allow_eviction)?;
-        // A sentinel target has no master until the probe asks: start down.
-        let up = link.conn().is_some();
+        let route = match Target::parse(url)? {
+            Target::Cluster { seeds } => {
+                Route::Cluster(ClusterRouter::new(seeds, timeout), allow_eviction)
+            }
+            _ => Route::Master(Link::new(url, timeout, retry_interval, allow_eviction)?),
+        };
+        // A sentinel or cluster target has no master until the probe asks:
+        // start down.
+        let up = match &route {
+            Route::Master(link) => link.conn().is_some(),
+            Route::Cluster(..) => false,
+        };
         let store = Arc::new(RedisStore {
-            link,
+            route,
             decide_sha: redis::Script::new(DECIDE_LUA).get_hash().to_string(),
-            ack: redis::Script::new(ACK_LUA),
+            ack_sha: redis::Script::new(ACK_LUA).get_hash().to_string(),
             decide_seconds: metrics.redis_seconds.with_label_values(&["decide"]),
             up: AtomicBool::new(up),
             timeouts: AtomicU32::new(0),
@@ -115,8 +136,43 @@ impl RedisStore {
         Ok(store)
     }
 
-    pub fn link(&self) -> &Link {
-        &self.link
+    /// What the region's URL names.
+    pub fn target_kind(&self) -> &'static str {
+        match &self.route {
+            Route::Master(link) => link.target().kind(),
+            Route::Cluster(..) => "cluster",
+        }
+    }
+
+    /// The slots whose dirty sets the publisher reads: one per bucket.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.route, Route::Cluster(..))
+    }
+
+    /// Finds the master(s) and checks them (role, eviction policy).
+    async fn resolve(&self) -> Result<Eviction, StoreError> {
+        match &self.route {
+            Route::Master(link) => link.resolve().await,
+            Route::Cluster(router, allow) => {
+                router.refresh().await?;
+                let mut worst = None;
+                for addr in router.masters() {
+                    let mut cmd = redis::cmd("INFO");
+                    cmd.arg("memory");
+                    let info: String = router.query_on(&addr, &cmd).await?;
+                    let eviction = Eviction::from_info(&info).ok_or_else(|| {
+                        StoreError::Unsafe(format!(
+                            "INFO memory of {addr} has no maxmemory_policy: cannot tell whether Redis evicts counters"
+                        ))
+                    })?;
+                    eviction.check(*allow)?;
+                    if worst.as_ref().is_none_or(|w: &Eviction| !w.can_evict()) {
+                        worst = Some(eviction);
+                    }
+                }
+                worst.ok_or(StoreError::Down)
+            }
+        }
     }
 
     /// Resolves the master once now (the start-up check): a master whose
@@ -125,7 +181,7 @@ impl RedisStore {
     /// error at start (the node serves in its fail mode and the probe goes
     /// on trying, with the same checks).
     pub async fn check_at_start(&self) -> Result<(), StoreError> {
-        match self.link.resolve().await {
+        match self.resolve().await {
             Ok(eviction) => {
                 if eviction.can_evict() {
                     tracing::warn!(policy = %eviction.policy, "Redis may evict counters; running anyway (--allow-eviction)");
@@ -142,9 +198,55 @@ impl RedisStore {
         }
     }
 
-    /// The current master connection, or `Down` while there is none.
-    fn conn(&self) -> Result<ConnectionManager, StoreError> {
-        self.link.conn().ok_or(StoreError::Down)
+    /// Sends `cmd` (keys all in `slot`) to the master that serves the slot.
+    async fn send<T: FromRedisValue>(&self, slot: u16, cmd: &redis::Cmd) -> Result<T, StoreError> {
+        match &self.route {
+            Route::Master(link) => {
+                let mut conn = link.conn().ok_or(StoreError::Down)?;
+                cmd.query_async::<T>(&mut conn)
+                    .await
+                    .map_err(StoreError::from_redis)
+            }
+            Route::Cluster(router, _) => router.query(slot, cmd).await,
+        }
+    }
+
+    /// A pipeline (keys all in `slot`), routed as [`Self::send`].
+    async fn send_pipe<T: FromRedisValue>(
+        &self,
+        slot: u16,
+        pipe: &redis::Pipeline,
+    ) -> Result<T, StoreError> {
+        match &self.route {
+            Route::Master(link) => {
+                let mut conn = link.conn().ok_or(StoreError::Down)?;
+                pipe.query_async::<T>(&mut conn)
+                    .await
+                    .map_err(StoreError::from_redis)
+            }
+            Route::Cluster(router, _) => router.pipeline(slot, pipe).await,
+        }
+    }
+
+    /// `EVALSHA` of a script, loading it on NOSCRIPT (the script did not
+    /// run, so sending it again is safe) on the slot's master.
+    async fn evalsha(
+        &self,
+        slot: u16,
+        cmd: &redis::Cmd,
+        source: &'static str,
+    ) -> Result<Value, StoreError> {
+        match self.send::<Value>(slot, cmd).await {
+            Err(StoreError::Redis(e))
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                let mut load = redis::cmd("SCRIPT");
+                load.arg("LOAD").arg(source);
+                self.send::<String>(slot, &load).await?;
+                self.send::<Value>(slot, cmd).await
+            }
+            other => other,
+        }
     }
 
     /// The deadline (ms, in Redis' clock) for a decision sent now: past it
@@ -161,6 +263,15 @@ impl RedisStore {
         }
     }
 
+    /// Redis' clock now, estimated from ours and the offset learnt from the
+    /// last decision reply (ours until one arrived).
+    pub fn redis_now_ms(&self, now_ms: u64) -> i64 {
+        match self.clock_offset_ms.load(Ordering::Relaxed) {
+            i64::MIN => now_ms as i64,
+            offset => now_ms as i64 + offset,
+        }
+    }
+
     /// One decision: `EVALSHA` of the script, loading it once on NOSCRIPT.
     async fn run_decide(&self, call: &DecideCall<'_>) -> Result<DecideReply, StoreError> {
         let mut cmd = redis::Cmd::with_capacity(3 + 32, 512);
@@ -170,20 +281,13 @@ impl RedisStore {
             call,
             self.deadline_ms(tierlimit_shared::messages::now_ms()),
         );
-        let mut conn = self.conn()?;
-        let fut = async move {
-            match cmd.query_async::<Vec<Value>>(&mut conn).await {
-                Err(e)
-                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                {
-                    redis::cmd("SCRIPT")
-                        .arg("LOAD")
-                        .arg(DECIDE_LUA)
-                        .query_async::<String>(&mut conn)
-                        .await?;
-                    cmd.query_async::<Vec<Value>>(&mut conn).await
-                }
-                other => other,
+        let slot = call.slot();
+        let fut = async {
+            match self.evalsha(slot, &cmd, DECIDE_LUA).await? {
+                Value::Array(items) => Ok(items),
+                other => Err(StoreError::Reply(ReplyError::Malformed(format!(
+                    "not a list: {other:?}"
+                )))),
             }
         };
         let reply = self
@@ -211,74 +315,68 @@ impl RedisStore {
         }
     }
 
-    /// Any command, under the same timeout and breaker as decisions.
+    /// Any command whose keys are all in `slot`, under the same timeout
+    /// and breaker as decisions.
     pub async fn query<T: FromRedisValue + Send + 'static>(
         &self,
         op: &'static str,
+        slot: u16,
         cmd: redis::Cmd,
     ) -> Result<T, StoreError> {
-        let mut conn = self.conn()?;
-        self.call_timed(
-            op,
-            None,
-            async move { cmd.query_async::<T>(&mut conn).await },
-        )
-        .await
+        self.call_timed(op, None, self.send(slot, &cmd)).await
     }
 
-    /// A pipeline, under the same timeout and breaker.
+    /// A pipeline whose keys are all in `slot`, under the same timeout and
+    /// breaker. Only for commands safe to repeat (see
+    /// [`ClusterRouter::pipeline`]).
     pub async fn pipeline<T: FromRedisValue + Send + 'static>(
         &self,
         op: &'static str,
+        slot: u16,
         pipe: redis::Pipeline,
     ) -> Result<T, StoreError> {
-        let mut conn = self.conn()?;
-        self.call_timed(
-            op,
-            None,
-            async move { pipe.query_async::<T>(&mut conn).await },
-        )
-        .await
+        self.call_timed(op, None, self.send_pipe(slot, &pipe)).await
     }
 
-    /// Removes `(member, score)` pairs from the dirty set where the score has
-    /// not grown since it was read, stamps each in the published set with
-    /// Redis' time, and forgets published stamps older than `remember`
-    /// (see `ack.lua`).
+    /// Acknowledges published entries of bucket `bucket` (see `ack.lua`):
+    /// each `(tenant, day, P + N as published)` leaves the bucket's dirty
+    /// set unless a charge raised it since.
     pub async fn ack_dirty(
         &self,
-        dirty_key: &str,
-        published_key: &str,
-        remember: Duration,
-        published: &[(String, u64)],
+        bucket: u16,
+        published: &[(String, u32, u64)],
     ) -> Result<i64, StoreError> {
-        let mut inv = self.ack.prepare_invoke();
-        inv.key(dirty_key)
-            .key(published_key)
-            .arg(remember.as_millis() as u64);
-        for (m, s) in published {
-            inv.arg(m).arg(s);
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&self.ack_sha)
+            .arg(1 + published.len())
+            .arg(keys::dirty(bucket));
+        for (tenant, _, _) in published {
+            cmd.arg(keys::tenant_hash(tenant));
         }
-        let mut conn = self.conn()?;
-        self.call_timed("ack", None, async move {
-            inv.invoke_async::<i64>(&mut conn).await
-        })
-        .await
+        cmd.arg(0u8);
+        for (tenant, day, pn) in published {
+            cmd.arg(keys::dirty_member(tenant, *day)).arg(day).arg(pn);
+        }
+        let slot = keys::bucket_slot(bucket);
+        let fut = async {
+            let v = self.evalsha(slot, &cmd, ACK_LUA).await?;
+            Ok(i64::from_redis_value(v).map_err(redis::RedisError::from)?)
+        };
+        self.call_timed("ack", None, fut).await
     }
 
     async fn call_timed<T>(
         &self,
         op: &'static str,
         seconds: Option<&prometheus::Histogram>,
-        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+        fut: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         if !self.is_up() {
             return Err(StoreError::Down);
         }
         let started = Instant::now();
         let result = match tokio::time::timeout(self.timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(StoreError::from_redis(e)),
+            Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         };
         let elapsed = started.elapsed().as_secs_f64();
@@ -320,7 +418,10 @@ impl RedisStore {
     }
 
     fn follows_failovers(&self) -> bool {
-        matches!(self.link.target(), super::link::Target::Sentinel { .. })
+        match &self.route {
+            Route::Master(link) => matches!(link.target(), Target::Sentinel { .. }),
+            Route::Cluster(..) => true,
+        }
     }
 
     /// Asks the probe task to find the master again (single flight).
@@ -341,7 +442,7 @@ impl RedisStore {
         if !self.up.swap(true, Ordering::Relaxed) {
             self.metrics.store_up.set(1);
             tracing::info!(
-                kind = self.link.target().kind(),
+                kind = self.target_kind(),
                 "Redis master answers; leaving fail mode"
             );
         }
@@ -363,7 +464,7 @@ impl RedisStore {
                 self.wake_probe.notified().await;
                 continue;
             }
-            match self.link.resolve().await {
+            match self.resolve().await {
                 Ok(eviction) => self.resolved(&eviction),
                 Err(e) => {
                     if let StoreError::Unsafe(why) = &e {
@@ -384,7 +485,7 @@ impl RedisStore {
 
 impl CounterStore for RedisStore {
     fn kind(&self) -> &'static str {
-        self.link.target().kind()
+        self.target_kind()
     }
 
     fn is_up(&self) -> bool {

@@ -11,7 +11,8 @@
 
 use redis::Value;
 
-use tierlimit_shared::config::Limit;
+use tierlimit_shared::config::{Algorithm, Limit};
+use tierlimit_shared::day::SECS_PER_DAY;
 use tierlimit_shared::keys;
 
 /// The decision script.
@@ -38,6 +39,51 @@ impl Op {
     }
 }
 
+/// Whose window a tier counts in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// This node's own window (strict per node).
+    Node,
+    /// The region's window, shared by its nodes (strict per region).
+    Region,
+}
+
+/// One windowed tier of a call. A request carries the tiers of its plan
+/// and, through a gateway, of each of its descriptors: all of them are
+/// decided together, all-or-nothing.
+#[derive(Debug, Clone)]
+pub struct TierCall<'a> {
+    pub scope: Scope,
+    /// Which rule the tier belongs to: [`keys::WHOLE_TENANT`] for the plan's
+    /// own tiers, a descriptor rule's id otherwise.
+    pub rule: &'a str,
+    /// The counting key ([`keys::WHOLE_TENANT`] = the whole tenant).
+    pub key: &'a str,
+    pub limit: &'a Limit,
+    /// Units this tier is charged (or refunded).
+    pub cost: u64,
+}
+
+impl TierCall<'_> {
+    /// Whether the tier's state lives in the tenant hash: whole-tenant,
+    /// windows of at most a day (the hash lives at least a day past its last
+    /// new day), and not the sliding log (a zset of its own).
+    pub fn in_tenant_hash(&self) -> bool {
+        self.key == keys::WHOLE_TENANT
+            && self.limit.window_ms <= SECS_PER_DAY * 1000
+            && self.limit.algorithm != Algorithm::SlidingLog
+    }
+
+    /// The tier id of the key scheme.
+    pub fn tier_id(&self, node_id: &str) -> String {
+        let code = self.limit.algorithm.code();
+        match self.scope {
+            Scope::Node => keys::node_tier_id(node_id, self.rule, code),
+            Scope::Region => keys::region_tier_id(self.rule, code),
+        }
+    }
+}
+
 /// The global tier's inputs, as the node's broadcast view sees them.
 #[derive(Debug, Clone, Default)]
 pub struct GlobalArgs {
@@ -48,8 +94,12 @@ pub struct GlobalArgs {
     /// The most this region's current actor may reach (set when the view is
     /// stale: see `Decider::staleness_cap`).
     pub own_cap: Option<u64>,
-    /// This region's actors in the broadcast: (epoch, P − N).
-    pub own_parts: Vec<(String, u64)>,
+    /// This region's actors in the broadcast: (epoch, P, N). The script also
+    /// raises a rolled-back counter to its actor's broadcast P and N.
+    pub own_parts: Vec<(String, u64, u64)>,
+    /// This region's P − N from which (tenant, day) is published at the next
+    /// flush (see `publisher::urgent_at`); `None`: never urgent.
+    pub urgent_at: Option<u64>,
 }
 
 /// One call of the decision script.
@@ -57,13 +107,12 @@ pub struct GlobalArgs {
 pub struct DecideCall<'a> {
     pub op: Op,
     pub tenant: &'a str,
-    /// The counting key (`_` unless the plan is key-scoped).
-    pub key: &'a str,
     pub node_id: &'a str,
-    /// Units to charge or refund (0 for a peek).
+    /// Units charged to (or refunded from) the region's PN counter, the
+    /// global tier's count (0 for a peek).
     pub cost: u64,
-    pub node: Option<&'a Limit>,
-    pub region: Option<&'a Limit>,
+    /// The windowed tiers, checked together.
+    pub tiers: Vec<TierCall<'a>>,
     /// Nodes the region is expected to run (the `local` fail mode enforces
     /// `region / expected_nodes` on its own).
     pub expected_nodes: u32,
@@ -75,8 +124,15 @@ pub struct DecideCall<'a> {
     /// The node's clock, ms (the `local` fail mode decides by it; Redis uses
     /// its own `TIME`).
     pub now_ms: u64,
-    /// TTL of the PN counter, seconds.
+    /// TTL of the tenant hash, seconds (retention + 1 day).
     pub counter_ttl_secs: u64,
+}
+
+impl DecideCall<'_> {
+    /// The Redis Cluster slot of every key the call touches.
+    pub fn slot(&self) -> u16 {
+        keys::bucket_slot(keys::bucket_of(self.tenant))
+    }
 }
 
 /// Appends KEYS and ARGV of `call` to `cmd` (an `EVALSHA <sha>` without its
@@ -84,49 +140,68 @@ pub struct DecideCall<'a> {
 /// script does nothing, because the node has given up on the call.
 pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     let t = call.tenant;
-    let code = |l: Option<&Limit>| l.map_or(0, |l| l.algorithm.code());
-    cmd.arg(6)
-        .arg(keys::node_tier(t, call.node_id, call.key, code(call.node)))
-        .arg(keys::region_tier(t, call.key, code(call.region)))
-        .arg(keys::DIRTY)
-        .arg(keys::pn_counter(t, call.day.saturating_sub(1)))
-        .arg(keys::pn_counter(t, call.day))
-        .arg(keys::pn_counter(t, call.day + 1));
-    cmd.arg(call.op.name()).arg(call.cost);
-    for limit in [call.node, call.region] {
-        match limit {
-            Some(l) => cmd
-                .arg(l.algorithm.code())
-                .arg(l.limit)
-                .arg(l.window_ms)
-                .arg(l.burst),
-            None => cmd.arg(0u8).arg(0u8).arg(0u8).arg(0u8),
-        };
+    let bucket = keys::bucket_of(t);
+    let outside: Vec<(usize, String)> = call
+        .tiers
+        .iter()
+        .enumerate()
+        .filter(|(_, tier)| !tier.in_tenant_hash())
+        .map(|(i, tier)| (i, keys::tier_key(t, &tier.tier_id(call.node_id), tier.key)))
+        .collect();
+    cmd.arg(2 + outside.len())
+        .arg(keys::tenant_hash(t))
+        .arg(keys::dirty(bucket));
+    for (_, k) in &outside {
+        cmd.arg(k);
     }
     let g = call.global.as_ref();
-    cmd.arg(g.map_or(0, |g| g.limit))
+    cmd.arg(call.op.name())
+        .arg(deadline_ms)
+        .arg(t)
+        .arg(call.day)
+        .arg(call.epoch_candidate)
+        .arg(call.counter_ttl_secs)
+        .arg(g.map_or(0, |g| g.limit))
+        .arg(call.cost)
         .arg(g.map_or(0, |g| g.broadcast_total));
     match g.and_then(|g| g.own_cap) {
         Some(c) => cmd.arg(c),
         None => cmd.arg(-1i64),
     };
-    cmd.arg(call.epoch_candidate)
-        .arg(t)
-        .arg(call.day)
-        .arg(call.counter_ttl_secs)
-        .arg(deadline_ms);
+    match g.and_then(|g| g.urgent_at) {
+        Some(u) => cmd.arg(u),
+        None => cmd.arg(-1i64),
+    };
+    cmd.arg(call.tiers.len());
+    let mut next_key = 3;
+    for (i, tier) in call.tiers.iter().enumerate() {
+        let l = tier.limit;
+        if outside.iter().any(|(j, _)| *j == i) {
+            cmd.arg(next_key).arg("");
+            next_key += 1;
+        } else {
+            let mut prefix = tier.tier_id(call.node_id);
+            prefix.push(':');
+            cmd.arg(0u8).arg(prefix);
+        }
+        cmd.arg(l.algorithm.code())
+            .arg(l.limit)
+            .arg(l.window_ms)
+            .arg(l.burst)
+            .arg(tier.cost);
+    }
     if let Some(g) = g {
-        for (epoch, part) in &g.own_parts {
-            cmd.arg(epoch).arg(part);
+        for (epoch, p, n) in &g.own_parts {
+            cmd.arg(epoch).arg(p).arg(n);
         }
     }
 }
 
-/// The tier that denied a check.
+/// What denied a check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Denied {
-    Node,
-    Region,
+    /// The windowed tier at this index of the call.
+    Tier(usize),
     Global,
 }
 
@@ -149,8 +224,8 @@ pub struct DecideReply {
     pub retry_ms: Option<u64>,
     /// Redis' clock when the script ran.
     pub now_ms: i64,
-    pub node: Option<TierReply>,
-    pub region: Option<TierReply>,
+    /// The call's tiers, in call order.
+    pub tiers: Vec<TierReply>,
     /// This region's PN counter for the day: cumulative P and N, and the
     /// epoch that names the actor.
     pub own_p: u64,
@@ -158,6 +233,9 @@ pub struct DecideReply {
     pub epoch: String,
     pub day: u32,
     pub global_remaining: Option<u64>,
+    /// Units the rollback check added to P: Redis held less than the
+    /// aggregator already had from this actor.
+    pub raised: u64,
 }
 
 /// Why a reply could not be used.
@@ -198,33 +276,36 @@ impl DecideReply {
 struct Fields {
     allowed: Option<i64>,
     denied: Option<String>,
+    denied_tier: Option<i64>,
     retry_ms: Option<i64>,
     now_ms: Option<i64>,
-    node_remaining: Option<i64>,
-    node_reset_ms: Option<i64>,
-    region_remaining: Option<i64>,
-    region_reset_ms: Option<i64>,
+    tiers: Option<Vec<i64>>,
     own_p: Option<i64>,
     own_n: Option<i64>,
     epoch: Option<String>,
     day: Option<i64>,
     global_remaining: Option<i64>,
+    raised: Option<i64>,
 }
 
 impl Fields {
     fn set(&mut self, name: &[u8], v: Value) -> Result<(), ReplyError> {
+        let bad = |v: &Value| {
+            ReplyError::Malformed(format!(
+                "{} is not an integer: {v:?}",
+                String::from_utf8_lossy(name)
+            ))
+        };
         let slot = match name {
             b"allowed" => &mut self.allowed,
+            b"denied_tier" => &mut self.denied_tier,
             b"retry_ms" => &mut self.retry_ms,
             b"now_ms" => &mut self.now_ms,
-            b"node_remaining" => &mut self.node_remaining,
-            b"node_reset_ms" => &mut self.node_reset_ms,
-            b"region_remaining" => &mut self.region_remaining,
-            b"region_reset_ms" => &mut self.region_reset_ms,
             b"own_p" => &mut self.own_p,
             b"own_n" => &mut self.own_n,
             b"day" => &mut self.day,
             b"global_remaining" => &mut self.global_remaining,
+            b"raised" => &mut self.raised,
             b"denied" => {
                 self.denied = Some(text(v));
                 return Ok(());
@@ -233,16 +314,22 @@ impl Fields {
                 self.epoch = Some(text(v));
                 return Ok(());
             }
+            b"tiers" => {
+                let Value::Array(items) = v else {
+                    return Err(ReplyError::Malformed(format!("tiers is not a list: {v:?}")));
+                };
+                let values = items
+                    .iter()
+                    .map(|i| int(i).ok_or_else(|| bad(i)))
+                    .collect::<Result<_, _>>()?;
+                self.tiers = Some(values);
+                return Ok(());
+            }
             // A field of a newer script: ignored, so nodes of both
             // versions can share a Redis during a rolling upgrade.
             _ => return Ok(()),
         };
-        *slot = Some(int(&v).ok_or_else(|| {
-            ReplyError::Malformed(format!(
-                "{} is not an integer: {v:?}",
-                String::from_utf8_lossy(name)
-            ))
-        })?);
+        *slot = Some(int(&v).ok_or_else(|| bad(&v))?);
         Ok(())
     }
 
@@ -253,32 +340,40 @@ impl Fields {
         let now_ms = need(self.now_ms, "now_ms")?;
         let denied = match self.denied.as_deref() {
             Some("") => None,
-            Some("node") => Some(Denied::Node),
-            Some("region") => Some(Denied::Region),
+            Some("tier") => {
+                let i = need(self.denied_tier, "denied_tier")?;
+                if i < 1 {
+                    return Err(ReplyError::Malformed(format!("denied_tier = {i}")));
+                }
+                Some(Denied::Tier(i as usize - 1))
+            }
             Some("global") => Some(Denied::Global),
             Some("expired") => return Err(ReplyError::Expired { now_ms }),
             Some(other) => return Err(ReplyError::Malformed(format!("denied = {other:?}"))),
             None => return Err(ReplyError::Malformed("missing field denied".into())),
         };
-        let tier = |remaining: Option<i64>, reset: Option<i64>| {
-            remaining.map(|r| TierReply {
-                remaining: r.max(0) as u64,
-                reset_ms: reset.unwrap_or(0).max(0) as u64,
+        let tiers = self
+            .tiers
+            .ok_or_else(|| ReplyError::Malformed("missing field tiers".into()))?
+            .chunks(2)
+            .map(|c| TierReply {
+                remaining: c[0].max(0) as u64,
+                reset_ms: c.get(1).copied().unwrap_or(0).max(0) as u64,
             })
-        };
+            .collect();
         let retry = need(self.retry_ms, "retry_ms")?;
         Ok(DecideReply {
             allowed: need(self.allowed, "allowed")? == 1,
             denied,
             retry_ms: (retry >= 0).then_some(retry as u64),
             now_ms,
-            node: tier(self.node_remaining, self.node_reset_ms),
-            region: tier(self.region_remaining, self.region_reset_ms),
+            tiers,
             own_p: need(self.own_p, "own_p")?.max(0) as u64,
             own_n: need(self.own_n, "own_n")?.max(0) as u64,
             epoch: self.epoch.unwrap_or_default(),
             day: need(self.day, "day")?.max(0) as u32,
             global_remaining: self.global_remaining.map(|g| g.max(0) as u64),
+            raised: self.raised.unwrap_or(0).max(0) as u64,
         })
     }
 }
