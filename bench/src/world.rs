@@ -50,6 +50,16 @@ impl RedisConn {
         Ok(self.info_field(section, field).await?.parse().unwrap_or(0))
     }
 
+    /// Entries in every bucket's dirty set: what the region has not
+    /// published yet.
+    pub async fn dirty_total(&self) -> anyhow::Result<u64> {
+        let mut sum = 0;
+        for key in tierlimit_shared::keys::all_dirty() {
+            sum += self.zcard(&key).await?;
+        }
+        Ok(sum)
+    }
+
     pub async fn zcard(&self, key: &str) -> anyhow::Result<u64> {
         self.query(redis::cmd("ZCARD").arg(key)).await
     }

@@ -419,10 +419,11 @@ impl World {
         for r in &self.regions {
             let client = redis::Client::open(r.redis_url.as_str())?;
             let mut con = client.get_multiplexed_async_connection().await?;
+            let [_, p, n] = tierlimit_shared::keys::counter_fields(day);
             let (p, n): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-                .arg(tierlimit_shared::keys::pn_counter(tenant, day))
-                .arg("p")
-                .arg("n")
+                .arg(tierlimit_shared::keys::tenant_hash(tenant))
+                .arg(p)
+                .arg(n)
                 .query_async(&mut con)
                 .await?;
             sum += p.unwrap_or(0).saturating_sub(n.unwrap_or(0));

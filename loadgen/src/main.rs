@@ -847,23 +847,18 @@ mod tests {
         }
         .call();
         let args = cmd_args(&call.cmd("sha", "acme", 20_000));
+        let keys = tierlimit_shared::keys::tenant_hash("acme");
+        let dirty = tierlimit_shared::keys::dirty(tierlimit_shared::keys::bucket_of("acme"));
+        // Both tiers live in the tenant hash: two keys.
         assert_eq!(
-            args[..9],
-            [
-                "EVALSHA",
-                "sha",
-                "6",
-                "tl:{acme}:n:n1:_:1",
-                "tl:{acme}:r:_:2",
-                "tl:dirty",
-                "tl:{acme}:g:19999",
-                "tl:{acme}:g:20000",
-                "tl:{acme}:g:20001"
-            ]
+            args[..5],
+            ["EVALSHA", "sha", "2", keys.as_str(), dirty.as_str()]
         );
-        assert_eq!(args.len(), 9 + 18);
-        assert_eq!(&args[9..11], ["check", "1"]);
-        assert_eq!(&args[23..26], ["acme", "20000", "259200"]);
+        assert_eq!(&args[5..9], ["check", "0", "acme", "20000"]);
+        assert_eq!(args[10], "259200");
+        // Two tiers of seven values after the thirteen fixed arguments.
+        assert_eq!(args[17], "2");
+        assert_eq!(args.len(), 5 + 13 + 2 * 7);
     }
 
     #[test]

@@ -294,7 +294,7 @@ async fn worker(
                 let cmd = call.cmd(sha, &name, day);
                 let c = redis_conn.as_mut().expect("redis connection");
                 match cmd.query_async::<redis::Value>(c).await {
-                    Ok(v) => Ok(ScriptCall::outcome(v)),
+                    Ok(v) => Ok(call.outcome(v)),
                     Err(e) => Err(format!("redis {:?}", e.kind())),
                 }
             }

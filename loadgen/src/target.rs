@@ -12,7 +12,9 @@ use crate::stats::Outcome;
 
 /// The decision script, byte for byte the one region-node runs.
 pub use region_node::storage::script::DECIDE_LUA;
-use region_node::storage::script::{self, DecideCall, DecideReply, Denied, GlobalArgs, Op};
+use region_node::storage::script::{
+    self, DecideCall, DecideReply, Denied, GlobalArgs, Op, Scope, TierCall,
+};
 use tierlimit_shared::config::{Algorithm, Limit};
 
 #[derive(Debug, Clone)]
@@ -223,14 +225,23 @@ impl ScriptCall {
     /// `EVALSHA sha …` of a check of `tenant` on `day`: nothing broadcast
     /// yet, no staleness cap, no deadline.
     pub fn cmd(&self, sha: &str, tenant: &str, day: u32) -> redis::Cmd {
+        let tier = |scope, limit| TierCall {
+            scope,
+            rule: tierlimit_shared::keys::WHOLE_TENANT,
+            key: tierlimit_shared::keys::WHOLE_TENANT,
+            limit,
+            cost: self.cost,
+        };
+        let tiers = [(Scope::Node, &self.node), (Scope::Region, &self.region)]
+            .into_iter()
+            .filter_map(|(scope, l)| l.as_ref().map(|l| tier(scope, l)))
+            .collect();
         let call = DecideCall {
             op: Op::Check,
             tenant,
-            key: tierlimit_shared::keys::WHOLE_TENANT,
             node_id: &self.node_id,
             cost: self.cost,
-            node: self.node.as_ref(),
-            region: self.region.as_ref(),
+            tiers,
             expected_nodes: 1,
             global: (self.global_limit > 0).then(|| GlobalArgs {
                 limit: self.global_limit,
@@ -240,6 +251,7 @@ impl ScriptCall {
             day,
             now_ms: 0,
             counter_ttl_secs: self.ttl_s,
+            relaxed_ms: 2000,
         };
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(sha);
@@ -248,7 +260,8 @@ impl ScriptCall {
     }
 
     /// Reads `decide.lua`'s reply.
-    pub fn outcome(v: redis::Value) -> Outcome {
+    pub fn outcome(&self, v: redis::Value) -> Outcome {
+        let has_node = self.node.is_some();
         let reply = match v {
             redis::Value::Array(items) => DecideReply::parse(items).ok(),
             _ => None,
@@ -257,9 +270,10 @@ impl ScriptCall {
             Some(r) => Outcome {
                 status: 0,
                 allowed: r.allowed,
+                // Tier 0 is the node tier when there is one (see `cmd`).
                 tier: r.denied.map(|d| match d {
-                    Denied::Node => "node",
-                    Denied::Region => "region",
+                    Denied::Tier(0) if has_node => "node",
+                    Denied::Tier(_) => "region",
                     Denied::Global => "global",
                 }),
                 mode: Some("redis"),

@@ -384,6 +384,7 @@ impl Decider {
             day: today,
             now_ms: now,
             counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY,
+            relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
         }
     }
 

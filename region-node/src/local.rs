@@ -69,7 +69,13 @@ impl Local {
         let ids: Vec<(String, String, String)> = call
             .tiers
             .iter()
-            .map(|t| (call.tenant.to_string(), t.tier_id(call.node_id), t.key.to_string()))
+            .map(|t| {
+                (
+                    call.tenant.to_string(),
+                    t.tier_id(call.node_id),
+                    t.key.to_string(),
+                )
+            })
             .collect();
         let mut out = Vec::with_capacity(call.tiers.len());
         for (t, id) in call.tiers.iter().zip(&ids) {
@@ -89,7 +95,10 @@ impl Local {
                 }
             }
             let mut counts = self.counts.lock().expect("local counts poisoned");
-            counts.entry((call.tenant.to_string(), call.day)).or_default().0 += call.cost;
+            counts
+                .entry((call.tenant.to_string(), call.day))
+                .or_default()
+                .0 += call.cost;
         }
         (allowed, out)
     }
@@ -99,7 +108,11 @@ impl Local {
         let now_us = call.now_ms * 1000;
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         for t in &call.tiers {
-            let id = (call.tenant.to_string(), t.tier_id(call.node_id), t.key.to_string());
+            let id = (
+                call.tenant.to_string(),
+                t.tier_id(call.node_id),
+                t.key.to_string(),
+            );
             if let Some((_, s)) = tiers.get_mut(&id) {
                 s.refund(&local_limit(t, call.expected_nodes), now_us, t.cost);
             }
@@ -171,7 +184,9 @@ impl Local {
                 let mut denied = None;
                 let mut retry: Option<u64> = Some(0);
                 let mut tiers = Vec::with_capacity(evals.len());
-                for (i, (LocalTier { eval, .. }, t)) in evals.into_iter().zip(&call.tiers).enumerate() {
+                for (i, (LocalTier { eval, .. }, t)) in
+                    evals.into_iter().zip(&call.tiers).enumerate()
+                {
                     if !eval.allowed {
                         denied.get_or_insert(Denied::Tier(i));
                         retry = match (retry, eval.retry_ms) {

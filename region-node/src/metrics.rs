@@ -189,8 +189,8 @@ impl Metrics {
             dirty_oldest_seconds: reg(
                 &r,
                 prometheus::Gauge::new(
-                    "tierlimit_dirty_oldest_seconds",
-                    "Age of the oldest non-urgent unpublished (tenant, day) entry at the last flush (the publish backlog)",
+                    "tierlimit_publish_backlog_seconds",
+                    "How long the most overdue unpublished (tenant, day) has been due at the last flush: 0 while the publisher keeps up",
                 )
                 .unwrap(),
             ),

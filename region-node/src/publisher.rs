@@ -89,7 +89,7 @@ struct BucketRead {
     bucket: u16,
     /// Entries in the dirty set.
     total: i64,
-    /// Redis time the oldest non-urgent entry became dirty.
+    /// The earliest due time of a non-urgent entry (Redis clock, ms).
     oldest: Option<i64>,
     entries: Vec<DirtyEntry>,
 }
@@ -243,9 +243,11 @@ impl Publisher {
         let cfg = self.live.load_full();
         let relaxed = cfg.config.node.relaxed_flush_interval();
         let redis_now = self.store.redis_now_ms(now_ms());
-        // Due: urgent (score 0), or dirty since a relaxed interval ago.
-        let cutoff = redis_now - relaxed.as_millis() as i64;
-        let per_bucket = (self.batch * 4).div_ceil(usize::from(keys::BUCKETS)).max(16);
+        // Due: urgent (score 0), or due by now (see decide.lua).
+        let cutoff = redis_now;
+        let per_bucket = (self.batch * 4)
+            .div_ceil(usize::from(keys::BUCKETS))
+            .max(16);
 
         // 1. Every bucket's due entries and their counters, all buckets at
         //    once (each bucket is one slot: one master serves its reads).
@@ -271,10 +273,11 @@ impl Publisher {
                             Some(c) => entries.push((read.bucket, e.tenant, e.day, c)),
                             // The counter expired or Redis lost it: nothing
                             // to publish; the entry just leaves.
-                            None => stale
-                                .entry(read.bucket)
-                                .or_default()
-                                .push((e.tenant, e.day, u64::MAX)),
+                            None => stale.entry(read.bucket).or_default().push((
+                                e.tenant,
+                                e.day,
+                                u64::MAX,
+                            )),
                         }
                     }
                 }
@@ -315,11 +318,20 @@ impl Publisher {
                 match self.raise(&tenant, d, &epoch, kp, kn).await {
                     Ok(()) => {
                         self.metrics.counter_rollbacks.inc();
-                        tracing::warn!(tenant, day = d, epoch, redis_p = p, broadcast_p = kp, "Redis counter below its broadcast part (partial rollback); raised");
+                        tracing::warn!(
+                            tenant,
+                            day = d,
+                            epoch,
+                            redis_p = p,
+                            broadcast_p = kp,
+                            "Redis counter below its broadcast part (partial rollback); raised"
+                        );
                         p = p.max(kp);
                         n = n.max(kn).min(p);
                     }
-                    Err(e) => tracing::debug!(error = %e, "rollback raise failed; retried next flush"),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "rollback raise failed; retried next flush")
+                    }
                 }
             }
             pending.push(Pending {
@@ -360,7 +372,9 @@ impl Publisher {
                 Ok(Ok(_)) => {
                     ok += 1;
                     let pn = p.delta.p + p.delta.n;
-                    acks.entry(p.bucket).or_default().push((p.tenant, p.day, pn));
+                    acks.entry(p.bucket)
+                        .or_default()
+                        .push((p.tenant, p.day, pn));
                 }
                 _ => failures += 1,
             }
@@ -375,7 +389,7 @@ impl Publisher {
         let mut ack_tasks = tokio::task::JoinSet::new();
         for (bucket, list) in acks {
             let store = Arc::clone(&self.store);
-            ack_tasks.spawn(async move { store.ack_dirty(bucket, &list).await });
+            ack_tasks.spawn(async move { store.ack_dirty(bucket, relaxed, &list).await });
         }
         while let Some(r) = ack_tasks.join_next().await {
             if let Ok(Err(e)) = r {
@@ -415,6 +429,7 @@ impl Publisher {
             now_ms: now_ms(),
             counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1)
                 * tierlimit_shared::day::SECS_PER_DAY,
+            relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
         };
         self.store.decide(&call).await.map(|_| ())
     }
@@ -498,7 +513,13 @@ fn epoch_is_new(e: Option<&crate::view::Entry>, region: &str, epoch: &str) -> bo
 /// urgent once `total + regions × (own − mine) ≥ fraction × limit`, which
 /// turns a burst urgent early and keeps the global overshoot where it was
 /// when every entry was published at every flush.
-pub fn urgent_at(limit: Option<u64>, total: u64, mine: u64, regions: u64, fraction: f64) -> Option<u64> {
+pub fn urgent_at(
+    limit: Option<u64>,
+    total: u64,
+    mine: u64,
+    regions: u64,
+    fraction: f64,
+) -> Option<u64> {
     let limit = limit?;
     let gap = fraction * limit as f64 - total as f64;
     if gap <= 0.0 {

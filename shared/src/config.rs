@@ -233,8 +233,9 @@ impl Default for AggregatorSettings {
 #[serde(deny_unknown_fields)]
 pub struct RegionConfig {
     /// `redis://`, `rediss://` (TLS) or `unix://` URL of the region's Redis,
-    /// or `redis+sentinel://host:port[,host:port…]/<master name>` to follow
-    /// the master that Sentinel names.
+    /// `redis+sentinel://host:port[,host:port…]/<master name>` to follow
+    /// the master that Sentinel names, or `redis+cluster://host:port[,…]`
+    /// for a Redis Cluster (any of its nodes; the rest are discovered).
     pub redis_url: String,
     /// Nodes expected in this region; `local` fail mode gives each node
     /// `region limit / expected_nodes`.
@@ -565,6 +566,7 @@ impl Config {
                 "redis+unix://",
                 "redis+sentinel://",
                 "rediss+sentinel://",
+                "redis+cluster://",
             ]
             .iter()
             .any(|p| r.redis_url.starts_with(p))
@@ -572,7 +574,7 @@ impl Config {
                 return Err(ConfigError::invalid(
                     key("redis_url"),
                     format!(
-                        "{:?} is not a redis://, rediss://, unix:// or redis+sentinel:// URL",
+                        "{:?} is not a redis://, rediss://, unix://, redis+sentinel:// or redis+cluster:// URL",
                         r.redis_url
                     ),
                 ));

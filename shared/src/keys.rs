@@ -100,6 +100,23 @@ pub fn day_prefix(day: u32) -> String {
     format!("g:{day}:")
 }
 
+/// The PN counter's fields of `day` in the tenant hash: epoch, P, N.
+pub fn counter_fields(day: u32) -> [String; 3] {
+    let g = day_prefix(day);
+    [format!("{g}e"), format!("{g}p"), format!("{g}n")]
+}
+
+/// The fields of a window tier's state in the tenant hash: window index and
+/// count (fixed and sliding windows).
+pub fn window_fields(tier_id: &str) -> [String; 2] {
+    [format!("{tier_id}:w"), format!("{tier_id}:c")]
+}
+
+/// Every bucket's dirty set.
+pub fn all_dirty() -> impl Iterator<Item = String> {
+    (0..BUCKETS).map(dirty)
+}
+
 /// Member of a dirty set for (tenant, day).
 pub fn dirty_member(tenant: &str, day: u32) -> String {
     format!("{tenant}|{day}")

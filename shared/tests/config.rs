@@ -540,7 +540,7 @@ fn cluster_and_regions_are_validated() {
         refused(
             &with(&["regions", "eu-west", "redis_url"], s(bad)),
             "regions.eu-west.redis_url",
-            "is not a redis://, rediss://, unix:// or redis+sentinel:// URL",
+            "is not a redis://, rediss://, unix://, redis+sentinel:// or redis+cluster:// URL",
         );
     }
     for good in [

@@ -454,12 +454,12 @@ policy = "deny"
     /// Today's `(epoch, p, n)` of `tenant` in `region`'s Redis.
     pub async fn redis_counter(&self, region: &str, tenant: &str) -> Option<(String, u64, u64)> {
         let mut con = redis_con(&self.redis_url(region)).await?;
-        let key = format!("tl:{{{tenant}}}:g:{}", tierlimit_shared::day::today());
+        let key = tierlimit_shared::keys::tenant_hash(tenant);
         let (e, p, n): (Option<String>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
             .arg(&key)
-            .arg("e")
-            .arg("p")
-            .arg("n")
+            .arg(&tierlimit_shared::keys::counter_fields(
+                tierlimit_shared::day::today(),
+            ))
             .query_async(&mut con)
             .await
             .ok()?;
@@ -479,12 +479,18 @@ policy = "deny"
     }
 
     /// A fixed-window tier state in a region's Redis: (window index, count).
-    pub async fn redis_window(&self, region: &str, key: &str) -> Option<(u64, u64)> {
+    /// `(window index, count)` of a whole-tenant window tier (`tier_id`,
+    /// see `keys`) of `tenant` in `region`'s Redis.
+    pub async fn redis_window(
+        &self,
+        region: &str,
+        tenant: &str,
+        tier_id: &str,
+    ) -> Option<(u64, u64)> {
         let mut con = redis_con(&self.redis_url(region)).await?;
         let (w, c): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(key)
-            .arg("w")
-            .arg("c")
+            .arg(tierlimit_shared::keys::tenant_hash(tenant))
+            .arg(&tierlimit_shared::keys::window_fields(tier_id))
             .query_async(&mut con)
             .await
             .ok()?;

@@ -79,13 +79,11 @@ policy = "deny"
         let mut sum = 0;
         for (_, r) in &self.redis {
             let mut con = r.client().await;
+            let [_, p, n] = tierlimit_shared::keys::counter_fields(tierlimit_shared::day::today());
             let (p, n): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-                .arg(format!(
-                    "tl:{{{tenant}}}:g:{}",
-                    tierlimit_shared::day::today()
-                ))
-                .arg("p")
-                .arg("n")
+                .arg(tierlimit_shared::keys::tenant_hash(tenant))
+                .arg(p)
+                .arg(n)
                 .query_async(&mut con)
                 .await
                 .unwrap();

@@ -433,8 +433,8 @@ impl Scenario {
         }
         // The regions' Redis agree with the history for the last window.
         for region in REGIONS {
-            let key = format!("tl:{{{tenant}}}:r:_:1");
-            if let Some((w, c)) = self.c.redis_window(region, &key).await {
+            let tier = tierlimit_shared::keys::region_tier_id("_", 1);
+            if let Some((w, c)) = self.c.redis_window(region, tenant, &tier).await {
                 let (seen, unknown) = history::usage_in_window(
                     ev,
                     tenant,
@@ -451,8 +451,8 @@ impl Scenario {
                 }
             }
             for id in NODE_IDS {
-                let key = format!("tl:{{{tenant}}}:n:{id}:_:1");
-                if let Some((w, c)) = self.c.redis_window(region, &key).await {
+                let tier = tierlimit_shared::keys::node_tier_id(id, "_", 1);
+                if let Some((w, c)) = self.c.redis_window(region, tenant, &tier).await {
                     let (seen, unknown) = history::usage_in_window(
                         ev,
                         tenant,

@@ -16,11 +16,11 @@ use std::time::Duration;
 
 use crate::world::RedisConn;
 
-/// Waits (up to `seconds`) until a region's dirty set `tl:dirty` is empty:
+/// Waits (up to `seconds`) until a region's dirty sets are empty:
 /// every charge published to Kafka.
 pub async fn drained(redis: &RedisConn, what: &str, seconds: u64) {
     testkit::wait_until(what, Duration::from_secs(seconds), || async {
-        redis.zcard("tl:dirty").await.is_ok_and(|n| n == 0)
+        redis.dirty_total().await.is_ok_and(|n| n == 0)
     })
     .await
 }

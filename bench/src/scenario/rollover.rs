@@ -69,6 +69,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use tierlimit_shared::keys;
 
 use anyhow::{bail, ensure, Context};
 use serde::{Deserialize, Serialize};
@@ -387,22 +388,27 @@ struct Stack {
 }
 
 impl Stack {
+    async fn has_day(&self, tenant: &str, day: u64) -> anyhow::Result<bool> {
+        let [e, _, _] = keys::counter_fields(day as u32);
+        self.conn
+            .query::<bool>(redis::cmd("HEXISTS").arg(keys::tenant_hash(tenant)).arg(e))
+            .await
+    }
+
     async fn fake_now(&self) -> anyhow::Result<u64> {
         self.conn.time().await
     }
 
+    /// Key scheme 2: `tl:{B}:t:T` is a tenant hash (counted as a node
+    /// window key: each holds the tenant's windows and days),
+    /// `tl:{B}:t:T:k:…` a tier of its own, `tl:{B}:dirty` a dirty set.
     async fn key_counts(&self) -> anyhow::Result<KeyCounts> {
         let mut k = KeyCounts::default();
         for key in self.conn.scan("tl:*").await? {
             let f: Vec<&str> = key.split(':').collect();
-            match f.get(2).copied() {
-                Some("n") => k.node_window += 1,
-                Some("r") => k.region_window += 1,
-                Some("g") => {
-                    *k.pn_by_day
-                        .entry(f.get(3).unwrap_or(&"").to_string())
-                        .or_default() += 1
-                }
+            match (f.get(2).copied(), f.len()) {
+                (Some("t"), 4) => k.node_window += 1,
+                (Some("t"), _) => k.region_window += 1,
                 _ => *k.other.entry(key.clone()).or_default() += 1,
             }
         }
@@ -431,20 +437,21 @@ impl Stack {
             redis_dbsize: c.dbsize().await?,
             redis_keys_live: live,
             redis_keys: self.key_counts().await?,
-            dirty: c.zcard("tl:dirty").await?,
-            published: c.zcard("tl:published").await?,
-            mu_published: c.memory_usage("tl:published").await?,
+            dirty: c.dirty_total().await?,
+            // Key scheme 2 keeps no publish stamps: the dirty set's order is
+            // the schedule.
+            published: 0,
+            mu_published: None,
             sample_tenant: s.clone(),
-            mu_node: c.memory_usage(&format!("tl:{{{s}}}:n:eu-1:_:1")).await?,
-            mu_region: c.memory_usage(&format!("tl:{{{s}}}:r:_:2")).await?,
-            mu_pn_day_a: c
-                .memory_usage(&format!("tl:{{{s}}}:g:{}", self.day_a))
-                .await?,
-            mu_pn_day_b: c
-                .memory_usage(&format!("tl:{{{s}}}:g:{}", self.day_b))
-                .await?,
-            ttl_pn_day_a: ttl(format!("tl:{{{s}}}:g:{}", self.day_a)).await?,
-            ttl_pn_day_b: ttl(format!("tl:{{{s}}}:g:{}", self.day_b)).await?,
+            // Key scheme 2: node tier, region tier and every day's counter
+            // of a tenant share one hash (reported as the node figure).
+            mu_node: c.memory_usage(&keys::tenant_hash(s)).await?,
+            mu_region: None,
+            // Whether each day's counter is in the hash (1) or dropped (0).
+            mu_pn_day_a: Some(u64::from(self.has_day(s, self.day_a).await?)),
+            mu_pn_day_b: Some(u64::from(self.has_day(s, self.day_b).await?)),
+            ttl_pn_day_a: ttl(keys::tenant_hash(s)).await?,
+            ttl_pn_day_b: ttl(keys::tenant_hash(s)).await?,
             redis_rss_kib: testkit::rss_kib(self.redis.pid()).unwrap_or(0),
             node_rss_kib: testkit::rss_kib(self.node.proc.pid()).unwrap_or(0),
             agg_rss_kib: testkit::rss_kib(self.agg.proc.pid()).unwrap_or(0),
@@ -525,7 +532,7 @@ impl Stack {
         );
         let deadline = Instant::now() + Duration::from_secs(k.rollover_drain_seconds);
         loop {
-            let d = self.conn.zcard("tl:dirty").await?;
+            let d = self.conn.dirty_total().await?;
             let v = metric(http, &nb, "tierlimit_view_entries")
                 .await
                 .unwrap_or(0.0);
@@ -733,11 +740,16 @@ plan = "bench"
         "the probe check failed: {}",
         r.status()
     );
-    let probe_key = format!("tl:{{probe}}:g:{probe_day}");
+    let probe_key = keys::tenant_hash("probe");
+    let [probe_field, _, _] = keys::counter_fields(probe_day as u32);
     testkit::wait_until(
         &format!("the probe's PN counter of day {probe_day} in Redis"),
         Duration::from_secs(10),
-        || async { conn.exists(&probe_key).await.unwrap_or(false) },
+        || async {
+            conn.query::<bool>(redis::cmd("HEXISTS").arg(&probe_key).arg(&probe_field))
+                .await
+                .unwrap_or(false)
+        },
     )
     .await;
     let (ah, au) = (agg.http.clone(), agg.url("/v1/global/probe"));
@@ -836,15 +848,10 @@ plan = "bench"
         // wait until those of the sample and of the last tenant charged are
         // gone (EXISTS expires them lazily).
         let last = format!("s{}", phase_b.populated.saturating_sub(1));
-        let keys: Vec<String> = [&st.sample, &last]
-            .iter()
-            .flat_map(|t| {
-                [
-                    format!("tl:{{{t}}}:r:_:2"),
-                    format!("tl:{{{t}}}:n:eu-1:_:1"),
-                ]
-            })
-            .collect();
+        // Key scheme 2 keeps whole-tenant windows in the tenant hash, which
+        // lives as long as its days: no window key to wait for.
+        let _ = (&st.sample, &last);
+        let keys: Vec<String> = Vec::new();
         let bound = (2 * REGION_WINDOW_S + 5 + 60).saturating_sub(b_end.elapsed().as_secs());
         eprintln!(
             "bench: rollover: waiting (at most {bound}s) for phase B's window keys to expire"

@@ -103,12 +103,12 @@ pub async fn run(
     // The populate run is bounded in time: count what it really charged.
     let populated = populate.allowed;
     let redis_used_with_dirty = used().await?;
-    let dirty_peak = redis.zcard("tl:dirty").await?;
+    let dirty_peak = redis.dirty_total().await?;
     // Publishing, merging and broadcasting back: a bounded wait that does
     // not fail (the report shows how far it got), polled every 2 s.
     let deadline = Instant::now() + Duration::from_secs(PIPELINE_BOUND_S);
     while Instant::now() < deadline {
-        let d = redis.zcard("tl:dirty").await?;
+        let d = redis.dirty_total().await?;
         let v = metric(&http, &nb, "tierlimit_view_entries")
             .await
             .unwrap_or(0.0);
@@ -118,23 +118,9 @@ pub async fn run(
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
     let pipeline_s = secs(started);
-    let day = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs()
-        / 86400;
     let sample = populated / 2;
-    let node_key = format!("tl:{{s{sample}}}:n:eu-1:_:1");
-    // The node tier's 1 s window of the last tenants expires within a
-    // second or two of the end: measure after it did (bounded, no failure).
-    let last_node_key = format!("tl:{{s{}}}:n:eu-1:_:1", populated.saturating_sub(1));
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        while redis.exists(&last_node_key).await.unwrap_or(false)
-            || redis.exists(&node_key).await.unwrap_or(false)
-        {
-            tokio::time::sleep(testkit::POLL).await;
-        }
-    })
-    .await;
+    // Key scheme 2: a tenant's windows and days share one hash.
+    let node_key = tierlimit_shared::keys::tenant_hash(&format!("s{sample}"));
     let redis_used_after = used().await?;
     let s = Scale {
         tenants: populated,
@@ -145,17 +131,13 @@ pub async fn run(
         redis_used_with_dirty,
         redis_used_after,
         dirty_peak,
-        dirty_left: redis.zcard("tl:dirty").await?,
+        dirty_left: redis.dirty_total().await?,
         keys_before,
         keys_after: redis.dbsize().await?,
         sample_tenant: format!("s{sample}"),
         mu_node: redis.memory_usage(&node_key).await?,
-        mu_region: redis
-            .memory_usage(&format!("tl:{{s{sample}}}:r:_:2"))
-            .await?,
-        mu_pn: redis
-            .memory_usage(&format!("tl:{{s{sample}}}:g:{day}"))
-            .await?,
+        mu_region: None,
+        mu_pn: None,
         node_rss_before_kib,
         node_rss_after_kib: rss(node_pid),
         agg_rss_before_kib,

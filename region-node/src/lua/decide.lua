@@ -29,7 +29,9 @@
 --           the node when its broadcast view is stale
 -- ARGV[11]  urgent_at: this region's P − N at which (T, day) must be
 --           published at the next flush (-1 = never)
--- ARGV[12]  K, the number of windowed tiers; then 7 values per tier:
+-- ARGV[12]  relaxed_ms: how long after its last publication a (T, day)
+--           that is not urgent is due again (relaxed_flush_interval)
+-- ARGV[13]  K, the number of windowed tiers; then 7 values per tier:
 --           location (0 = tenant hash, i = KEYS[i]), field prefix in the
 --           hash, algorithm code, limit, window_ms, burst, cost
 -- then      triplets epoch, P, N: this region's actors in the broadcast
@@ -194,11 +196,11 @@ local algorithms = { fixed_window, sliding_window, token_bucket, sliding_log }
 -- Read: one HMGET of the tenant hash for the day's counter and every tier
 -- kept there; one HMGET per tier kept in a key of its own.
 local gp = 'g:' .. int(day) .. ':'
-local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd' }
-local K = tonumber(ARGV[12])
+local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', gp .. 's' }
+local K = tonumber(ARGV[13])
 local tiers = {}
 for i = 1, K do
-  local a = 12 + (i - 1) * 7
+  local a = 13 + (i - 1) * 7
   local tier = { loc = tonumber(ARGV[a + 1]), prefix = ARGV[a + 2], alg = algorithms[tonumber(ARGV[a + 3])],
     limit = tonumber(ARGV[a + 4]), w = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
     cost = tonumber(ARGV[a + 7]) }
@@ -242,7 +244,7 @@ local dstate = tonumber(h[4]) or 0
 -- re-admit what it already spent, and the aggregator, whose max-merge
 -- ignores a counter below what it saw, would stay short for good.
 local mine_p, mine_n = 0, 0
-local parts_from = 13 + K * 7
+local parts_from = 14 + K * 7
 if day == node_day then
   for i = parts_from, #ARGV, 3 do
     if ARGV[i] == epoch then
@@ -308,8 +310,10 @@ end
 
 -- The counter changed: write it, and mark (T, day) dirty in the bucket's
 -- set only when its publish state changes (clean → dirty, or → urgent), so a
--- busy tenant costs no ZADD per request. Score 0 sorts urgent entries
--- first; others are due a relaxed interval after the Redis time they got.
+-- busy tenant costs no ZADD per request. The score is when the entry is
+-- due: 0 (urgent) sorts first; otherwise a relaxed interval after its last
+-- publication (`g:<day>:s`, stamped by ack.lua), or now if it was never
+-- published or that is long past.
 local function counter_changed()
   put(gp .. 'p', int(own_p)); put(gp .. 'n', int(own_n))
   if new_day then
@@ -335,8 +339,10 @@ local function counter_changed()
   local want = 1
   if urgent_at >= 0 and own_p - own_n >= urgent_at then want = 2 end
   if dstate == 0 or (want == 2 and dstate ~= 2) then
-    local score = now_ms
-    if want == 2 then score = 0 end
+    local score = 0
+    if want == 1 then
+      score = math.max(now_ms, (tonumber(h[5]) or 0) + tonumber(ARGV[12]))
+    end
     redis.call('ZADD', KEYS[2], score, ARGV[3] .. '|' .. int(day))
     put(gp .. 'd', want)
   end

@@ -225,8 +225,12 @@ impl ClusterRouter {
     async fn on(&self, addr: &str, req: Req<'_>) -> Result<Value, StoreError> {
         let mut c = self.conn(addr).await?;
         let result = match req {
-            Req::Cmd(cmd) => tokio::time::timeout(self.timeout, cmd.query_async::<Value>(&mut c)).await,
-            Req::Pipe(p) => tokio::time::timeout(self.timeout, p.query_async::<Value>(&mut c)).await,
+            Req::Cmd(cmd) => {
+                tokio::time::timeout(self.timeout, cmd.query_async::<Value>(&mut c)).await
+            }
+            Req::Pipe(p) => {
+                tokio::time::timeout(self.timeout, p.query_async::<Value>(&mut c)).await
+            }
         };
         match result {
             Ok(Ok(v)) => Ok(v),

@@ -32,10 +32,10 @@ use tokio::sync::Notify;
 use super::cluster::ClusterRouter;
 use super::link::{Link, Target};
 use super::safety::Eviction;
-use tierlimit_shared::keys;
 use super::script::{self, DecideCall, DecideReply, ReplyError, DECIDE_LUA};
 use super::{BoxFuture, CounterStore, StoreError};
 use crate::metrics::Metrics;
+use tierlimit_shared::keys;
 
 /// Removes published dirty entries unless they changed since they were read.
 pub const ACK_LUA: &str = include_str!("../lua/ack.lua");
@@ -344,6 +344,7 @@ impl RedisStore {
     pub async fn ack_dirty(
         &self,
         bucket: u16,
+        relaxed: Duration,
         published: &[(String, u32, u64)],
     ) -> Result<i64, StoreError> {
         let mut cmd = redis::cmd("EVALSHA");
@@ -353,7 +354,7 @@ impl RedisStore {
         for (tenant, _, _) in published {
             cmd.arg(keys::tenant_hash(tenant));
         }
-        cmd.arg(0u8);
+        cmd.arg(relaxed.as_millis() as u64);
         for (tenant, day, pn) in published {
             cmd.arg(keys::dirty_member(tenant, *day)).arg(day).arg(pn);
         }

@@ -126,6 +126,9 @@ pub struct DecideCall<'a> {
     pub now_ms: u64,
     /// TTL of the tenant hash, seconds (retention + 1 day).
     pub counter_ttl_secs: u64,
+    /// `relaxed_flush_interval`, ms: a (tenant, day) that is not urgent is
+    /// published this long after its last publication at the earliest.
+    pub relaxed_ms: u64,
 }
 
 impl DecideCall<'_> {
@@ -172,7 +175,7 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
         Some(u) => cmd.arg(u),
         None => cmd.arg(-1i64),
     };
-    cmd.arg(call.tiers.len());
+    cmd.arg(call.relaxed_ms).arg(call.tiers.len());
     let mut next_key = 3;
     for (i, tier) in call.tiers.iter().enumerate() {
         let l = tier.limit;
@@ -415,7 +418,8 @@ mod tests {
     #[test]
     fn a_denial_parses_by_name_in_any_order() {
         let r = DecideReply::parse(pairs(&[
-            ("denied", s("region")),
+            ("denied", s("tier")),
+            ("denied_tier", Value::Int(2)),
             ("allowed", Value::Int(0)),
             ("retry_ms", Value::Int(250)),
             ("now_ms", Value::Int(1_700_000_000_000)),
@@ -423,36 +427,49 @@ mod tests {
             ("own_n", Value::Int(1)),
             ("epoch", s("abc")),
             ("day", Value::Int(20_000)),
-            ("region_remaining", Value::Int(0)),
-            ("region_reset_ms", Value::Int(900)),
+            (
+                "tiers",
+                Value::Array(vec![
+                    Value::Int(4),
+                    Value::Int(100),
+                    Value::Int(0),
+                    Value::Int(900),
+                ]),
+            ),
             ("a_field_of_a_newer_script", Value::Int(3)),
         ]))
         .unwrap();
         assert!(!r.allowed);
-        assert_eq!(r.denied, Some(Denied::Region));
+        assert_eq!(r.denied, Some(Denied::Tier(1)), "1-based on the wire");
         assert_eq!(r.retry_ms, Some(250));
-        assert_eq!(r.node, None);
         assert_eq!(
-            r.region,
-            Some(TierReply {
-                remaining: 0,
-                reset_ms: 900
-            })
+            r.tiers,
+            [
+                TierReply {
+                    remaining: 4,
+                    reset_ms: 100
+                },
+                TierReply {
+                    remaining: 0,
+                    reset_ms: 900
+                }
+            ]
         );
         assert_eq!((r.own_p, r.own_n, r.epoch.as_str()), (7, 1, "abc"));
-        assert_eq!(r.global_remaining, None);
+        assert_eq!((r.global_remaining, r.raised), (None, 0));
     }
 
     #[test]
     fn never_is_a_negative_retry_and_expired_is_an_error() {
         let mut base = vec![
             ("allowed", Value::Int(0)),
-            ("denied", s("node")),
+            ("denied", s("global")),
             ("retry_ms", Value::Int(-1)),
             ("now_ms", Value::Int(5)),
             ("own_p", Value::Int(0)),
             ("own_n", Value::Int(0)),
             ("day", Value::Int(1)),
+            ("tiers", Value::Array(vec![])),
         ];
         assert_eq!(DecideReply::parse(pairs(&base)).unwrap().retry_ms, None);
         base[1].1 = s("expired");
@@ -478,31 +495,50 @@ mod tests {
 
     #[test]
     fn encode_lays_out_keys_and_argv_as_the_script_reads_them() {
-        let limit = Limit {
+        let fixed = Limit {
             algorithm: tierlimit_shared::config::Algorithm::FixedWindow,
             limit: 10,
             window_ms: 1000,
             burst: 10,
         };
+        let log = Limit {
+            algorithm: tierlimit_shared::config::Algorithm::SlidingLog,
+            ..fixed.clone()
+        };
         let call = DecideCall {
             op: Op::Check,
             tenant: "acme",
-            key: "_",
             node_id: "n1",
             cost: 2,
-            node: Some(&limit),
-            region: None,
+            tiers: vec![
+                TierCall {
+                    scope: Scope::Node,
+                    rule: "_",
+                    key: "_",
+                    limit: &fixed,
+                    cost: 2,
+                },
+                TierCall {
+                    scope: Scope::Region,
+                    rule: "_",
+                    key: "GET/x",
+                    limit: &log,
+                    cost: 3,
+                },
+            ],
             expected_nodes: 1,
             global: Some(GlobalArgs {
                 limit: 100,
                 broadcast_total: 40,
                 own_cap: None,
-                own_parts: vec![("e1".into(), 9)],
+                own_parts: vec![("e1".into(), 9, 1)],
+                urgent_at: Some(30),
             }),
             epoch_candidate: "cand",
             day: 20_000,
             now_ms: 0,
             counter_ttl_secs: 259_200,
+            relaxed_ms: 2000,
         };
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg("sha");
@@ -514,37 +550,48 @@ mod tests {
                 _ => "<cursor>".into(),
             })
             .collect();
+        let hash = keys::tenant_hash("acme");
+        let dirty = keys::dirty(keys::bucket_of("acme"));
+        let log_key = keys::tier_key("acme", "r:_:4", "GET/x");
         let expect = [
             "EVALSHA",
             "sha",
-            "6",
-            "tl:{acme}:n:n1:_:1",
-            "tl:{acme}:r:_:0",
-            "tl:dirty",
-            "tl:{acme}:g:19999",
-            "tl:{acme}:g:20000",
-            "tl:{acme}:g:20001",
+            "3",
+            &hash,
+            &dirty,
+            &log_key, // keys
             "check",
+            "77",
+            "acme",
+            "20000",
+            "cand",
+            "259200", // call
+            "100",
             "2",
+            "40",
+            "-1",
+            "30", // global
+            "2000",
+            "2", // relaxed, tiers
+            "0",
+            "n:n1:_:1:",
             "1",
             "10",
             "1000",
             "10",
-            "0",
-            "0",
-            "0",
-            "0",
-            "100",
-            "40",
-            "-1",
-            "cand",
-            "acme",
-            "20000",
-            "259200",
-            "77",
+            "2", // node, in the hash
+            "3",
+            "",
+            "4",
+            "10",
+            "1000",
+            "10",
+            "3", // region, KEYS[3]
             "e1",
             "9",
+            "1", // own parts
         ];
         assert_eq!(args, expect);
+        assert_eq!(call.slot(), keys::cluster_slot(log_key.as_bytes()));
     }
 }
