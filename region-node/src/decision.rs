@@ -326,24 +326,28 @@ impl Decider {
         now: u64,
         epoch: &'a [u8; 16],
     ) -> DecideCall<'a> {
-        let global = policy.global.map(|limit| {
-            self.view.with(req.tenant, today, |e| {
-                let total = e.map_or(0, |e| e.total());
-                // This region's actors in the broadcast, with P and N: the
-                // script takes others = total − its actor's part, and raises
-                // a rolled-back counter to it.
-                let own_parts: Vec<(String, u64, u64)> = e.map_or_else(Vec::new, |e| {
-                    e.parts
-                        .iter()
-                        .filter_map(|(actor, (p, n))| {
-                            let (region, epoch) = actor.split_once('/')?;
-                            (region == self.region).then(|| (epoch.to_string(), *p, *n))
-                        })
-                        .collect()
-                });
+        // One look at the broadcast view: the global total, and this
+        // region's actors in it with P and N. The script takes others =
+        // total − its actor's part, and raises a rolled-back counter to the
+        // part (for every tenant the view holds, global limit or not: the
+        // aggregator's count needs the raise as much as the limit does).
+        let global = self.view.with(req.tenant, today, |e| {
+            let e = e?;
+            let own_parts: Vec<(String, u64, u64)> = e
+                .parts
+                .iter()
+                .filter_map(|(actor, (p, n))| {
+                    let (region, epoch) = actor.split_once('/')?;
+                    (region == self.region).then(|| (epoch.to_string(), *p, *n))
+                })
+                .collect();
+            (policy.global.is_some() || !own_parts.is_empty()).then(|| (e.total(), own_parts))
+        });
+        let global = match (policy.global, global) {
+            (Some(limit), seen) => {
+                let (total, own_parts) = seen.unwrap_or_default();
                 let own: u64 = own_parts.iter().map(|(_, p, n)| p.saturating_sub(*n)).sum();
-                let node = &cfg.config.node;
-                GlobalArgs {
+                Some(GlobalArgs {
                     limit,
                     broadcast_total: total,
                     own_cap: self.staleness_cap(cfg, limit, total, own, now),
@@ -353,11 +357,17 @@ impl Decider {
                         total,
                         own,
                         cfg.config.regions.len() as u64,
-                        node.urgent_fraction,
+                        cfg.config.node.urgent_fraction,
                     ),
-                }
-            })
-        });
+                })
+            }
+            // No global tier: only the parts, for the rollback check.
+            (None, Some((_, own_parts))) => Some(GlobalArgs {
+                own_parts,
+                ..GlobalArgs::default()
+            }),
+            (None, None) => None,
+        };
         let tier = |scope, limit| TierCall {
             scope,
             rule: keys::WHOLE_TENANT,

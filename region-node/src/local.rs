@@ -157,6 +157,7 @@ impl Local {
         let global_remaining = call
             .global
             .as_ref()
+            .filter(|g| g.limit > 0)
             .map(|g| g.limit.saturating_sub(g.broadcast_total));
         let base = DecideReply {
             allowed: true,

@@ -56,6 +56,26 @@ impl Redis {
     /// Starts the server again on the same port, with no data, and waits
     /// until it answers PING. Kills the running one first if needed.
     pub fn restart_empty(&mut self) {
+        let _ = std::fs::remove_file(self.dir().join("dump.rdb"));
+        let port = self.port;
+        respawn_ready(&mut self.proc, port, || ping(port));
+    }
+
+    /// `SAVE`s the data set and keeps a copy of the snapshot: what a backup,
+    /// or the last RDB before a crash, holds. Returns the copy's path.
+    pub fn snapshot(&self, name: &str) -> std::path::PathBuf {
+        query::<()>(self.port, &redis::cmd("SAVE")).expect("SAVE");
+        let copy = self.dir().join(format!("{name}.rdb"));
+        std::fs::copy(self.dir().join("dump.rdb"), &copy).expect("copy dump.rdb");
+        copy
+    }
+
+    /// Kills the server and starts it again from `snapshot` (see
+    /// [`Redis::snapshot`]): a partial rollback, as after an RDB restore or
+    /// an AOF `everysec` crash. Waits until it answers PING.
+    pub fn restart_from(&mut self, snapshot: &Path) {
+        self.proc.kill9();
+        std::fs::copy(snapshot, self.dir().join("dump.rdb")).expect("restore dump.rdb");
         let port = self.port;
         respawn_ready(&mut self.proc, port, || ping(port));
     }

@@ -84,10 +84,12 @@ impl TierCall<'_> {
     }
 }
 
-/// The global tier's inputs, as the node's broadcast view sees them.
+/// The global tier's inputs, as the node's broadcast view sees them. With
+/// `limit` 0 there is no global tier, and only `own_parts` is used (the
+/// rollback check).
 #[derive(Debug, Clone, Default)]
 pub struct GlobalArgs {
-    /// Daily limit.
+    /// Daily limit (0 = no global tier).
     pub limit: u64,
     /// Broadcast total for (tenant, day), every actor.
     pub broadcast_total: u64,
