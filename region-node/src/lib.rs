@@ -15,6 +15,7 @@
 pub mod decision;
 pub mod follower;
 pub mod http;
+pub mod legacy;
 pub mod local;
 pub mod metrics;
 pub mod publisher;

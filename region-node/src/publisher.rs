@@ -71,6 +71,8 @@ pub struct Publisher {
     metrics: Arc<Metrics>,
     /// Local-mode counts as last acknowledged, so unchanged ones are skipped.
     local_published: HashMap<(String, u32), (u64, u64)>,
+    /// Key scheme 1's dirty entries, left by nodes of the previous version.
+    legacy: crate::legacy::LegacyDrain,
     /// (tenant, day, epoch) already reported as a new epoch, so each data
     /// loss is counted once per node; pruned with the day.
     reported_epochs: HashSet<(String, u32, String)>,
@@ -204,6 +206,7 @@ impl Publisher {
             metrics,
             local_published: HashMap::new(),
             reported_epochs: HashSet::new(),
+            legacy: crate::legacy::LegacyDrain::new(),
         })
     }
 
@@ -230,6 +233,7 @@ impl Publisher {
         let mut acked = 0;
         if self.store.is_up() {
             acked += self.flush_redis().await?;
+            acked += self.flush_legacy().await?;
         }
         acked += self.flush_local().await;
         if acked > 0 {
@@ -399,6 +403,47 @@ impl Publisher {
         if failures > 0 {
             return Err(PublishError::NotAcknowledged(failures));
         }
+        Ok(ok)
+    }
+
+    /// Publishes key scheme 1's dirty entries (see [`crate::legacy`]).
+    async fn flush_legacy(&mut self) -> Result<usize, PublishError> {
+        let entries = self.legacy.read(&self.store, self.batch).await?;
+        if entries.is_empty() {
+            return Ok(0);
+        }
+        let now = now_ms();
+        let mut acks = Vec::new();
+        let mut deliveries = Vec::new();
+        for ((tenant, day, epoch, p, n), score) in entries {
+            if epoch.is_empty() {
+                acks.push((tenant, day, score));
+                continue;
+            }
+            let delta = Delta::new(&tenant, day, actor(&self.region, &epoch), p, n, now)
+                .from_node(&self.node_id);
+            let (key, payload) = (delta.key(), delta.encode());
+            let record = FutureRecord::to(&self.topic)
+                .partition(partition_of(&tenant, self.partitions))
+                .key(&key)
+                .payload(&payload);
+            match self.producer.send_result(record) {
+                Ok(f) => deliveries.push(((tenant, day, p + n), f)),
+                Err(_) => self.metrics.deltas_failed.inc(),
+            }
+        }
+        let mut ok = 0;
+        for (entry, f) in deliveries {
+            match f.await {
+                Ok(Ok(_)) => {
+                    ok += 1;
+                    acks.push(entry);
+                }
+                _ => self.metrics.deltas_failed.inc(),
+            }
+        }
+        self.metrics.deltas_produced.inc_by(ok as u64);
+        self.legacy.ack(&self.store, &acks).await?;
         Ok(ok)
     }
 

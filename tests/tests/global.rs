@@ -681,3 +681,76 @@ plan = "free"
         "each raise is counted"
     );
 }
+
+/// An upgrade from key scheme 1 (`tl:{T}:g:<day>`, region-wide `tl:dirty`):
+/// a counter the previous version charged but did not publish is published
+/// by the new nodes under its own actor, beside the new scheme's actor, and
+/// so is what a node of the previous version still charges during a rolling
+/// upgrade (written here as its script writes it: the counter hash and the
+/// dirty entry scored P + N). The global count stays exact throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_upgrade_from_key_scheme_1_loses_no_count() {
+    let w = World::new(&["eu"], GLOBAL_ONLY).await;
+    let today = tierlimit_shared::day::today();
+    let v1_counter = tierlimit_shared::keys::v1::pn_counter("t", today);
+    let member = tierlimit_shared::keys::dirty_member("t", today);
+    let mut con = w.redis("eu").client().await;
+    // What the previous version left: 30 charged, not yet published.
+    let old_node_charges = |p: u64| {
+        let mut pipe = redis::pipe();
+        pipe.cmd("HSET")
+            .arg(&v1_counter)
+            .arg("e")
+            .arg("oldepoch")
+            .arg("p")
+            .arg(p)
+            .arg("n")
+            .arg(0)
+            .ignore()
+            .cmd("ZADD")
+            .arg(tierlimit_shared::keys::v1::DIRTY)
+            .arg(p)
+            .arg(&member)
+            .ignore();
+        pipe
+    };
+    old_node_charges(30)
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
+    let agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
+    node_ready(&eu).await;
+    agg_ready(&agg).await;
+    allow_n(&eu, "t", 20).await;
+    wait_total(&agg, "t", 50).await;
+    // A node of the previous version charges 10 more meanwhile.
+    old_node_charges(40)
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
+    allow_n(&eu, "t", 5).await;
+    wait_total(&agg, "t", 65).await;
+    let v: Value = harness::get_json(&agg.http, &agg.url("/v1/global/t")).await;
+    let actors: Vec<&str> = v["today"]["parts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["actor"].as_str())
+        .collect();
+    assert!(actors.contains(&"eu/oldepoch"), "{actors:?}");
+    assert_eq!(
+        actors.len(),
+        2,
+        "scheme 1's actor beside scheme 2's: {actors:?}"
+    );
+    wait_until("tl:dirty drained", DEADLINE, || async {
+        let mut con = w.redis("eu").client().await;
+        redis::cmd("ZCARD")
+            .arg(tierlimit_shared::keys::v1::DIRTY)
+            .query_async::<u64>(&mut con)
+            .await
+            .is_ok_and(|n| n == 0)
+    })
+    .await;
+}
