@@ -856,9 +856,9 @@ mod tests {
         );
         assert_eq!(&args[5..9], ["check", "0", "acme", "20000"]);
         assert_eq!(args[10], "259200");
-        // Two tiers of seven values after the thirteen fixed arguments.
-        assert_eq!(args[17], "2");
-        assert_eq!(args.len(), 5 + 13 + 2 * 7);
+        // Two tiers of seven values after the sixteen fixed arguments.
+        assert_eq!(args[20], "2");
+        assert_eq!(args.len(), 5 + 16 + 2 * 7);
     }
 
     #[test]

@@ -252,6 +252,7 @@ impl ScriptCall {
             now_ms: 0,
             counter_ttl_secs: self.ttl_s,
             relaxed_ms: 2000,
+            refund: None,
         };
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(sha);

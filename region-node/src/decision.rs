@@ -30,6 +30,7 @@ use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
+use crate::refund::{Handle, HandleError, Signer};
 use crate::metrics::Metrics;
 use crate::storage::{
     CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, Op, Scope, StoreError, TierCall,
@@ -108,6 +109,22 @@ pub struct Decision {
     /// means never (the cost exceeds the limit).
     pub retry_after_ms: Option<u64>,
     pub tiers: Vec<TierStatus>,
+    /// For an allowed check decided in Redis, when the region signs refund
+    /// handles: what a refund of this charge presents (see [`crate::refund`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refund_handle: Option<String>,
+}
+
+/// What a refund gave back.
+#[derive(Debug, Clone, Serialize)]
+pub struct Refunded {
+    #[serde(flatten)]
+    pub decision: Decision,
+    /// Units given back to the region's count (0 when the charge's day is
+    /// over, or the handle was used already).
+    pub refunded: u64,
+    /// The handle was used already: nothing was given back this time.
+    pub duplicate: bool,
 }
 
 /// Usage of one tenant as this node sees it (`GET /v1/tenants/{tenant}`).
@@ -140,6 +157,10 @@ pub enum DecideError {
     UnknownTenant(String),
     #[error("the region's Redis is unavailable and the plan fails closed")]
     Unavailable,
+    #[error(transparent)]
+    Handle(#[from] HandleError),
+    #[error("refunds must name a refund handle on this region (node.free_form_refunds = false)")]
+    FreeFormRefund,
 }
 
 /// A parsed check or refund request.
@@ -167,6 +188,8 @@ pub struct Decider {
     /// resolved on first use: `with_label_values` hashes the labels and
     /// takes a lock on every call.
     counters: [OnceLock<IntCounter>; 32],
+    /// The refund-handle signer and the secret it was built from.
+    signer: arc_swap::ArcSwapOption<(String, Signer)>,
 }
 
 impl Decider {
@@ -188,6 +211,7 @@ impl Decider {
             node_id,
             metrics,
             counters: std::array::from_fn(|_| OnceLock::new()),
+            signer: arc_swap::ArcSwapOption::empty(),
         }
     }
 
@@ -215,34 +239,141 @@ impl Decider {
         let epoch = new_epoch();
         let call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
         let decision = match self.store.decide(&call).await {
-            Ok(r) => self.reply_decision(&req, &policy, key, r, Mode::Redis, &call),
+            Ok(r) => {
+                let charged_at = r.now_ms;
+                let mut d = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
+                if d.allowed {
+                    d.refund_handle = self.sign_handle(&cfg, &d, charged_at, &call);
+                }
+                d
+            }
             // 3. Redis unavailable: the plan's fail mode.
             Err(e) => self.fail_mode(&req, &policy, key, &call, e)?,
         };
         Ok(self.record(decision, started))
     }
 
-    /// Gives `cost` units back to every tier (never below zero).
-    pub async fn refund(&self, req: Request<'_>) -> Result<Decision, DecideError> {
+    /// A free-form refund: gives `cost` units back to every tier's current
+    /// window and today's count (never below zero), tied to no charge.
+    /// Refused when `node.free_form_refunds` is off; logged and counted.
+    pub async fn refund(&self, req: Request<'_>) -> Result<Refunded, DecideError> {
+        if !self.live.load().config.node.free_form_refunds {
+            return Err(DecideError::FreeFormRefund);
+        }
+        tracing::info!(
+            tenant = req.tenant,
+            key = req.key,
+            cost = req.cost,
+            "free-form refund"
+        );
+        self.refund_call(req, None, "free_form").await
+    }
+
+    /// A refund by handle: gives back at most the charge the handle names
+    /// (`cost` units if given, else all of it), only to windows the charge
+    /// was in and to its day, once.
+    pub async fn refund_handle(
+        &self,
+        handle: &str,
+        cost: Option<u64>,
+    ) -> Result<Refunded, DecideError> {
+        let h = self.signer()?.verify(handle)?;
+        let cost = cost.unwrap_or(h.cost).min(h.cost);
+        let key = (h.key != keys::WHOLE_TENANT).then_some(h.key.as_str());
+        let req = Request {
+            tenant: &h.tenant,
+            key,
+            cost,
+        };
+        self.refund_call(req, Some(h.refund_of()), "handle").await
+    }
+
+    async fn refund_call(
+        &self,
+        req: Request<'_>,
+        of: Option<crate::storage::script::RefundOf>,
+        kind: &'static str,
+    ) -> Result<Refunded, DecideError> {
         let (cfg, policy, key) = self.resolve(&req)?;
         let now = now_ms();
         let today = day::of_unix_secs(now / 1000);
         let epoch = new_epoch();
-        let call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
-        self.metrics.refunds.inc();
+        let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
+        call.refund = of;
+        let by_handle = call.refund.is_some();
         match self.store.decide(&call).await {
-            Ok(r) => Ok(self.reply_decision(&req, &policy, key, r, Mode::Redis, &call)),
-            Err(_) => match policy.on_store_error {
-                StoreErrorMode::Closed => Err(DecideError::Unavailable),
-                StoreErrorMode::Open => Ok(self.open_decision(&req, &policy, key)),
-                StoreErrorMode::Local => {
-                    self.local.decide_now(&call);
-                    let mut d = self.open_decision(&req, &policy, key);
-                    d.mode = Mode::Local;
-                    Ok(d)
-                }
-            },
+            Ok(r) => {
+                let (refunded, duplicate) = (r.refunded, r.duplicate);
+                let kind = if duplicate { "duplicate" } else { kind };
+                self.metrics.refunds.with_label_values(&[kind]).inc();
+                Ok(Refunded {
+                    decision: self.reply_decision(&req, &policy, key, r, Mode::Redis, &call),
+                    refunded,
+                    duplicate,
+                })
+            }
+            // A refund by handle needs the record of used handles in
+            // Redis: without it a retry could give back twice.
+            Err(_) if by_handle => Err(DecideError::Unavailable),
+            Err(_) => {
+                self.metrics.refunds.with_label_values(&[kind]).inc();
+                let d = match policy.on_store_error {
+                    StoreErrorMode::Closed => return Err(DecideError::Unavailable),
+                    StoreErrorMode::Open => self.open_decision(&req, &policy, key),
+                    StoreErrorMode::Local => {
+                        self.local.decide_now(&call);
+                        let mut d = self.open_decision(&req, &policy, key);
+                        d.mode = Mode::Local;
+                        d
+                    }
+                };
+                Ok(Refunded {
+                    refunded: req.cost,
+                    decision: d,
+                    duplicate: false,
+                })
+            }
         }
+    }
+
+    /// The signer of the region's current `node.refund_secret`, rebuilt
+    /// only when a reload changed it.
+    fn signer(&self) -> Result<Signer, HandleError> {
+        let cfg = self.live.load();
+        let secret = cfg
+            .config
+            .node
+            .refund_secret
+            .as_deref()
+            .ok_or(HandleError::Disabled)?;
+        if let Some(cached) = self.signer.load().as_ref() {
+            if cached.0 == secret {
+                return Ok(cached.1.clone());
+            }
+        }
+        let signer = Signer::new(secret.as_bytes());
+        self.signer
+            .store(Some(Arc::new((secret.to_string(), signer.clone()))));
+        Ok(signer)
+    }
+
+    /// The refund handle of an allowed charge, if the region signs them.
+    fn sign_handle(
+        &self,
+        cfg: &Loaded,
+        d: &Decision,
+        charged_at_ms: i64,
+        call: &DecideCall<'_>,
+    ) -> Option<String> {
+        cfg.config.node.refund_secret.as_ref()?;
+        let signer = self.signer().ok()?;
+        Some(signer.sign(&Handle {
+            tenant: d.tenant.clone(),
+            key: d.key.clone(),
+            cost: d.cost,
+            charged_at_ms: charged_at_ms.max(0) as u64,
+            id: call.epoch_candidate.to_string(),
+        }))
     }
 
     /// Current usage without charging anything.
@@ -395,6 +526,7 @@ impl Decider {
             now_ms: now,
             counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY,
             relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
+            refund: None,
         }
     }
 
@@ -481,6 +613,7 @@ impl Decider {
             denied_by,
             retry_after_ms: if r.allowed { None } else { r.retry_ms },
             tiers,
+            refund_handle: None,
         }
     }
 
@@ -502,6 +635,7 @@ impl Decider {
             denied_by: Some(Tier::Global),
             retry_after_ms: Some(DAY_MS - now % DAY_MS),
             tiers: vec![global_status(limit, 0, now)],
+            refund_handle: None,
         }
     }
 
@@ -516,6 +650,7 @@ impl Decider {
             denied_by: None,
             retry_after_ms: None,
             tiers: Vec::new(),
+            refund_handle: None,
         }
     }
 

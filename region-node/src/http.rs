@@ -70,6 +70,19 @@ impl From<DecideError> for Problem {
             )
             .with("violated-policy", "store")
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            DecideError::Handle(crate::refund::HandleError::Disabled) => Problem::new(
+                StatusCode::BAD_REQUEST,
+                "refund-handles-disabled",
+                "Refund handles are not enabled",
+                e.to_string(),
+            ),
+            DecideError::Handle(_) => Problem::bad_field("handle", e.to_string()),
+            DecideError::FreeFormRefund => Problem::new(
+                StatusCode::FORBIDDEN,
+                "refund-needs-handle",
+                "A refund must name a refund handle",
+                e.to_string(),
+            ),
         }
     }
 }
@@ -84,6 +97,9 @@ struct Body<'a> {
     #[serde(borrow)]
     key: Option<Cow<'a, str>>,
     cost: Option<u64>,
+    /// Refunds only: the handle of the charge to give back.
+    #[serde(borrow, default)]
+    handle: Option<Cow<'a, str>>,
 }
 
 /// The request's `Content-Type`, extracted without cloning the whole header
@@ -128,6 +144,9 @@ fn parse_body<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Parsed<'
             e.to_string(),
         )
     })?;
+    if b.handle.is_some() {
+        return Err(Problem::bad_field("handle", "only a refund takes a handle"));
+    }
     let tenant = b
         .tenant
         .ok_or_else(|| Problem::bad_field("tenant", "tenant is required"))?;
@@ -188,20 +207,35 @@ async fn decide(s: &AppState, tenant: &str, key: Option<&str>, cost: u64) -> Res
     }
 }
 
+/// `{"handle": "…"}` (optionally `"cost"`, at most the charge's) gives a
+/// charge back; `{"tenant", "key", "cost"}` is a free-form refund, tied to no
+/// charge (see `node.free_form_refunds`).
 async fn refund(State(s): State<Arc<AppState>>, ct: ContentType, body: Bytes) -> Response {
-    let (tenant, key, cost) = match parse_body(&ct, &body) {
-        Ok(v) => v,
+    let handle = match refund_handle(&ct, &body) {
+        Ok(h) => h,
         Err(p) => return s.refused(p),
     };
-    let req = Request {
-        tenant: &tenant[..],
-        key: key.as_deref(),
-        cost,
+    let result = match handle {
+        Some((handle, cost)) => s.decider.refund_handle(&handle, cost).await,
+        None => {
+            let (tenant, key, cost) = match parse_body(&ct, &body) {
+                Ok(v) => v,
+                Err(p) => return s.refused(p),
+            };
+            let req = Request {
+                tenant: &tenant[..],
+                key: key.as_deref(),
+                cost,
+            };
+            s.decider.refund(req).await
+        }
     };
-    match s.decider.refund(req).await {
-        Ok(d) => {
+    match result {
+        Ok(r) => {
+            let d = &r.decision;
             let mut resp = axum::Json(json!({
-                "refunded": d.cost,
+                "refunded": r.refunded,
+                "duplicate": r.duplicate,
                 "tenant": d.tenant,
                 "key": d.key,
                 "mode": d.mode,
@@ -212,6 +246,32 @@ async fn refund(State(s): State<Arc<AppState>>, ct: ContentType, body: Bytes) ->
             resp
         }
         Err(e) => s.refused(e.into()),
+    }
+}
+
+/// The handle (and optional cost) of a refund by handle; `None` for a
+/// free-form refund. A handle with a tenant or key beside it is refused:
+/// the handle names them.
+#[allow(clippy::result_large_err)]
+fn refund_handle(ct: &ContentType, body: &[u8]) -> Result<Option<(String, Option<u64>)>, Problem> {
+    let ok_type = ct
+        .0
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/json"));
+    if !ok_type {
+        return Ok(None);
+    }
+    let Ok(b) = serde_json::from_slice::<Body>(body) else {
+        return Ok(None);
+    };
+    match b.handle {
+        None => Ok(None),
+        Some(_) if b.tenant.is_some() || b.key.is_some() => Err(Problem::bad_field(
+            "handle",
+            "a refund by handle names no tenant or key: the handle does",
+        )),
+        Some(h) => Ok(Some((h.into_owned(), b.cost))),
     }
 }
 

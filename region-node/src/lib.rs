@@ -19,6 +19,7 @@ pub mod legacy;
 pub mod local;
 pub mod metrics;
 pub mod publisher;
+pub mod refund;
 pub mod storage;
 pub mod view;
 

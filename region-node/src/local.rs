@@ -171,6 +171,8 @@ impl Local {
             day: call.day,
             global_remaining,
             raised: 0,
+            refunded: 0,
+            duplicate: false,
         };
         match call.op {
             Op::Refund => {

@@ -23,7 +23,7 @@ pub struct Metrics {
     /// 1 when the master's maxmemory-policy can evict counters and the node
     /// runs anyway (`--allow-eviction`).
     pub eviction_allowed: IntGauge,
-    pub refunds: IntCounter,
+    pub refunds: IntCounterVec,
     pub bad_requests: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub deltas_produced: IntCounter,
@@ -133,7 +133,14 @@ impl Metrics {
             ),
             refunds: reg(
                 &r,
-                IntCounter::new("tierlimit_refunds_total", "Refund requests applied").unwrap(),
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_refunds_total",
+                        "Refunds by kind: handle (named a charge), duplicate (a handle used already: nothing given back), free_form (named no charge)",
+                    ),
+                    &["kind"],
+                )
+                .unwrap(),
             ),
             bad_requests: reg(
                 &r,

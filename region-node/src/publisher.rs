@@ -475,6 +475,7 @@ impl Publisher {
             counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1)
                 * tierlimit_shared::day::SECS_PER_DAY,
             relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
+            refund: None,
         };
         self.store.decide(&call).await.map(|_| ())
     }

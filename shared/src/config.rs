@@ -154,6 +154,15 @@ pub struct NodeSettings {
     /// times the number of regions (as if every region had spent like this
     /// one since the broadcast), so a burst turns a tenant urgent early.
     pub urgent_fraction: f64,
+    /// The secret (at least 32 bytes, the same on every node of a region)
+    /// that signs refund handles. Unset: checks answer no handle and only
+    /// free-form refunds exist. Never serialised back.
+    #[serde(skip_serializing)]
+    pub refund_secret: Option<String>,
+    /// Whether `POST /v1/refund` accepts a refund that names no handle
+    /// (tenant, key, cost), tied to no charge. Each one is logged and
+    /// counted (`tierlimit_refunds_total{kind="free_form"}`).
+    pub free_form_refunds: bool,
 }
 
 impl NodeSettings {
@@ -175,6 +184,8 @@ impl Default for NodeSettings {
             publish_batch: 5000,
             relaxed_flush_interval_setting: None,
             urgent_fraction: 0.5,
+            refund_secret: None,
+            free_form_refunds: true,
         }
     }
 }
@@ -754,6 +765,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "node.publish_batch",
                 "must be at least 1",
+            ));
+        }
+        if n.refund_secret.as_ref().is_some_and(|s| s.len() < 32) {
+            return Err(ConfigError::invalid(
+                "node.refund_secret",
+                "must be at least 32 bytes (e.g. `openssl rand -hex 32`)",
             ));
         }
         let relaxed = n.relaxed_flush_interval();

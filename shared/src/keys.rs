@@ -16,6 +16,7 @@
 //! |------------------------------|------|-------|
 //! | `tl:{B}:t:T`                 | hash | the tenant: its whole-tenant tier states (fields `<tier id>:<f>`), its PN counter per day (`g:<day>:e`, `:p`, `:n`), the day's publish state (`g:<day>:d`: absent clean, 1 dirty, 2 urgent) and the list of its days (`gd`) |
 //! | `tl:{B}:t:T:k:<tier id>:<k>` | hash/zset | a tier that cannot live in the tenant hash: key-scoped (one per counting key, with its own TTL), a window longer than a day, or the exact sliding log (a zset) |
+//! | `tl:{B}:t:T:rf:<day>`        | set  | refund handles used against charges of that day (idempotent refunds) |
 //! | `tl:{B}:dirty`               | zset `T|day → score` | (tenant, day) pairs with unpublished changes; score 0 = urgent, else the Redis time (ms) it became due for the relaxed flush |
 //!
 //! `<tier id>` is `n:<node>:<rule>:<a>` (node tier) or `r:<rule>:<a>` (region
@@ -93,6 +94,12 @@ pub fn region_tier_id(rule: &str, algorithm: u8) -> String {
 /// The key of a tier kept outside the tenant hash.
 pub fn tier_key(tenant: &str, tier_id: &str, key: &str) -> String {
     format!("{}:k:{tier_id}:{key}", tenant_hash(tenant))
+}
+
+/// The set of refund handles used against charges of `day` (written only by
+/// refunds; expires with the day's counter).
+pub fn refund_record(tenant: &str, day: u32) -> String {
+    format!("{}:rf:{day}", tenant_hash(tenant))
 }
 
 /// Field-name prefix of the PN counter of `day` in the tenant hash.

@@ -31,7 +31,13 @@
 --           published at the next flush (-1 = never)
 -- ARGV[12]  relaxed_ms: how long after its last publication a (T, day)
 --           that is not urgent is due again (relaxed_flush_interval)
--- ARGV[13]  K, the number of windowed tiers; then 7 values per tier:
+-- ARGV[13]  refund record: index in KEYS of the set of refund handles used
+--           for the charge's day (0 = a free-form refund, or not a refund)
+-- ARGV[14]  refund handle id (unique per charge)
+-- ARGV[15]  the charge's Redis time, ms: a refund by handle gives back only
+--           to a window the charge was in, and to the global count only on
+--           the charge's day
+-- ARGV[16]  K, the number of windowed tiers; then 7 values per tier:
 --           location (0 = tenant hash, i = KEYS[i]), field prefix in the
 --           hash, algorithm code, limit, window_ms, burst, cost
 -- then      triplets epoch, P, N: this region's actors in the broadcast
@@ -41,7 +47,9 @@
 --   (1-based, when 'tier'); retry_ms (-1 = never); now_ms (Redis TIME);
 --   tiers {remaining, reset_ms, ...} in call order; own_p, own_n, epoch, day
 --   (this region's PN counter); global_remaining (absent: no global tier);
---   raised (units the rollback check added to P, see below).
+--   raised (units the rollback check added to P, see below); refunded
+--   (global units given back by a refund), duplicate (1: the handle was
+--   used already, nothing given back).
 --
 -- Numbers are Lua doubles: exact integers up to 2^53. Integers are written
 -- back with %.0f so no precision is lost to tostring's 14 digits.
@@ -197,10 +205,10 @@ local algorithms = { fixed_window, sliding_window, token_bucket, sliding_log }
 -- kept there; one HMGET per tier kept in a key of its own.
 local gp = 'g:' .. int(day) .. ':'
 local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', gp .. 's' }
-local K = tonumber(ARGV[13])
+local K = tonumber(ARGV[16])
 local tiers = {}
 for i = 1, K do
-  local a = 13 + (i - 1) * 7
+  local a = 16 + (i - 1) * 7
   local tier = { loc = tonumber(ARGV[a + 1]), prefix = ARGV[a + 2], alg = algorithms[tonumber(ARGV[a + 3])],
     limit = tonumber(ARGV[a + 4]), w = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
     cost = tonumber(ARGV[a + 7]) }
@@ -244,7 +252,7 @@ local dstate = tonumber(h[4]) or 0
 -- re-admit what it already spent, and the aggregator, whose max-merge
 -- ignores a counter below what it saw, would stay short for good.
 local mine_p, mine_n = 0, 0
-local parts_from = 14 + K * 7
+local parts_from = 17 + K * 7
 if day == node_day then
   for i = parts_from, #ARGV, 3 do
     if ARGV[i] == epoch then
@@ -278,9 +286,11 @@ if glimit > 0 then
   end
 end
 
+local refunded, duplicate = 0, 0
 local function reply(allowed, denied, denied_tier, retry)
   local out = { 'allowed', allowed, 'denied', denied, 'denied_tier', denied_tier, 'retry_ms', retry,
-    'now_ms', now_ms, 'own_p', own_p, 'own_n', own_n, 'epoch', epoch, 'day', day, 'raised', raised }
+    'now_ms', now_ms, 'own_p', own_p, 'own_n', own_n, 'epoch', epoch, 'day', day, 'raised', raised,
+    'refunded', refunded, 'duplicate', duplicate }
   local tr = {}
   for i, tier in ipairs(tiers) do
     tr[2 * i - 1] = tier.r.remaining; tr[2 * i] = tier.r.reset
@@ -360,11 +370,35 @@ if op == 'peek' then
 end
 
 if op == 'refund' then
+  -- A refund by handle: once per handle, and only into what the charge was
+  -- in (its windows, its day). The record of used handles is written only
+  -- here, so checks stay cheap; it lives as long as the day's counter.
+  local by_handle = tonumber(ARGV[13]) > 0
+  local charged_at = tonumber(ARGV[15])
+  if by_handle then
+    local rf = KEYS[tonumber(ARGV[13])]
+    if redis.call('SADD', rf, ARGV[14]) == 0 then
+      duplicate = 1
+      return reply(1, '', 0, 0)
+    end
+    redis.call('EXPIRE', rf, ARGV[6])
+  end
+  local function same_window(tier)
+    if not by_handle then return true end
+    if tier.alg == token_bucket or tier.alg == sliding_log then
+      return now_ms - charged_at < tier.w
+    end
+    return math.floor(charged_at / tier.w) == math.floor(now_ms / tier.w)
+  end
   for _, tier in ipairs(tiers) do
-    if tier.alg.zset then tier.r.do_refund() else write(tier, tier.r.refund) end
+    if same_window(tier) then
+      if tier.alg.zset then tier.r.do_refund() else write(tier, tier.r.refund) end
+    end
   end
   -- N never exceeds P: the counter cannot go below zero.
   local back = math.min(gcost, own_p - own_n)
+  if by_handle and math.floor(charged_at / 86400000) ~= day then back = 0 end
+  refunded = math.max(0, back)
   if back > 0 or raised > 0 then
     own_n = own_n + math.max(0, back)
     counter_changed()

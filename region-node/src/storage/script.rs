@@ -104,6 +104,22 @@ pub struct GlobalArgs {
     pub urgent_at: Option<u64>,
 }
 
+/// The charge a refund by handle gives back (see `crate::refund`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefundOf {
+    /// Unique per charge: a handle's second use gives nothing back.
+    pub id: String,
+    /// Redis' clock when the charge ran, ms.
+    pub charged_at_ms: u64,
+}
+
+impl RefundOf {
+    /// The UTC day of the charge.
+    pub fn day(&self) -> u32 {
+        (self.charged_at_ms / (SECS_PER_DAY * 1000)) as u32
+    }
+}
+
 /// One call of the decision script.
 #[derive(Debug, Clone)]
 pub struct DecideCall<'a> {
@@ -131,6 +147,9 @@ pub struct DecideCall<'a> {
     /// `relaxed_flush_interval`, ms: a (tenant, day) that is not urgent is
     /// published this long after its last publication at the earliest.
     pub relaxed_ms: u64,
+    /// A refund by handle: which charge it gives back (`None`: a check, a
+    /// peek, or a free-form refund).
+    pub refund: Option<RefundOf>,
 }
 
 impl DecideCall<'_> {
@@ -153,11 +172,15 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
         .filter(|(_, tier)| !tier.in_tenant_hash())
         .map(|(i, tier)| (i, keys::tier_key(t, &tier.tier_id(call.node_id), tier.key)))
         .collect();
-    cmd.arg(2 + outside.len())
+    let refund = call.refund.as_ref().filter(|_| call.op == Op::Refund);
+    cmd.arg(2 + outside.len() + usize::from(refund.is_some()))
         .arg(keys::tenant_hash(t))
         .arg(keys::dirty(bucket));
     for (_, k) in &outside {
         cmd.arg(k);
+    }
+    if let Some(r) = refund {
+        cmd.arg(keys::refund_record(t, r.day()));
     }
     let g = call.global.as_ref();
     cmd.arg(call.op.name())
@@ -177,7 +200,12 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
         Some(u) => cmd.arg(u),
         None => cmd.arg(-1i64),
     };
-    cmd.arg(call.relaxed_ms).arg(call.tiers.len());
+    cmd.arg(call.relaxed_ms);
+    match refund {
+        Some(r) => cmd.arg(3 + outside.len()).arg(&r.id).arg(r.charged_at_ms),
+        None => cmd.arg(0u8).arg("").arg(0u8),
+    };
+    cmd.arg(call.tiers.len());
     let mut next_key = 3;
     for (i, tier) in call.tiers.iter().enumerate() {
         let l = tier.limit;
@@ -241,6 +269,10 @@ pub struct DecideReply {
     /// Units the rollback check added to P: Redis held less than the
     /// aggregator already had from this actor.
     pub raised: u64,
+    /// Units a refund gave back to the region's PN counter.
+    pub refunded: u64,
+    /// A refund by handle that was used already: nothing given back.
+    pub duplicate: bool,
 }
 
 /// Why a reply could not be used.
@@ -291,6 +323,8 @@ struct Fields {
     day: Option<i64>,
     global_remaining: Option<i64>,
     raised: Option<i64>,
+    refunded: Option<i64>,
+    duplicate: Option<i64>,
 }
 
 impl Fields {
@@ -311,6 +345,8 @@ impl Fields {
             b"day" => &mut self.day,
             b"global_remaining" => &mut self.global_remaining,
             b"raised" => &mut self.raised,
+            b"refunded" => &mut self.refunded,
+            b"duplicate" => &mut self.duplicate,
             b"denied" => {
                 self.denied = Some(text(v));
                 return Ok(());
@@ -379,6 +415,8 @@ impl Fields {
             day: need(self.day, "day")?.max(0) as u32,
             global_remaining: self.global_remaining.map(|g| g.max(0) as u64),
             raised: self.raised.unwrap_or(0).max(0) as u64,
+            refunded: self.refunded.unwrap_or(0).max(0) as u64,
+            duplicate: self.duplicate == Some(1),
         })
     }
 }
@@ -541,6 +579,7 @@ mod tests {
             now_ms: 0,
             counter_ttl_secs: 259_200,
             relaxed_ms: 2000,
+            refund: None,
         };
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg("sha");
@@ -573,8 +612,11 @@ mod tests {
             "40",
             "-1",
             "30", // global
-            "2000",
-            "2", // relaxed, tiers
+            "2000", // relaxed
+            "0",
+            "",
+            "0", // no refund record
+            "2", // tiers
             "0",
             "n:n1:_:1:",
             "1",
