@@ -30,8 +30,8 @@ use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
-use crate::refund::{Handle, HandleError, Signer};
 use crate::metrics::Metrics;
+use crate::refund::{Handle, HandleError, Signer};
 use crate::storage::{
     CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, Op, Scope, StoreError, TierCall,
 };

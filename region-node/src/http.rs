@@ -254,11 +254,16 @@ async fn refund(State(s): State<Arc<AppState>>, ct: ContentType, body: Bytes) ->
 /// the handle names them.
 #[allow(clippy::result_large_err)]
 fn refund_handle(ct: &ContentType, body: &[u8]) -> Result<Option<(String, Option<u64>)>, Problem> {
-    let ok_type = ct
-        .0
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/json"));
+    let ok_type =
+        ct.0.as_ref()
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| {
+                v.split(';')
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .eq_ignore_ascii_case("application/json")
+            });
     if !ok_type {
         return Ok(None);
     }

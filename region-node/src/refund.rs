@@ -160,9 +160,16 @@ mod tests {
         // Raise the cost in the payload: the MAC no longer matches.
         let mut forged = handle();
         forged.cost = 1000;
-        let (payload, _) = other.sign(&forged).split_once('.').map(|(p, t)| (p.to_string(), t.to_string())).unwrap();
+        let (payload, _) = other
+            .sign(&forged)
+            .split_once('.')
+            .map(|(p, t)| (p.to_string(), t.to_string()))
+            .unwrap();
         let (_, tag) = h.split_once('.').unwrap();
-        assert_eq!(s.verify(&format!("{payload}.{tag}")), Err(HandleError::Forged));
+        assert_eq!(
+            s.verify(&format!("{payload}.{tag}")),
+            Err(HandleError::Forged)
+        );
         assert_eq!(s.verify("nonsense"), Err(HandleError::Malformed));
         assert_eq!(s.verify("!!.!!"), Err(HandleError::Malformed));
         // A truncated tag is not accepted either.

@@ -9,7 +9,9 @@
 
 use harness::Redis;
 use redis::Value;
-use region_node::storage::script::{encode, DecideCall, DecideReply, Op, DECIDE_LUA};
+use region_node::storage::script::{
+    encode, DecideCall, DecideReply, Op, Scope, TierCall, DECIDE_LUA,
+};
 use tierlimit_shared::algorithm::TierState;
 use tierlimit_shared::config::{Algorithm, Limit};
 
@@ -134,18 +136,24 @@ async fn script_matches_the_model() {
             let call = DecideCall {
                 op,
                 tenant: "t",
-                key: "_",
                 node_id: "n1",
                 cost,
-                node: Some(&l),
-                // No region tier, no global tier, no broadcast, no cap.
-                region: None,
+                // One node tier; no global tier, no broadcast, no cap.
+                tiers: vec![TierCall {
+                    scope: Scope::Node,
+                    rule: "_",
+                    key: "_",
+                    limit: &l,
+                    cost,
+                }],
                 expected_nodes: 1,
                 global: None,
                 epoch_candidate: &epoch_candidate,
                 day: day as u32,
                 now_ms: now_us / 1000,
                 counter_ttl_secs: 100_000,
+                relaxed_ms: 2000,
+                refund: None,
             };
             let mut cmd = redis::cmd("EVALSHA");
             cmd.arg(&sha);
@@ -153,7 +161,7 @@ async fn script_matches_the_model() {
             let reply: Vec<Value> = cmd.query_async(&mut con).await.unwrap();
             let reply = DecideReply::parse(reply).unwrap();
             let ev = model.evaluate(&l, now_us, cost);
-            let node = reply.node.expect("the reply has no node tier");
+            let node = *reply.tiers.first().expect("the reply has no node tier");
             let (allowed, retry, remaining, reset) =
                 (reply.allowed, reply.retry_ms, node.remaining, node.reset_ms);
             let mut bad = Vec::new();

@@ -5,7 +5,8 @@
 use harness::Redis;
 use redis::Value;
 use region_node::storage::script::{
-    encode, DecideCall, DecideReply, Denied, GlobalArgs, Op, ReplyError, DECIDE_LUA,
+    encode, DecideCall, DecideReply, Denied, GlobalArgs, Op, RefundOf, ReplyError, Scope, TierCall,
+    DECIDE_LUA,
 };
 use tierlimit_shared::config::{Algorithm, Limit};
 use tierlimit_shared::keys;
@@ -32,24 +33,63 @@ fn limit(algorithm: Algorithm, limit: u64, window_ms: u64, burst: u64) -> Limit 
     }
 }
 
+/// A whole-tenant tier of the plan, charged `cost`.
+fn tier(scope: Scope, limit: &Limit, cost: u64) -> TierCall<'_> {
+    TierCall {
+        scope,
+        rule: keys::WHOLE_TENANT,
+        key: keys::WHOLE_TENANT,
+        limit,
+        cost,
+    }
+}
+
 /// A check of `cost` units by node `n1` on the whole tenant, with no tier
 /// set: the tests add the tiers they exercise.
 fn check(tenant: &str, cost: u64) -> DecideCall<'_> {
     DecideCall {
         op: Op::Check,
         tenant,
-        key: keys::WHOLE_TENANT,
         node_id: "n1",
         cost,
-        node: None,
-        region: None,
+        tiers: Vec::new(),
         expected_nodes: 1,
         global: None,
         epoch_candidate: "epochcand",
         day: today(),
         now_ms: tierlimit_shared::messages::now_ms(),
         counter_ttl_secs: 86400 * 3,
+        relaxed_ms: 2000,
+        refund: None,
     }
+}
+
+/// Today's counter fields of `tenant`: (epoch, P, N, publish state).
+async fn counter(
+    con: &mut redis::aio::MultiplexedConnection,
+    tenant: &str,
+    day: u32,
+) -> (Option<String>, Option<u64>, Option<u64>, Option<u64>) {
+    let g = keys::day_prefix(day);
+    redis::cmd("HMGET")
+        .arg(keys::tenant_hash(tenant))
+        .arg(format!("{g}e"))
+        .arg(format!("{g}p"))
+        .arg(format!("{g}n"))
+        .arg(format!("{g}d"))
+        .query_async(con)
+        .await
+        .unwrap()
+}
+
+/// The score of (tenant, today) in its bucket's dirty set.
+async fn dirty_score(con: &mut redis::aio::MultiplexedConnection, tenant: &str) -> Option<f64> {
+    redis::cmd("ZSCORE")
+        .arg(keys::dirty(keys::bucket_of(tenant)))
+        .arg(keys::dirty_member(tenant, today()))
+        .query_async(con)
+        .await
+        .unwrap()
 }
 
 /// A global tier of `limit` units per day, no broadcast seen, no cap.
@@ -103,29 +143,80 @@ async fn denial_by_one_tier_charges_no_tier() {
     let node = limit(Algorithm::FixedWindow, 5, 3_600_000, 5);
     let region = limit(Algorithm::SlidingWindow, 3, 3_600_000, 3);
     let mut c = check("t", 1);
-    c.node = Some(&node);
-    c.region = Some(&region);
+    c.tiers = vec![tier(Scope::Node, &node, 1), tier(Scope::Region, &region, 1)];
     for _ in 0..3 {
         assert!(decide(&mut con, &c).await.allowed);
     }
     let r = decide(&mut con, &c).await;
     assert!(!r.allowed, "4th must be denied");
-    assert_eq!(r.denied, Some(Denied::Region), "denied by the region tier");
+    assert_eq!(r.denied, Some(Denied::Tier(1)), "denied by the region tier");
     // The node tier kept its 2 remaining units: nothing was charged.
-    assert_eq!(r.node.map(|t| t.remaining), Some(2));
+    assert_eq!(r.tiers[0].remaining, 2);
     // P counted only the allowed three.
     assert_eq!(r.own_p, 3);
+    let id = keys::node_tier_id("n1", "_", node.algorithm.code());
     let node_count: u64 = redis::cmd("HGET")
-        .arg(keys::node_tier("t", "n1", "_", node.algorithm.code()))
-        .arg("c")
+        .arg(keys::tenant_hash("t"))
+        .arg(format!("{id}:c"))
         .query_async(&mut con)
         .await
         .unwrap();
     assert_eq!(node_count, 3);
 }
 
+/// Several tiers in one call (a gateway's descriptors): two node tiers and
+/// three region tiers, one key-scoped and one a sliding log, all checked
+/// together; the first that denies is named, and nothing is charged.
 #[tokio::test]
-async fn pn_counter_epoch_and_dirty_set() {
+async fn many_tiers_in_one_call_are_all_or_nothing() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let node_a = limit(Algorithm::FixedWindow, 100, 3_600_000, 100);
+    let node_b = limit(Algorithm::TokenBucket, 100, 3_600_000, 100);
+    let region_a = limit(Algorithm::SlidingWindow, 100, 3_600_000, 100);
+    let per_route = limit(Algorithm::FixedWindow, 4, 3_600_000, 4);
+    let log = limit(Algorithm::SlidingLog, 100, 3_600_000, 100);
+    let mut c = check("multi", 1);
+    c.tiers = vec![
+        tier(Scope::Node, &node_a, 1),
+        TierCall {
+            rule: "descriptor-b",
+            ..tier(Scope::Node, &node_b, 2)
+        },
+        tier(Scope::Region, &region_a, 1),
+        TierCall {
+            rule: "per-route",
+            key: "GET/orders",
+            ..tier(Scope::Region, &per_route, 1)
+        },
+        TierCall {
+            rule: "audit",
+            ..tier(Scope::Region, &log, 3)
+        },
+    ];
+    for _ in 0..4 {
+        assert!(decide(&mut con, &c).await.allowed);
+    }
+    let r = decide(&mut con, &c).await;
+    assert_eq!(r.denied, Some(Denied::Tier(3)), "the per-route tier denies");
+    let remaining: Vec<u64> = r.tiers.iter().map(|t| t.remaining).collect();
+    // Nothing charged by the denied call: each tier shows 4 calls' worth.
+    assert_eq!(remaining, vec![96, 92, 96, 0, 88]);
+    // Every key the calls wrote is in the tenant's bucket slot.
+    let written: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let slot = keys::bucket_slot(keys::bucket_of("multi"));
+    assert!(written.len() >= 4, "{written:?}");
+    for k in &written {
+        assert_eq!(keys::cluster_slot(k.as_bytes()), slot, "{k}");
+    }
+}
+
+#[tokio::test]
+async fn pn_counter_epoch_and_lazy_dirty_marking() {
     let redis = Redis::start();
     let mut con = redis.client().await;
     let mut c = check("acme", 2);
@@ -135,20 +226,23 @@ async fn pn_counter_epoch_and_dirty_set() {
         r.epoch, "epochcand",
         "a new counter takes the candidate epoch"
     );
+    let first = dirty_score(&mut con, "acme").await.expect("dirty");
     let r = decide(&mut con, &c).await;
     assert_eq!(r.own_p, 4);
-    let score: f64 = redis::cmd("ZSCORE")
-        .arg(keys::DIRTY)
-        .arg(keys::dirty_member("acme", today()))
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    assert_eq!(score, 4.0, "dirty score is p + n");
+    // Marked once: the second charge wrote no new score (never published,
+    // so due at once: the score is the Redis time of the first charge).
+    assert_eq!(dirty_score(&mut con, "acme").await, Some(first));
+    assert_eq!(counter(&mut con, "acme", today()).await.3, Some(1));
+    // Near the limit: urgent, score 0.
+    c.global.as_mut().unwrap().urgent_at = Some(6);
+    decide(&mut con, &c).await;
+    assert_eq!(dirty_score(&mut con, "acme").await, Some(0.0));
+    assert_eq!(counter(&mut con, "acme", today()).await.3, Some(2));
     // Refund: N grows, never past P.
     let mut rf = check("acme", 10);
     rf.op = Op::Refund;
     let r = decide(&mut con, &rf).await;
-    assert_eq!((r.own_p, r.own_n), (4, 4), "refund is clamped at P");
+    assert_eq!((r.own_p, r.own_n), (6, 6), "refund is clamped at P");
     // Redis loses its data: the next charge starts a new epoch.
     // SCRIPT FLUSH as well: the next EVALSHA gets NOSCRIPT and is reloaded.
     redis::cmd("FLUSHALL")
@@ -160,9 +254,10 @@ async fn pn_counter_epoch_and_dirty_set() {
         .query_async::<()>(&mut con)
         .await
         .unwrap();
+    c.epoch_candidate = "second";
     let r = decide(&mut con, &c).await;
     assert_eq!(r.own_p, 2);
-    assert_eq!(r.epoch, "epochcand");
+    assert_eq!(r.epoch, "second");
 }
 
 #[tokio::test]
@@ -178,7 +273,7 @@ async fn global_budget_subtracts_only_other_actors() {
     // Broadcast says total 8, of which 3 are our current actor: others = 5.
     let g = c.global.as_mut().unwrap();
     g.broadcast_total = 8;
-    g.own_parts = vec![("epochcand".into(), 3)];
+    g.own_parts = vec![("epochcand".into(), 3, 0)];
     // Budget: 10 - 5 - 3 = 2 more.
     assert!(decide(&mut con, &c).await.allowed);
     assert!(decide(&mut con, &c).await.allowed);
@@ -190,9 +285,10 @@ async fn global_budget_subtracts_only_other_actors() {
     );
     assert_eq!(r.own_p, 5);
     // An older epoch of this region counts as others.
-    c.global.as_mut().unwrap().own_parts = vec![("oldepoch".into(), 3)];
+    c.global.as_mut().unwrap().own_parts = vec![("oldepoch".into(), 3, 0)];
     let r = decide(&mut con, &c).await;
     assert!(!r.allowed);
+    assert_eq!(r.raised, 0, "another epoch's part raises nothing");
     // A staleness cap below the current count denies too.
     let mut c2 = check("g", 1);
     c2.global = Some(GlobalArgs {
@@ -204,11 +300,54 @@ async fn global_budget_subtracts_only_other_actors() {
     assert_eq!((r.allowed, r.denied), (false, Some(Denied::Global)));
 }
 
+/// A partial rollback: Redis holds P = 50 for the epoch whose broadcast part
+/// is 100. The script raises P to 100 before it charges, so the global tier
+/// sees what was really spent; a peek with the part persists the raise.
+#[tokio::test]
+async fn a_rolled_back_counter_is_raised_to_its_broadcast_part() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let mut c = check("rb", 1);
+    c.global = global(150);
+    decide(&mut con, &c).await;
+    let [_, p, _] = keys::counter_fields(today());
+    redis::cmd("HSET")
+        .arg(keys::tenant_hash("rb"))
+        .arg(&p)
+        .arg(50)
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
+    let g = c.global.as_mut().unwrap();
+    g.broadcast_total = 100;
+    g.own_parts = vec![("epochcand".into(), 100, 0)];
+    let r = decide(&mut con, &c).await;
+    assert!(r.allowed);
+    assert_eq!((r.own_p, r.raised), (101, 50));
+    assert_eq!(r.global_remaining, Some(49));
+    let mut allowed = 1;
+    while decide(&mut con, &c).await.allowed {
+        allowed += 1;
+    }
+    assert_eq!(allowed, 50, "150 − 100 already spent");
+    // A peek carrying a higher part persists it.
+    let mut peek = check("rb", 0);
+    peek.op = Op::Peek;
+    peek.global = Some(GlobalArgs {
+        own_parts: vec![("epochcand".into(), 400, 10)],
+        ..GlobalArgs::default()
+    });
+    let r = decide(&mut con, &peek).await;
+    assert_eq!(r.raised, 250);
+    let (_, p, n, _) = counter(&mut con, "rb", today()).await;
+    assert_eq!((p, n), (Some(400), Some(10)));
+}
+
 #[tokio::test]
 async fn charges_the_day_of_redis_clock() {
     let redis = Redis::start();
     let mut con = redis.client().await;
-    // The node believes it is yesterday: the script charges today's key.
+    // The node believes it is yesterday: the script charges today's counter.
     let mut c = check("d", 1);
     c.global = Some(GlobalArgs {
         limit: 100,
@@ -220,84 +359,77 @@ async fn charges_the_day_of_redis_clock() {
     let r = decide(&mut con, &c).await;
     assert!(r.allowed, "broadcast of another day is not applied");
     assert_eq!(r.day, today());
-    let p: u64 = redis::cmd("HGET")
-        .arg(keys::pn_counter("d", today()))
-        .arg("p")
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    assert_eq!(p, 1);
+    assert_eq!(counter(&mut con, "d", today()).await.1, Some(1));
     // More than a day off: refused with an error, nothing written.
     c.day = today() - 5;
     assert!(run(&mut con, &c, 0).await.is_err());
 }
 
+/// `ack.lua`: an unchanged counter leaves the dirty set (and its publish
+/// state), one charged since stays and is due a relaxed interval later, a
+/// gone one leaves; every published counter is stamped; a charge after the
+/// ack marks the entry again, due a relaxed interval after the stamp.
 #[tokio::test]
-async fn ack_removes_only_unchanged_entries_and_stamps_every_published_one() {
+async fn ack_removes_only_unchanged_entries_and_reschedules_the_rest() {
     let redis = Redis::start();
     let mut con = redis.client().await;
+    let mut c = check("a", 5);
+    decide(&mut con, &c).await;
+    c.tenant = "b";
+    decide(&mut con, &c).await;
+    let script = redis::Script::new(ACK);
+    let ack = |list: Vec<(&'static str, u64)>, bucket_of: &'static str| {
+        let mut inv = script.prepare_invoke();
+        inv.key(keys::dirty(keys::bucket_of(bucket_of)));
+        for (t, _) in &list {
+            inv.key(keys::tenant_hash(t));
+        }
+        inv.arg(2000);
+        for (t, pn) in &list {
+            inv.arg(keys::dirty_member(t, today()))
+                .arg(today())
+                .arg(*pn);
+        }
+        inv
+    };
+    // a published at 5 (unchanged); b published at 3 (charged to 5 since).
+    let mut removed = 0i64;
+    for (t, pn) in [("a", 5u64), ("b", 3)] {
+        removed += ack(vec![(t, pn)], t)
+            .invoke_async::<i64>(&mut con)
+            .await
+            .unwrap();
+    }
+    assert_eq!(removed, 1);
     let (now_s, _): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
-    let now_ms = now_s * 1000;
-    redis::cmd("ZADD")
-        .arg("tl:dirty")
-        .arg(5)
-        .arg("a|1")
-        .arg(9)
-        .arg("b|1")
+    assert_eq!(dirty_score(&mut con, "a").await, None);
+    assert_eq!(
+        counter(&mut con, "a", today()).await.3,
+        None,
+        "publish state cleared"
+    );
+    let b = dirty_score(&mut con, "b").await.expect("b stays dirty");
+    assert!(
+        (b as i64 - (now_s * 1000 + 2000)).abs() < 2000,
+        "b is due a relaxed interval from now: {b}"
+    );
+    // A charge after the ack: dirty again, due a relaxed interval after the
+    // publication.
+    c.tenant = "a";
+    decide(&mut con, &c).await;
+    let a = dirty_score(&mut con, "a").await.expect("a dirty again");
+    assert!(a as i64 >= now_s * 1000 + 1000, "{a}");
+    // A counter that is gone just leaves.
+    redis::cmd("DEL")
+        .arg(keys::tenant_hash("a"))
         .query_async::<()>(&mut con)
         .await
         .unwrap();
-    // c|1 was published 10 s ago: older than the 2 s to remember, so the ack
-    // forgets it; d|1 a moment ago stays.
-    redis::cmd("ZADD")
-        .arg("tl:published")
-        .arg(now_ms - 10_000)
-        .arg("c|1")
-        .arg(now_ms - 500)
-        .arg("d|1")
-        .query_async::<()>(&mut con)
-        .await
-        .unwrap();
-    // Published a at 5 (unchanged) and b at 7 (a charge raised it to 9 since).
-    let removed: i64 = redis::Script::new(ACK)
-        .key("tl:dirty")
-        .key("tl:published")
-        .arg(2000)
-        .arg("a|1")
-        .arg(5)
-        .arg("b|1")
-        .arg(7)
+    let removed: i64 = ack(vec![("a", u64::MAX)], "a")
         .invoke_async(&mut con)
         .await
         .unwrap();
     assert_eq!(removed, 1);
-    let left: Vec<String> = redis::cmd("ZRANGE")
-        .arg("tl:dirty")
-        .arg(0)
-        .arg(-1)
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    assert_eq!(left, vec!["b|1".to_string()]);
-    // Both published members are stamped with Redis' time, b although it
-    // stayed dirty: it was published, so it is not due again before the
-    // relaxed interval unless urgent.
-    let stamped: Vec<(String, f64)> = redis::cmd("ZRANGE")
-        .arg("tl:published")
-        .arg(0)
-        .arg(-1)
-        .arg("WITHSCORES")
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    let names: Vec<&str> = stamped.iter().map(|(m, _)| m.as_str()).collect();
-    assert_eq!(names, vec!["d|1", "a|1", "b|1"], "{stamped:?}");
-    for (m, t) in &stamped[1..] {
-        assert!(
-            (*t as i64 - now_ms).abs() < 5_000,
-            "{m} stamped at {t}, Redis time {now_ms}"
-        );
-    }
 }
 
 #[tokio::test]
@@ -309,7 +441,7 @@ async fn every_algorithm_allows_exactly_its_limit_in_a_burst() {
         let tenant = format!("alg{code}");
         let region = limit(algorithm, 25, 3_600_000, 25);
         let mut c = check(&tenant, 1);
-        c.region = Some(&region);
+        c.tiers = vec![tier(Scope::Region, &region, 1)];
         let mut allowed = 0;
         for _ in 0..60 {
             allowed += u32::from(decide(&mut con, &c).await.allowed);
@@ -325,7 +457,7 @@ async fn every_algorithm_allows_exactly_its_limit_in_a_burst() {
         // Refund 5 → exactly 5 more pass (never more than refunded).
         let mut rf = check(&tenant, 5);
         rf.op = Op::Refund;
-        rf.region = c.region;
+        rf.tiers = vec![tier(Scope::Region, &region, 5)];
         decide(&mut con, &rf).await;
         let mut again = 0;
         for _ in 0..10 {
@@ -333,6 +465,52 @@ async fn every_algorithm_allows_exactly_its_limit_in_a_burst() {
         }
         assert_eq!(again, 5, "algorithm {code} after refund");
     }
+}
+
+/// A refund by handle: once per handle id, into the charge's windows and
+/// day only.
+#[tokio::test]
+async fn a_refund_by_handle_counts_once() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let region = limit(Algorithm::FixedWindow, 10, 3_600_000, 10);
+    let mut c = check("h", 4);
+    c.tiers = vec![tier(Scope::Region, &region, 4)];
+    c.global = global(100);
+    let charged = decide(&mut con, &c).await;
+    let mut rf = check("h", 4);
+    rf.op = Op::Refund;
+    rf.tiers = vec![tier(Scope::Region, &region, 4)];
+    rf.refund = Some(RefundOf {
+        id: "charge-1".into(),
+        charged_at_ms: charged.now_ms as u64,
+    });
+    let r = decide(&mut con, &rf).await;
+    assert_eq!((r.refunded, r.duplicate, r.own_n), (4, false, 4));
+    // (A refund's reply shows the tiers as they were before it.)
+    let mut peek = check("h", 0);
+    peek.op = Op::Peek;
+    peek.tiers = vec![tier(Scope::Region, &region, 0)];
+    assert_eq!(decide(&mut con, &peek).await.tiers[0].remaining, 10);
+    let r = decide(&mut con, &rf).await;
+    assert_eq!((r.refunded, r.duplicate, r.own_n), (0, true, 4));
+    // A charge of yesterday: nothing back to today's count or this window.
+    decide(&mut con, &c).await;
+    rf.refund = Some(RefundOf {
+        id: "charge-0".into(),
+        charged_at_ms: charged.now_ms as u64 - 86_400_000,
+    });
+    let r = decide(&mut con, &rf).await;
+    assert_eq!((r.refunded, r.own_n), (0, 4));
+    assert_eq!(decide(&mut con, &peek).await.tiers[0].remaining, 6);
+    // The record lives in the tenant's slot, with a TTL.
+    let rec = keys::refund_record("h", today());
+    let ttl: i64 = redis::cmd("TTL")
+        .arg(&rec)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(ttl > 0, "{rec}: {ttl}");
 }
 
 #[tokio::test]
@@ -345,7 +523,7 @@ async fn token_bucket_full_burst_passes_when_the_interval_is_fractional() {
     for i in 0..50 {
         let tenant = format!("gcra{i}");
         let mut c = check(&tenant, 2);
-        c.region = Some(&region);
+        c.tiers = vec![tier(Scope::Region, &region, 2)];
         let r = decide(&mut con, &c).await;
         assert!(r.allowed, "attempt {i}");
     }
@@ -358,16 +536,19 @@ async fn sliding_log_takes_a_large_cost_atomically() {
     let mut con = redis.client().await;
     let region = limit(Algorithm::SlidingLog, 10_000, 3_600_000, 10_000);
     let mut c = check("log", 5000);
-    c.region = Some(&region);
+    c.tiers = vec![tier(Scope::Region, &region, 5000)];
     assert!(decide(&mut con, &c).await.allowed);
     assert!(decide(&mut con, &c).await.allowed);
+    let id = keys::region_tier_id("_", region.algorithm.code());
     let n: u64 = redis::cmd("ZCARD")
-        .arg(keys::region_tier("log", "_", region.algorithm.code()))
+        .arg(keys::tier_key("log", &id, keys::WHOLE_TENANT))
         .query_async(&mut con)
         .await
         .unwrap();
     assert_eq!(n, 10_000);
-    let r = decide(&mut con, &DecideCall { cost: 1, ..c }).await;
+    c.cost = 1;
+    c.tiers = vec![tier(Scope::Region, &region, 1)];
+    let r = decide(&mut con, &c).await;
     assert!(!r.allowed);
 }
 
@@ -380,7 +561,7 @@ async fn a_cost_above_the_limit_is_never_retryable() {
         let tenant = format!("big{code}");
         let region = limit(algorithm, 10, 60_000, 10);
         let mut c = check(&tenant, 11);
-        c.region = Some(&region);
+        c.tiers = vec![tier(Scope::Region, &region, 11)];
         let r = decide(&mut con, &c).await;
         assert_eq!(
             (r.allowed, r.retry_ms),
@@ -396,7 +577,7 @@ async fn a_call_past_its_deadline_charges_nothing() {
     let mut con = redis.client().await;
     let region = limit(Algorithm::FixedWindow, 10, 3_600_000, 10);
     let mut c = check("late", 1);
-    c.region = Some(&region);
+    c.tiers = vec![tier(Scope::Region, &region, 1)];
     c.global = global(100);
     // A deadline already passed in Redis' clock: refused, nothing written.
     let r = run(&mut con, &c, 1).await.unwrap();
@@ -413,4 +594,74 @@ async fn a_call_past_its_deadline_charges_nothing() {
     // A deadline in the future: charged as usual.
     let r = run(&mut con, &c, i64::MAX / 2).await.unwrap().unwrap();
     assert!(r.allowed);
+}
+
+/// A new day drops the days past retention from the tenant hash and gives
+/// the hash its TTL; the tier states in it stay.
+#[tokio::test]
+async fn a_new_day_forgets_days_past_retention() {
+    let fake_clock = "local t = { redis.call('GET', 'fake:s'), '0' }";
+    let source = DECIDE_LUA.replace("local t = redis.call('TIME')", fake_clock);
+    assert_ne!(source, DECIDE_LUA, "the script's clock call was not found");
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(&source)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let node = limit(Algorithm::FixedWindow, 100, 60_000, 100);
+    let d0 = 20_000u32;
+    // TTL 2 days: a day's counter is kept while it is at most 2 days old.
+    for d in d0..d0 + 4 {
+        redis::cmd("SET")
+            .arg("fake:s")
+            .arg(u64::from(d) * 86_400 + 3600)
+            .query_async::<()>(&mut con)
+            .await
+            .unwrap();
+        let mut c = check("days", 1);
+        c.day = d;
+        c.counter_ttl_secs = 2 * 86_400;
+        c.tiers = vec![tier(Scope::Node, &node, 1)];
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&sha);
+        encode(&mut cmd, &c, 0);
+        let r = DecideReply::parse(cmd.query_async::<Vec<Value>>(&mut con).await.unwrap()).unwrap();
+        assert!(r.allowed);
+    }
+    let fields: Vec<String> = redis::cmd("HKEYS")
+        .arg(keys::tenant_hash("days"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let days: std::collections::BTreeSet<&str> = fields
+        .iter()
+        .filter_map(|f| f.strip_prefix("g:")?.split(':').next())
+        .collect();
+    let want: std::collections::BTreeSet<String> =
+        (d0 + 1..d0 + 4).map(|d| d.to_string()).collect();
+    assert_eq!(
+        days,
+        want.iter().map(String::as_str).collect(),
+        "day {d0} dropped, the last three kept: {fields:?}"
+    );
+    let gd: String = redis::cmd("HGET")
+        .arg(keys::tenant_hash("days"))
+        .arg("gd")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(gd.split(',').count(), 3, "{gd}");
+    let ttl: i64 = redis::cmd("TTL")
+        .arg(keys::tenant_hash("days"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(ttl > 86_400, "the hash lives its TTL: {ttl}");
+    assert!(
+        fields.iter().any(|f| f.starts_with("n:n1:_:1:")),
+        "{fields:?}"
+    );
 }

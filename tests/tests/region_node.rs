@@ -744,3 +744,133 @@ async fn an_evicting_redis_is_refused_unless_allowed() {
     let m = harness::get_text(&n.http, &n.url("/metrics")).await;
     assert!(m.contains("tierlimit_redis_eviction_allowed 1"), "{m}");
 }
+
+/// Refund handles (issue 13): an allowed check answers a handle signed with
+/// the region's secret; a refund by handle gives the charge back once, never
+/// more than it, and only into windows the charge was in. A forged handle,
+/// or a handle beside a tenant, is refused; free-form refunds can be turned
+/// off.
+#[tokio::test]
+async fn refund_handles_give_back_once_and_only_into_the_charges_window() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.p]
+region = { limit = 10, window = "2s", algorithm = "fixed_window" }
+node = { limit = 100, window = "1h", algorithm = "sliding_window" }
+global = { limit = 1000 }
+[tenants.t]
+plan = "p"
+"#,
+        ),
+    );
+    let env = [
+        (
+            "TIERLIMIT__NODE__REFUND_SECRET",
+            "0123456789abcdef0123456789abcdef-test",
+        ),
+        ("TIERLIMIT__NODE__FREE_FORM_REFUNDS", "false"),
+    ];
+    let n = RegionNode::start_with_env(&cfg, "eu", "a", &env).await;
+    let refund = |body: Value| {
+        let n = &n;
+        async move {
+            let r = n
+                .http
+                .post(n.url("/v1/refund"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let spent = |u: &Value| u["region_p"].as_u64().unwrap() - u["region_n"].as_u64().unwrap();
+
+    // Wait for a fresh 2 s window with most of it left, so that the first
+    // charges and their refunds share it.
+    wait_until("a fresh region window", Duration::from_secs(5), || async {
+        let u = usage(&n, "t").await;
+        let region = u["tiers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tier"] == "region")
+            .cloned()
+            .unwrap();
+        region["reset_ms"].as_u64().unwrap() > 1500
+    })
+    .await;
+    let (s, body) = check(&n, "t", 3).await;
+    assert_eq!(s, 200);
+    let h1 = body["refund_handle"]
+        .as_str()
+        .expect("a handle")
+        .to_string();
+    assert_eq!(remaining(&body, "region"), 7);
+
+    // Given back once, all of it.
+    let (s, r) = refund(json!({ "handle": h1 })).await;
+    assert_eq!(
+        (s, r["refunded"].as_u64(), r["duplicate"].as_bool()),
+        (200, Some(3), Some(false)),
+        "{r}"
+    );
+    let u = usage(&n, "t").await;
+    assert_eq!(remaining(&u, "node"), 100);
+    assert_eq!(spent(&u), 0);
+    // A retried refund gives nothing more.
+    let (s, r) = refund(json!({ "handle": h1 })).await;
+    assert_eq!(
+        (s, r["refunded"].as_u64(), r["duplicate"].as_bool()),
+        (200, Some(0), Some(true)),
+        "{r}"
+    );
+    assert_eq!(spent(&usage(&n, "t").await), 0);
+
+    // Forged: one character of the signature changed (a changed payload
+    // is refused the same way: see region-node's refund tests).
+    let forged = {
+        let mut chars: Vec<char> = h1.chars().collect();
+        let last = chars.len() - 1;
+        chars[last] = if chars[last] == 'A' { 'B' } else { 'A' };
+        chars.into_iter().collect::<String>()
+    };
+    let (s, r) = refund(json!({ "handle": forged })).await;
+    assert_eq!(s, 400, "{r}");
+    assert_eq!(r["field"], "handle", "{r}");
+    let (s, _) = refund(json!({ "handle": h1, "tenant": "t" })).await;
+    assert_eq!(s, 400);
+    // Free-form refunds are off here.
+    let (s, r) = refund(json!({ "tenant": "t", "cost": 1 })).await;
+    assert_eq!(s, 403, "{r}");
+
+    // A charge refunded after its region window rolled over: the node tier
+    // (1 h) and the day's count get it back, the new region window does not.
+    let (s, body) = check(&n, "t", 2).await;
+    assert_eq!(s, 200);
+    let h2 = body["refund_handle"].as_str().unwrap().to_string();
+    let node_before = remaining(&body, "node");
+    wait_until(
+        "the region window rolls over",
+        Duration::from_secs(5),
+        || async { remaining(&usage(&n, "t").await, "region") == 10 },
+    )
+    .await;
+    assert_eq!(check(&n, "t", 1).await.0, 200);
+    let (s, r) = refund(json!({ "handle": h2 })).await;
+    assert_eq!((s, r["refunded"].as_u64()), (200, Some(2)), "{r}");
+    let u = usage(&n, "t").await;
+    assert_eq!(
+        remaining(&u, "region"),
+        9,
+        "nothing given back to a window the charge was not in"
+    );
+    assert_eq!(remaining(&u, "node"), node_before + 2 - 1);
+    assert_eq!(spent(&u), 1);
+}

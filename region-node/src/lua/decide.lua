@@ -33,7 +33,7 @@
 --           that is not urgent is due again (relaxed_flush_interval)
 -- ARGV[13]  refund record: index in KEYS of the set of refund handles used
 --           for the charge's day (0 = a free-form refund, or not a refund)
--- ARGV[14]  refund handle id (unique per charge)
+-- ARGV[14]  refund handle id (unique per charge; "-" when none)
 -- ARGV[15]  the charge's Redis time, ms: a refund by handle gives back only
 --           to a window the charge was in, and to the global count only on
 --           the charge's day
@@ -72,10 +72,15 @@ if math.abs(day - node_day) > 1 then
   return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
 end
 
--- Algorithms. Each reads its state from `s` (the values of its `fields`,
--- false when absent) and returns a result whose `commit` and `refund` are
--- the values to write back (nil: nothing to write), and `ttl_ms`, the life
--- its state needs when kept in a key of its own. Nothing here writes.
+-- Algorithms. Each `eval` reads its state from `s` (the values of its
+-- `fields`, false when absent) and returns the decision with the numbers
+-- its `commit` and `refund` turn into the values to write back (`refund`
+-- answers nil when there is nothing to give back); `ttl_ms` is the life its
+-- state needs when kept in a key of its own. Nothing here writes, and
+-- nothing is formatted before it is written: most calls write one of the
+-- two, and a denied call neither. Small integers (window indexes, counts)
+-- go to Redis as Lua numbers; microsecond times need int() (tostring keeps
+-- only 14 digits).
 
 local fixed_window = { fields = { 'w', 'c' } }
 function fixed_window.eval(s, limit, w, _burst, c)
@@ -84,13 +89,15 @@ function fixed_window.eval(s, limit, w, _burst, c)
   if tonumber(s[1]) == idx then used = tonumber(s[2]) or 0 end
   local reset = (idx + 1) * w - now_ms
   local r = { ok = used + c <= limit, remaining = limit - used, reset = reset, retry = 0,
-    ttl_ms = reset + 1000 }
+    ttl_ms = reset + 1000, idx = idx, used = used }
   if not r.ok then
     if c > limit then r.retry = -1 else r.retry = reset end
   end
-  r.commit = { int(idx), int(used + c) }
-  if used > 0 then r.refund = { int(idx), int(math.max(0, used - c)) } end
   return r
+end
+function fixed_window.commit(r, c) return { r.idx, r.used + c } end
+function fixed_window.refund(r, c)
+  if r.used > 0 then return { r.idx, math.max(0, r.used - c) } end
 end
 
 local sliding_window = { fields = { 'w', 'c', 'p' } }
@@ -109,7 +116,7 @@ function sliding_window.eval(s, limit, w, _burst, c)
   if remaining < 0 then remaining = 0 end
   local reset = (idx + 1) * w - now_ms
   local r = { ok = est + c <= limit, remaining = remaining, reset = reset, retry = 0,
-    ttl_ms = 2 * w + 1000 }
+    ttl_ms = 2 * w + 1000, idx = idx, cur = cur, prev = prev }
   if not r.ok then
     if c > limit then
       r.retry = -1
@@ -123,9 +130,11 @@ function sliding_window.eval(s, limit, w, _burst, c)
     end
     if r.retry ~= -1 and r.retry < 1 then r.retry = 1 end
   end
-  r.commit = { int(idx), int(cur + c), int(prev) }
-  if cur > 0 then r.refund = { int(idx), int(math.max(0, cur - c)), int(prev) } end
   return r
+end
+function sliding_window.commit(r, c) return { r.idx, r.cur + c, r.prev } end
+function sliding_window.refund(r, c)
+  if r.cur > 0 then return { r.idx, math.max(0, r.cur - c), r.prev } end
 end
 
 -- GCRA: the theoretical arrival time (TAT). One unit is emitted every
@@ -144,19 +153,21 @@ function token_bucket.eval(s, limit, w, burst, c)
   local new_ahead = ahead + c * e
   local remaining = math.floor((tau - ahead) / e)
   if remaining < 0 then remaining = 0 end
-  local r = { ok = new_ahead <= tau, remaining = remaining, retry = 0 }
+  local r = { ok = new_ahead <= tau, remaining = remaining, retry = 0, e = e, ahead = ahead,
+    new_ahead = new_ahead, had = tat ~= nil, ttl_ms = math.ceil(new_ahead / 1000) + 1000 }
   if not r.ok then
     if c > burst then r.retry = -1 else r.retry = math.max(1, math.ceil((new_ahead - tau) / 1000)) end
   end
   r.reset = math.ceil((r.ok and new_ahead or ahead) / 1000)
-  local function state(a)
-    local whole = math.floor(a)
-    return { int(now_us + whole), string.format('%.17g', a - whole) }
-  end
-  r.commit = state(new_ahead)
-  r.ttl_ms = math.ceil(new_ahead / 1000) + 1000
-  if tat then r.refund = state(math.max(0, ahead - c * e)) end
   return r
+end
+local function tat_state(a)
+  local whole = math.floor(a)
+  return { int(now_us + whole), string.format('%.17g', a - whole) }
+end
+function token_bucket.commit(r, _c) return tat_state(r.new_ahead) end
+function token_bucket.refund(r, c)
+  if r.had then return tat_state(math.max(0, r.ahead - c * r.e)) end
 end
 
 -- Exact sliding log: one zset entry per unit, scored by its time in ms.
@@ -203,7 +214,7 @@ local algorithms = { fixed_window, sliding_window, token_bucket, sliding_log }
 
 -- Read: one HMGET of the tenant hash for the day's counter and every tier
 -- kept there; one HMGET per tier kept in a key of its own.
-local gp = 'g:' .. int(day) .. ':'
+local gp = 'g:' .. day .. ':'
 local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', gp .. 's' }
 local K = tonumber(ARGV[16])
 local tiers = {}
@@ -392,7 +403,7 @@ if op == 'refund' then
   end
   for _, tier in ipairs(tiers) do
     if same_window(tier) then
-      if tier.alg.zset then tier.r.do_refund() else write(tier, tier.r.refund) end
+      if tier.alg.zset then tier.r.do_refund() else write(tier, tier.alg.refund(tier.r, tier.cost)) end
     end
   end
   -- N never exceeds P: the counter cannot go below zero.
@@ -421,7 +432,7 @@ if not global_ok then deny('global', 0, global_retry) end
 -- Remaining units are reported after this request only if it was charged.
 if denied == '' then
   for _, tier in ipairs(tiers) do
-    if tier.alg.zset then tier.r.do_commit() else write(tier, tier.r.commit) end
+    if tier.alg.zset then tier.r.do_commit() else write(tier, tier.alg.commit(tier.r, tier.cost)) end
     tier.r.remaining = math.max(0, tier.r.remaining - tier.cost)
   end
   if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - gcost) end

@@ -82,7 +82,7 @@ pub struct RedisStore {
 /// How calls reach Redis.
 enum Route {
     /// One master (standalone, or found through Sentinel).
-    Master(Link),
+    Master(Box<Link>),
     /// Every call goes to the master of its slot; `allow_eviction` applies
     /// to every master.
     Cluster(Arc<ClusterRouter>, bool),
@@ -105,7 +105,12 @@ impl RedisStore {
             Target::Cluster { seeds } => {
                 Route::Cluster(ClusterRouter::new(seeds, timeout), allow_eviction)
             }
-            _ => Route::Master(Link::new(url, timeout, retry_interval, allow_eviction)?),
+            _ => Route::Master(Box::new(Link::new(
+                url,
+                timeout,
+                retry_interval,
+                allow_eviction,
+            )?)),
         };
         // A sentinel or cluster target has no master until the probe asks:
         // start down.

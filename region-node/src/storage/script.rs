@@ -203,14 +203,16 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     cmd.arg(call.relaxed_ms);
     match refund {
         Some(r) => cmd.arg(3 + outside.len()).arg(&r.id).arg(r.charged_at_ms),
-        None => cmd.arg(0u8).arg("").arg(0u8),
+        // No empty arguments: a tool that splits the command on spaces
+        // (redis-benchmark in scripts/bench) would drop them.
+        None => cmd.arg(0u8).arg("-").arg(0u8),
     };
     cmd.arg(call.tiers.len());
     let mut next_key = 3;
     for (i, tier) in call.tiers.iter().enumerate() {
         let l = tier.limit;
         if outside.iter().any(|(j, _)| *j == i) {
-            cmd.arg(next_key).arg("");
+            cmd.arg(next_key).arg("-");
             next_key += 1;
         } else {
             let mut prefix = tier.tier_id(call.node_id);
@@ -611,10 +613,10 @@ mod tests {
             "2",
             "40",
             "-1",
-            "30", // global
+            "30",   // global
             "2000", // relaxed
             "0",
-            "",
+            "-",
             "0", // no refund record
             "2", // tiers
             "0",
@@ -625,7 +627,7 @@ mod tests {
             "10",
             "2", // node, in the hash
             "3",
-            "",
+            "-",
             "4",
             "10",
             "1000",
