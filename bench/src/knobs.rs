@@ -18,6 +18,7 @@ pub const SCENARIOS: &[&str] = &[
     "scale",
     "rollover",
     "peer",
+    "cluster",
 ];
 
 /// Every benchmark scenario of tierlimit on this machine, in one run, then

@@ -31,7 +31,9 @@ use clap::Parser;
 use crate::knobs::{Knobs, KAFKA_SIDE};
 use crate::report::{Machine, Results};
 use crate::run::Run;
-use crate::scenario::{accuracy, ceiling, crossings, fast_path, kafka, latency, rollover, scale};
+use crate::scenario::{
+    accuracy, ceiling, cluster, crossings, fast_path, kafka, latency, rollover, scale,
+};
 use crate::world::{start_node, Region};
 
 fn main() -> ExitCode {
@@ -237,6 +239,15 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
             r.config = std::fs::read_to_string(&cfg).ok();
         }
         drop((eu, us, ap));
+    }
+
+    if k.runs("cluster") {
+        // Its own Redis servers, cluster and sentinels; the main run's are
+        // stopped by now.
+        match cluster::run(&run, &k).await {
+            Ok(c) => r.cluster = Some(c),
+            Err(e) => run.say(&format!("the cluster run failed: {e:#}")),
+        }
     }
 
     let mut keep = false;

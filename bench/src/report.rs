@@ -42,6 +42,8 @@ pub struct Results {
     pub rollover: Option<Rollover>,
     pub rollover_error: Option<String>,
     pub peer: Option<Peer>,
+    #[serde(default)]
+    pub cluster: Option<crate::scenario::cluster::ClusterBench>,
     pub commands: Vec<String>,
     /// The main run's configuration file.
     pub config: Option<String>,
@@ -70,6 +72,7 @@ impl Results {
             rollover: None,
             rollover_error: None,
             peer: None,
+            cluster: None,
             commands: Vec::new(),
             config: None,
             charts: Default::default(),

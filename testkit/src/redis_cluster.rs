@@ -162,6 +162,19 @@ impl RedisCluster {
             .collect()
     }
 
+    /// `host:port` of every node: seeds for a cluster client.
+    pub fn seed_addrs(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// The region-node URL of this cluster: `redis+cluster://h:p,h:p,…`.
+    pub fn cluster_url(&self) -> String {
+        format!("redis+cluster://{}", self.seed_addrs().join(","))
+    }
+
     /// Ports of every node, running or not.
     pub fn ports(&self) -> Vec<u16> {
         self.nodes.iter().map(|n| n.port).collect()
@@ -190,6 +203,12 @@ impl RedisCluster {
             .collect();
         ports.sort_unstable();
         ports
+    }
+
+    /// The process ids of the nodes (for CPU accounting; a killed node's
+    /// pid reads no CPU).
+    pub fn pids(&self) -> Vec<u32> {
+        self.nodes.iter().map(|n| n.proc.pid()).collect()
     }
 
     /// The port of the master serving `slot`, once every running node

@@ -22,14 +22,7 @@ const TIMEOUT: Duration = Duration::from_millis(500);
 const BUDGET: Duration = Duration::from_secs(90);
 
 fn seeds(c: &RedisCluster) -> Vec<String> {
-    c.seed_urls()
-        .iter()
-        .map(|u| {
-            u.trim_start_matches("redis://")
-                .trim_end_matches('/')
-                .to_string()
-        })
-        .collect()
+    c.seed_addrs()
 }
 
 fn incr(key: &str) -> redis::Cmd {

@@ -29,15 +29,6 @@ const PARTITIONS: i32 = 2;
 const REGION_LIMIT: u64 = 40;
 
 fn config(cluster: &RedisCluster, tansu: &Tansu) -> String {
-    let seeds: Vec<String> = cluster
-        .seed_urls()
-        .iter()
-        .map(|u| {
-            u.trim_start_matches("redis://")
-                .trim_end_matches('/')
-                .to_string()
-        })
-        .collect();
     format!(
         r#"
 cluster = "test"
@@ -53,7 +44,7 @@ store_retry_interval = "100ms"
 broadcast_interval = "100ms"
 group_id = "agg-cluster"
 [regions.eu]
-redis_url = "redis+cluster://{}"
+redis_url = "{}"
 expected_nodes = 2
 [plans.p]
 region = {{ limit = {REGION_LIMIT}, window = "1h", algorithm = "fixed_window" }}
@@ -65,7 +56,7 @@ policy = "plan"
 plan = "p"
 "#,
         tansu.brokers(),
-        seeds.join(",")
+        cluster.cluster_url()
     )
 }
 

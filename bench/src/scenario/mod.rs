@@ -4,6 +4,7 @@
 
 pub mod accuracy;
 pub mod ceiling;
+pub mod cluster;
 pub mod crossings;
 pub mod fast_path;
 pub mod kafka;

@@ -197,7 +197,10 @@ impl ClusterRouter {
                     Ok(_) => last = StoreError::Down,
                     Err(e) => last = e,
                 },
-                Err(e) => last = e,
+                Err(e) => {
+                    tracing::debug!(%addr, error = %e, "CLUSTER SLOTS failed");
+                    last = e
+                }
             }
         }
         Err(last)

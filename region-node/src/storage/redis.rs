@@ -159,12 +159,16 @@ impl RedisStore {
         match &self.route {
             Route::Master(link) => link.resolve().await,
             Route::Cluster(router, allow) => {
-                router.refresh().await?;
+                router.refresh().await.inspect_err(|e| {
+                    tracing::debug!(error = %e, "no node answered CLUSTER SLOTS");
+                })?;
                 let mut worst = None;
                 for addr in router.masters() {
                     let mut cmd = redis::cmd("INFO");
                     cmd.arg("memory");
-                    let info: String = router.query_on(&addr, &cmd).await?;
+                    let info: String = router.query_on(&addr, &cmd).await.inspect_err(|e| {
+                        tracing::debug!(%addr, error = %e, "INFO memory of a master failed");
+                    })?;
                     let eviction = Eviction::from_info(&info).ok_or_else(|| {
                         StoreError::Unsafe(format!(
                             "INFO memory of {addr} has no maxmemory_policy: cannot tell whether Redis evicts counters"
