@@ -11,11 +11,13 @@
 //! - [`load`]: paced per-region traffic recorded into a history, and
 //!   metric samples taken while it runs;
 //! - [`history`]: the history checker (no tier over its limit beyond what
-//!   the faults explain, the global count exact once drained).
+//!   the faults explain, the global count exact once drained);
+//! - [`lua`]: the decision script on a clock the test sets.
 
 pub use testkit::*;
 
 pub mod cluster;
 pub mod history;
 pub mod load;
+pub mod lua;
 pub mod topology;

@@ -9,9 +9,7 @@
 
 use harness::Redis;
 use redis::Value;
-use region_node::storage::script::{
-    encode, DecideCall, DecideReply, Op, Scope, TierCall, DECIDE_LUA,
-};
+use region_node::storage::script::{encode, DecideCall, DecideReply, Op, Scope, TierCall};
 use tierlimit_shared::algorithm::TierState;
 use tierlimit_shared::config::{Algorithm, Limit};
 
@@ -42,18 +40,10 @@ impl Rng {
 
 #[tokio::test]
 async fn script_matches_the_model() {
-    let fake_clock = "local t = { redis.call('GET', 'fake:s'), redis.call('GET', 'fake:us') }";
-    let source = DECIDE_LUA.replace("local t = redis.call('TIME')", fake_clock);
-    assert_ne!(source, DECIDE_LUA, "the script's clock call was not found");
     let redis = Redis::start();
     let mut con = redis.client().await;
     // Loaded once: FLUSHDB between scenarios keeps the script cache.
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(&source)
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    let sha = harness::lua::load_with_fake_clock(&mut con).await;
 
     let seed: u64 = std::env::var("LUA_MODEL_SEED")
         .ok()

@@ -600,17 +600,10 @@ async fn a_call_past_its_deadline_charges_nothing() {
 /// the hash its TTL; the tier states in it stay.
 #[tokio::test]
 async fn a_new_day_forgets_days_past_retention() {
-    let fake_clock = "local t = { redis.call('GET', 'fake:s'), '0' }";
-    let source = DECIDE_LUA.replace("local t = redis.call('TIME')", fake_clock);
-    assert_ne!(source, DECIDE_LUA, "the script's clock call was not found");
     let redis = Redis::start();
     let mut con = redis.client().await;
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(&source)
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    // Loaded once: FLUSHDB between scenarios keeps the script cache.
+    let sha = harness::lua::load_with_fake_clock(&mut con).await;
     let node = limit(Algorithm::FixedWindow, 100, 60_000, 100);
     let d0 = 20_000u32;
     // TTL 2 days: a day's counter is kept while it is at most 2 days old.

@@ -1,0 +1,20 @@
+//! The decision script on a clock the test sets: `TIME` replaced by two
+//! keys (`fake:s`, `fake:us`), so a test decides at any instant, in any day,
+//! and the Rust model can be compared at the same microsecond.
+
+use region_node::storage::script::DECIDE_LUA;
+
+/// Loads the script with the fake clock into `con`'s server and returns
+/// its SHA (`SCRIPT FLUSH` aside, `FLUSHDB` keeps it).
+pub async fn load_with_fake_clock(con: &mut redis::aio::MultiplexedConnection) -> String {
+    let fake_clock =
+        "local t = { redis.call('GET', 'fake:s'), redis.call('GET', 'fake:us') or '0' }";
+    let source = DECIDE_LUA.replace("local t = redis.call('TIME')", fake_clock);
+    assert_ne!(source, DECIDE_LUA, "the script's clock call was not found");
+    redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(&source)
+        .query_async(con)
+        .await
+        .expect("SCRIPT LOAD")
+}
