@@ -11,6 +11,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -32,6 +33,11 @@ pub struct AppState {
     pub view: Arc<View>,
 }
 
+/// Largest request body accepted. A check or refund is a few hundred bytes;
+/// anything near this is not one, and axum's implicit 2 MB would let every
+/// caller make the node buffer megabytes per request.
+pub const MAX_BODY: usize = 64 * 1024;
+
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/check", post(check_post).get(check_get))
@@ -40,7 +46,45 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
+}
+
+/// The body, or the problem of a body that could not be read (413 past
+/// [`MAX_BODY`]), as problem+json like every other refusal.
+#[allow(clippy::result_large_err)]
+fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Problem> {
+    body.map_err(|e| {
+        let status = e.status();
+        let (slug, title) = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            ("body-too-large", "Request body too large")
+        } else {
+            ("unreadable-body", "Request body could not be read")
+        };
+        Problem::new(
+            status,
+            slug,
+            title,
+            format!("{} (at most {MAX_BODY} bytes)", e.body_text()),
+        )
+    })
+}
+
+/// Query parameters, each at most once: `?tenant=a&tenant=b` would
+/// otherwise charge whichever one a map kept.
+#[allow(clippy::result_large_err)]
+fn unique_query(q: Vec<(String, String)>) -> Result<HashMap<String, String>, Problem> {
+    let mut map = HashMap::with_capacity(q.len());
+    for (k, v) in q {
+        if map.contains_key(&k) {
+            return Err(Problem::bad_field(
+                &k,
+                format!("query parameter {k:?} is given more than once"),
+            ));
+        }
+        map.insert(k, v);
+    }
+    Ok(map)
 }
 
 impl From<DecideError> for Problem {
@@ -180,7 +224,15 @@ fn parse_query(q: &HashMap<String, String>) -> Result<(String, Option<String>, u
     Ok((tenant, q.get("key").cloned(), cost))
 }
 
-async fn check_post(State(s): State<Arc<AppState>>, ct: ContentType, body: Bytes) -> Response {
+async fn check_post(
+    State(s): State<Arc<AppState>>,
+    ct: ContentType,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match read_body(body) {
+        Ok(b) => b,
+        Err(p) => return s.refused(p),
+    };
     match parse_body(&ct, &body) {
         Ok((t, k, c)) => decide(&s, &t, k.as_deref(), c).await,
         Err(p) => s.refused(p),
@@ -191,9 +243,13 @@ async fn check_post(State(s): State<Arc<AppState>>, ct: ContentType, body: Bytes
 /// ext_authz HTTP): 200 allows, 429 denies.
 async fn check_get(
     State(s): State<Arc<AppState>>,
-    Query(q): Query<HashMap<String, String>>,
+    Query(q): Query<Vec<(String, String)>>,
 ) -> Response {
-    match parse_query(&q) {
+    let parsed = match unique_query(q) {
+        Ok(q) => parse_query(&q),
+        Err(p) => Err(p),
+    };
+    match parsed {
         Ok((t, k, c)) => decide(&s, &t, k.as_deref(), c).await,
         Err(p) => s.refused(p),
     }
@@ -210,7 +266,15 @@ async fn decide(s: &AppState, tenant: &str, key: Option<&str>, cost: u64) -> Res
 /// `{"handle": "…"}` (optionally `"cost"`, at most the charge's) gives a
 /// charge back; `{"tenant", "key", "cost"}` is a free-form refund, tied to no
 /// charge (see `node.free_form_refunds`).
-async fn refund(State(s): State<Arc<AppState>>, ct: ContentType, body: Bytes) -> Response {
+async fn refund(
+    State(s): State<Arc<AppState>>,
+    ct: ContentType,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let body = match read_body(body) {
+        Ok(b) => b,
+        Err(p) => return s.refused(p),
+    };
     let handle = match refund_handle(&ct, &body) {
         Ok(h) => h,
         Err(p) => return s.refused(p),
@@ -283,8 +347,12 @@ fn refund_handle(ct: &ContentType, body: &[u8]) -> Result<Option<(String, Option
 async fn tenant_usage(
     State(s): State<Arc<AppState>>,
     Path(tenant): Path<String>,
-    Query(q): Query<HashMap<String, String>>,
+    Query(q): Query<Vec<(String, String)>>,
 ) -> Response {
+    let q = match unique_query(q) {
+        Ok(q) => q,
+        Err(p) => return s.refused(p),
+    };
     match s
         .decider
         .peek(&tenant, q.get("key").map(String::as_str))

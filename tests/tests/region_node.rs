@@ -373,6 +373,33 @@ plan = "p"
     assert_eq!(p["field"], "cost");
     let r = n.http.get(n.url("/v1/check?cost=1")).send().await.unwrap();
     assert_eq!(r.status(), 400);
+    // A parameter given twice is refused, not "the last one wins".
+    let r = n
+        .http
+        .get(n.url("/v1/check?tenant=a:b&tenant=t"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let p: Value = r.json().await.unwrap();
+    assert_eq!(p["field"], "tenant", "{p}");
+    // A body past the limit: 413 as problem+json, on check and refund.
+    let big = format!(r#"{{"tenant":"t","pad":"{}"}}"#, "x".repeat(100 * 1024));
+    for path in ["/v1/check", "/v1/refund"] {
+        let r = n
+            .http
+            .post(n.url(path))
+            .header("content-type", "application/json")
+            .body(big.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 413, "{path}");
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+        let p: Value = r.json().await.unwrap();
+        assert_eq!(p["status"], 413, "{p}");
+    }
     // Nothing was charged by any of it.
     assert_eq!(remaining(&usage(&n, "t").await, "region"), 10);
     // The forward-auth form works for a good request.
