@@ -277,7 +277,7 @@ impl Decider {
         handle: &str,
         cost: Option<u64>,
     ) -> Result<Refunded, DecideError> {
-        let h = self.signer()?.verify(handle)?;
+        let h = self.signer(&self.live.load())?.verify(handle)?;
         let cost = cost.unwrap_or(h.cost).min(h.cost);
         let key = (h.key != keys::WHOLE_TENANT).then_some(h.key.as_str());
         let req = Request {
@@ -338,8 +338,7 @@ impl Decider {
 
     /// The signer of the region's current `node.refund_secret`, rebuilt
     /// only when a reload changed it.
-    fn signer(&self) -> Result<Signer, HandleError> {
-        let cfg = self.live.load();
+    fn signer(&self, cfg: &Loaded) -> Result<Signer, HandleError> {
         let secret = cfg
             .config
             .node
@@ -365,8 +364,7 @@ impl Decider {
         charged_at_ms: i64,
         call: &DecideCall<'_>,
     ) -> Option<String> {
-        cfg.config.node.refund_secret.as_ref()?;
-        let signer = self.signer().ok()?;
+        let signer = self.signer(cfg).ok()?;
         Some(signer.sign(&Handle {
             tenant: d.tenant.clone(),
             key: d.key.clone(),

@@ -166,6 +166,16 @@ type Parsed<'a> = (Cow<'a, str>, Option<Cow<'a, str>>, u64);
 // hot path nothing but add noise to every caller.
 #[allow(clippy::result_large_err)]
 fn parse_body<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Parsed<'a>, Problem> {
+    let b = parse_json(content_type, body)?;
+    if b.handle.is_some() {
+        return Err(Problem::bad_field("handle", "only a refund takes a handle"));
+    }
+    tenant_key_cost(b)
+}
+
+/// A JSON body of check or refund: the content type, then the JSON.
+#[allow(clippy::result_large_err)]
+fn parse_json<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Body<'a>, Problem> {
     let ct = content_type
         .0
         .as_ref()
@@ -180,17 +190,20 @@ fn parse_body<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Parsed<'
             format!("expected Content-Type: application/json, got {ct:?}"),
         ));
     }
-    let b: Body = serde_json::from_slice(body).map_err(|e| {
+    serde_json::from_slice(body).map_err(|e| {
         Problem::new(
             StatusCode::BAD_REQUEST,
             "invalid-json",
             "Invalid JSON body",
             e.to_string(),
         )
-    })?;
-    if b.handle.is_some() {
-        return Err(Problem::bad_field("handle", "only a refund takes a handle"));
-    }
+    })
+}
+
+/// Tenant (required), key and cost (default 1) of a body that names no
+/// handle.
+#[allow(clippy::result_large_err)]
+fn tenant_key_cost(b: Body<'_>) -> Result<Parsed<'_>, Problem> {
     let tenant = b
         .tenant
         .ok_or_else(|| Problem::bad_field("tenant", "tenant is required"))?;
@@ -275,14 +288,21 @@ async fn refund(
         Ok(b) => b,
         Err(p) => return s.refused(p),
     };
-    let handle = match refund_handle(&ct, &body) {
-        Ok(h) => h,
+    let b = match parse_json(&ct, &body) {
+        Ok(b) => b,
         Err(p) => return s.refused(p),
     };
-    let result = match handle {
-        Some((handle, cost)) => s.decider.refund_handle(&handle, cost).await,
+    let result = match b.handle {
+        // The handle names the tenant and key: one beside it is refused.
+        Some(_) if b.tenant.is_some() || b.key.is_some() => {
+            return s.refused(Problem::bad_field(
+                "handle",
+                "a refund by handle names no tenant or key: the handle does",
+            ))
+        }
+        Some(ref handle) => s.decider.refund_handle(handle, b.cost).await,
         None => {
-            let (tenant, key, cost) = match parse_body(&ct, &body) {
+            let (tenant, key, cost) = match tenant_key_cost(b) {
                 Ok(v) => v,
                 Err(p) => return s.refused(p),
             };
@@ -310,37 +330,6 @@ async fn refund(
             resp
         }
         Err(e) => s.refused(e.into()),
-    }
-}
-
-/// The handle (and optional cost) of a refund by handle; `None` for a
-/// free-form refund. A handle with a tenant or key beside it is refused:
-/// the handle names them.
-#[allow(clippy::result_large_err)]
-fn refund_handle(ct: &ContentType, body: &[u8]) -> Result<Option<(String, Option<u64>)>, Problem> {
-    let ok_type =
-        ct.0.as_ref()
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| {
-                v.split(';')
-                    .next()
-                    .unwrap_or("")
-                    .trim()
-                    .eq_ignore_ascii_case("application/json")
-            });
-    if !ok_type {
-        return Ok(None);
-    }
-    let Ok(b) = serde_json::from_slice::<Body>(body) else {
-        return Ok(None);
-    };
-    match b.handle {
-        None => Ok(None),
-        Some(_) if b.tenant.is_some() || b.key.is_some() => Err(Problem::bad_field(
-            "handle",
-            "a refund by handle names no tenant or key: the handle does",
-        )),
-        Some(h) => Ok(Some((h.into_owned(), b.cost))),
     }
 }
 
