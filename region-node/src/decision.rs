@@ -31,6 +31,7 @@ use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
 use crate::metrics::Metrics;
+use crate::newcomers::{Newcomers, Refusal, Refused};
 use crate::refund::{Handle, HandleError, Signer};
 use crate::storage::{
     CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, Op, Scope, StoreError, TierCall,
@@ -161,6 +162,10 @@ pub enum DecideError {
     Handle(#[from] HandleError),
     #[error("refunds must name a refund handle on this region (node.free_form_refunds = false)")]
     FreeFormRefund,
+    /// An unknown tenant's first sight today, refused by the region's
+    /// newcomer gate: nothing was charged.
+    #[error("the region admits no more new tenants {}; retry in {} ms", match .0.reason { Refusal::Rate => "this second (unknown_tenants.max_new_per_second)", Refusal::Day => "today (unknown_tenants.max_per_day)" }, .0.retry_after_ms)]
+    Newcomer(Refused),
 }
 
 /// A parsed check or refund request.
@@ -190,6 +195,8 @@ pub struct Decider {
     counters: [OnceLock<IntCounter>; 32],
     /// The refund-handle signer and the secret it was built from.
     signer: arc_swap::ArcSwapOption<(String, Signer)>,
+    /// The region's gate for tenants the configuration does not name.
+    newcomers: Option<Newcomers>,
 }
 
 impl Decider {
@@ -212,6 +219,31 @@ impl Decider {
             metrics,
             counters: std::array::from_fn(|_| OnceLock::new()),
             signer: arc_swap::ArcSwapOption::empty(),
+            newcomers: None,
+        }
+    }
+
+    /// Puts unknown tenants behind the region's newcomer gate.
+    pub fn with_newcomers(mut self, gate: Newcomers) -> Decider {
+        self.newcomers = Some(gate);
+        self
+    }
+
+    /// An unknown tenant's first sight today passes the newcomer gate;
+    /// configured tenants never reach it.
+    async fn admit_newcomer(
+        &self,
+        cfg: &Loaded,
+        tenant: &str,
+        today: u32,
+        now: u64,
+    ) -> Result<(), DecideError> {
+        match &self.newcomers {
+            Some(gate) if cfg.is_unknown(tenant) => gate
+                .admit(tenant, today, now, &cfg.config.unknown_tenants)
+                .await
+                .map_err(DecideError::Newcomer),
+            _ => Ok(()),
         }
     }
 
@@ -225,6 +257,7 @@ impl Decider {
         let (cfg, policy, key) = self.resolve(&req)?;
         let now = now_ms();
         let today = day::of_unix_secs(now / 1000);
+        self.admit_newcomer(&cfg, req.tenant, today, now).await?;
 
         // 1. Global fast path: known over the daily limit, no Redis needed.
         if let Some(limit) = policy.global {

@@ -106,6 +106,17 @@ impl From<DecideError> for Problem {
                 e.to_string(),
             )
             .with("tenant", t.clone()),
+            DecideError::Newcomer(r) => {
+                let secs = r.retry_after_ms.div_ceil(1000).max(1);
+                Problem::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "newcomer-refused",
+                    "The region admits no more new tenants for now",
+                    e.to_string(),
+                )
+                .with("violated-policy", r.reason.name())
+                .with_header(header::RETRY_AFTER, HeaderValue::from(secs))
+            }
             DecideError::Unavailable => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",

@@ -9,6 +9,8 @@
 //!   checks) and the typed interface of the Lua scripts;
 //! - [`local`]: the in-process `local` fail mode (a store too);
 //! - [`view`] and [`follower`]: the broadcast view of global totals;
+//! - [`newcomers`]: the region's gate for tenants the configuration does
+//!   not name (how many new ones a second and a day);
 //! - [`publisher`]: dirty set → deltas topic;
 //! - [`http`]: the axum API; [`metrics`]: Prometheus.
 
@@ -18,6 +20,7 @@ pub mod http;
 pub mod legacy;
 pub mod local;
 pub mod metrics;
+pub mod newcomers;
 pub mod publisher;
 pub mod refund;
 pub mod storage;
@@ -109,6 +112,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         Arc::clone(&metrics),
     ));
 
+    let newcomers = newcomers::Newcomers::new(Arc::clone(&store), Arc::clone(&metrics));
     let decider = decision::Decider::new(
         live,
         store,
@@ -117,7 +121,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         settings.region.clone(),
         settings.node_id.clone(),
         Arc::clone(&metrics),
-    );
+    )
+    .with_newcomers(newcomers);
     let app = http::router(Arc::new(http::AppState {
         decider,
         metrics,

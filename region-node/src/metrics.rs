@@ -24,6 +24,10 @@ pub struct Metrics {
     /// runs anyway (`--allow-eviction`).
     pub eviction_allowed: IntGauge,
     pub refunds: IntCounterVec,
+    /// First sights of unknown tenants at the newcomer gate, by outcome.
+    pub newcomers: IntCounterVec,
+    /// Unknown tenants this node remembers as admitted today.
+    pub newcomers_cached: IntGauge,
     pub bad_requests: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub deltas_produced: IntCounter,
@@ -139,6 +143,25 @@ impl Metrics {
                         "Refunds by kind: handle (named a charge), duplicate (a handle used already: nothing given back), free_form (named no charge)",
                     ),
                     &["kind"],
+                )
+                .unwrap(),
+            ),
+            newcomers: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_newcomers_total",
+                        "Unknown tenants at the region's newcomer gate, by outcome: admitted (first sight today in the region), known (admitted earlier by another node), refused_rate (unknown_tenants.max_new_per_second spent), refused_day (unknown_tenants.max_per_day spent), unchecked (Redis unavailable: left to the plan's fail mode)",
+                    ),
+                    &["outcome"],
+                )
+                .unwrap(),
+            ),
+            newcomers_cached: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_newcomers_cached",
+                    "Unknown tenants this node remembers as admitted today (at most unknown_tenants.max_per_day)",
                 )
                 .unwrap(),
             ),

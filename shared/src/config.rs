@@ -406,6 +406,25 @@ pub struct UnknownTenants {
     pub policy: UnknownPolicy,
     /// Plan for unknown tenants when `policy = "plan"`.
     pub plan: Option<String>,
+    /// How many tenants the region admits for the first time per second,
+    /// across all its nodes (a 1 s window in the region's Redis). A caller
+    /// inventing ids can make the region pay for at most this many new
+    /// tenants a second; known and already-admitted tenants never wait.
+    #[serde(default = "default_new_per_second")]
+    pub max_new_per_second: u64,
+    /// How many unknown tenants the region admits per UTC day, across all
+    /// its nodes. Together with the counter TTL this bounds what unknown
+    /// tenants can cost in Redis, on Kafka and in every view.
+    #[serde(default = "default_unknown_per_day")]
+    pub max_per_day: u64,
+}
+
+fn default_new_per_second() -> u64 {
+    100
+}
+
+fn default_unknown_per_day() -> u64 {
+    100_000
 }
 
 impl Default for UnknownTenants {
@@ -413,6 +432,8 @@ impl Default for UnknownTenants {
         UnknownTenants {
             policy: UnknownPolicy::Deny,
             plan: None,
+            max_new_per_second: default_new_per_second(),
+            max_per_day: default_unknown_per_day(),
         }
     }
 }
@@ -503,6 +524,13 @@ impl Loaded {
     /// Policies of every configured tenant and of unknown tenants.
     pub fn policies(&self) -> impl Iterator<Item = (&str, &Arc<Policy>)> {
         self.tenants.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// True when `tenant` is not configured: it runs under
+    /// `unknown_tenants` (or is refused) and its first sight of the day
+    /// passes the region's newcomer gate.
+    pub fn is_unknown(&self, tenant: &str) -> bool {
+        !self.tenants.contains_key(tenant)
     }
 
     pub fn unknown_policy(&self) -> Option<&Arc<Policy>> {
@@ -648,6 +676,23 @@ impl Config {
             }
             check_policy(&at, &policy)?;
             tenants.insert(id.clone(), Arc::new(policy));
+        }
+        for (key, v) in [
+            (
+                "unknown_tenants.max_new_per_second",
+                self.unknown_tenants.max_new_per_second,
+            ),
+            (
+                "unknown_tenants.max_per_day",
+                self.unknown_tenants.max_per_day,
+            ),
+        ] {
+            if v == 0 || v > MAX_LIMIT {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("must be between 1 and {MAX_LIMIT}"),
+                ));
+            }
         }
         let unknown = match (self.unknown_tenants.policy, &self.unknown_tenants.plan) {
             (UnknownPolicy::Deny, _) => None,

@@ -102,6 +102,18 @@ pub fn refund_record(tenant: &str, day: u32) -> String {
     format!("{}:rf:{day}", tenant_hash(tenant))
 }
 
+/// The set of unknown tenants the region admitted on `day` (the newcomer
+/// gate, `newcomer.lua`). In bucket 0 with the gate's rate counter, so one
+/// script call on one slot sees both.
+pub fn newcomers(day: u32) -> String {
+    format!("tl:{{{}}}:nt:{day}", bucket_tag(0))
+}
+
+/// The region's one-second counter of newly admitted unknown tenants.
+pub fn newcomer_rate() -> String {
+    format!("tl:{{{}}}:nt:rate", bucket_tag(0))
+}
+
 /// Field-name prefix of the PN counter of `day` in the tenant hash.
 pub fn day_prefix(day: u32) -> String {
     format!("g:{day}:")

@@ -304,6 +304,11 @@ fn wrong_types_and_enum_values_are_named() {
         "unknown variant `allow`",
     );
     refused(
+        &with(&["unknown_tenants", "max_per_day"], toml::Value::Integer(0)),
+        "unknown_tenants.max_per_day",
+        "must be between 1",
+    );
+    refused(
         &with(&["plans", "free", "key_scoped"], s("yes")),
         "plans.free.key_scoped",
         "invalid type",

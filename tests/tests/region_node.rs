@@ -901,3 +901,200 @@ plan = "p"
     assert_eq!(remaining(&u, "node"), node_before + 2 - 1);
     assert_eq!(spent(&u), 1);
 }
+
+/// Checks `ids` fresh tenant ids over `nodes` from 16 clients; returns the
+/// ids that were allowed and the refusals' `violated-policy` values.
+async fn flood(nodes: &[Arc<RegionNode>], prefix: &str, ids: usize) -> (Vec<String>, Vec<String>) {
+    let clients = 16;
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let node = Arc::clone(&nodes[c % nodes.len()]);
+        let prefix = prefix.to_string();
+        tasks.push(tokio::spawn(async move {
+            let (mut allowed, mut refused) = (Vec::new(), Vec::new());
+            for i in (c..ids).step_by(clients) {
+                let tenant = format!("{prefix}-{i}");
+                let r = node
+                    .http
+                    .post(node.url("/v1/check"))
+                    .json(&json!({ "tenant": tenant, "cost": 1 }))
+                    .send()
+                    .await
+                    .expect("check request");
+                match r.status().as_u16() {
+                    200 => allowed.push(tenant),
+                    429 => {
+                        let retry: u64 = r.headers()["retry-after"]
+                            .to_str()
+                            .unwrap()
+                            .parse()
+                            .unwrap();
+                        assert!(retry >= 1, "Retry-After {retry}");
+                        let ct = r.headers()["content-type"].to_str().unwrap().to_string();
+                        assert_eq!(ct, "application/problem+json");
+                        let body: Value = r.json().await.unwrap();
+                        assert!(
+                            body["type"]
+                                .as_str()
+                                .unwrap()
+                                .ends_with("/newcomer-refused"),
+                            "{body}"
+                        );
+                        refused.push(body["violated-policy"].as_str().unwrap().to_string());
+                    }
+                    s => panic!("unexpected status {s}"),
+                }
+            }
+            (allowed, refused)
+        }));
+    }
+    let (mut allowed, mut refused) = (Vec::new(), Vec::new());
+    for t in tasks {
+        let (a, r) = t.await.unwrap();
+        allowed.extend(a);
+        refused.extend(r);
+    }
+    (allowed, refused)
+}
+
+/// A region whose unknown tenants get plan `free` under the newcomer
+/// limits `gate`, and one configured tenant, `known`.
+fn newcomer_config(redis: &Redis, gate: &str) -> String {
+    config(redis, "").replace(
+        "[unknown_tenants]\npolicy = \"deny\"",
+        &format!(
+            "[plans.free]\nregion = {{ limit = 5, window = \"1h\" }}\n\
+             [tenants.known]\nplan = \"free\"\n\
+             [unknown_tenants]\npolicy = \"plan\"\nplan = \"free\"\n{gate}"
+        ),
+    )
+}
+
+/// Keys of tenant hashes in the region's Redis (`tl:{bucket}:t:<tenant>`).
+async fn tenant_hashes(redis: &Redis) -> usize {
+    let mut c = redis.client().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("tl:*:t:*")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    keys.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_of_invented_tenants_is_bounded_per_region() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    // The day's quota (60) is shared by both nodes; the rate quota is out
+    // of the way here.
+    let cfg = write_config(
+        dir.path(),
+        &newcomer_config(&redis, "max_new_per_second = 100000\nmax_per_day = 60"),
+    );
+    let a = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
+    let b = Arc::new(RegionNode::start(&cfg, "eu", "b").await);
+    let rss_before = harness::rss_kib(a.proc.pid()).unwrap();
+
+    let known_before = check(&a, "known", 1).await.0;
+    let (allowed, refused) = flood(&[Arc::clone(&a), Arc::clone(&b)], "inv", 3000).await;
+    assert_eq!(
+        allowed.len(),
+        60,
+        "exactly the region's day quota, across both nodes"
+    );
+    assert_eq!(refused.len(), 3000 - 60);
+    assert!(
+        refused.iter().all(|r| r == "refused_day"),
+        "{:?}",
+        &refused[..3]
+    );
+    // What the flood left in Redis: one hash per admitted tenant, no more.
+    assert_eq!(tenant_hashes(&redis).await, 60 + 1);
+    let mut c = redis.client().await;
+    let today = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        / 86_400) as u32;
+    let admitted: usize = redis::cmd("SCARD")
+        .arg(tierlimit_shared::keys::newcomers(today))
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(admitted, 60);
+    // What one admitted newcomer costs Redis (README states the bound).
+    let hash = tierlimit_shared::keys::tenant_hash(&allowed[0]);
+    let bytes: u64 = redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(&hash)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert!(bytes <= 512, "{hash} takes {bytes} bytes");
+
+    // Known tenants never meet the gate; admitted newcomers keep working
+    // on the node that did not admit them.
+    assert_eq!(known_before, 200);
+    assert_eq!(check(&b, "known", 1).await.0, 200);
+    for t in allowed.iter().take(5) {
+        assert_eq!(check(&a, t, 1).await.0, 200, "{t} on a");
+        assert_eq!(check(&b, t, 1).await.0, 200, "{t} on b");
+    }
+    let ta = harness::get_text(&a.http, &a.url("/metrics")).await;
+    let tb = harness::get_text(&b.http, &b.url("/metrics")).await;
+    let admitted_metric = |t: &str| {
+        harness::metric_sample(t, "tierlimit_newcomers_total{outcome=\"admitted\"}").unwrap_or(0.0)
+    };
+    assert_eq!(admitted_metric(&ta) + admitted_metric(&tb), 60.0);
+    // Once a node found the day full it holds the region's whole set and
+    // refuses fresh ids from memory: the 2 940 refusals cost far fewer
+    // gate calls than requests.
+    for t in [&ta, &tb] {
+        assert_eq!(harness::metric_value(t, "tierlimit_newcomers_cached"), 60.0);
+    }
+    let calls = |t: &str| {
+        harness::metric_sample(t, "tierlimit_redis_seconds_count{op=\"newcomer\"}").unwrap_or(0.0)
+    };
+    let gate_calls = calls(&ta) + calls(&tb);
+    assert!(
+        gate_calls < 400.0,
+        "{gate_calls} gate calls for 3000 newcomers"
+    );
+    let rss_after = harness::rss_kib(a.proc.pid()).unwrap();
+    assert!(
+        rss_after < rss_before + 16 * 1024,
+        "node RSS grew from {rss_before} KiB to {rss_after} KiB"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn new_tenants_are_admitted_at_most_max_new_per_second() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &newcomer_config(&redis, "max_new_per_second = 20"),
+    );
+    let a = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
+    let b = Arc::new(RegionNode::start(&cfg, "eu", "b").await);
+    let started = std::time::Instant::now();
+    let (allowed, refused) = flood(&[Arc::clone(&a), Arc::clone(&b)], "rate", 1500).await;
+    let secs = started.elapsed().as_secs_f64();
+    // Each 1 s window of the region admits at most 20, whichever node asks.
+    let windows = secs.ceil() + 1.0;
+    assert!(
+        allowed.len() as f64 <= 20.0 * windows,
+        "{} admitted in {secs:.1} s",
+        allowed.len()
+    );
+    assert!(allowed.len() >= 20, "the first window admits its 20");
+    assert!(refused.iter().all(|r| r == "refused_rate"));
+    // A tenant refused for the rate gets in once the second is over.
+    let late = "rate-late";
+    wait_until(
+        "a new second admits newcomers again",
+        Duration::from_secs(5),
+        || async { check(&a, late, 1).await.0 == 200 },
+    )
+    .await;
+}

@@ -335,6 +335,20 @@ impl RedisStore {
         self.call_timed(op, None, self.send(slot, &cmd)).await
     }
 
+    /// An `EVALSHA` (`cmd`, keys all in `slot`) of a script other than the
+    /// decision script, loading `source` on NOSCRIPT, under the same timeout
+    /// and breaker as decisions.
+    pub async fn run_script(
+        &self,
+        op: &'static str,
+        slot: u16,
+        cmd: &redis::Cmd,
+        source: &'static str,
+    ) -> Result<Value, StoreError> {
+        self.call_timed(op, None, self.evalsha(slot, cmd, source))
+            .await
+    }
+
     /// A pipeline whose keys are all in `slot`, under the same timeout and
     /// breaker. Only for commands safe to repeat (see
     /// [`ClusterRouter::pipeline`]).
