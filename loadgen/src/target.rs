@@ -253,6 +253,7 @@ impl ScriptCall {
             counter_ttl_secs: self.ttl_s,
             relaxed_ms: 2000,
             refund: None,
+            lease: None,
         };
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(sha);

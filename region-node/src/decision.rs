@@ -22,19 +22,21 @@ use prometheus::IntCounter;
 use serde::Serialize;
 use thiserror::Error;
 
-use tierlimit_shared::config::{Limit, Loaded, Policy, StoreErrorMode, MAX_LIMIT};
+use tierlimit_shared::config::{Algorithm, Limit, Loaded, Policy, StoreErrorMode, MAX_LIMIT};
 use tierlimit_shared::day::SECS_PER_DAY;
 use tierlimit_shared::messages::now_ms;
 use tierlimit_shared::reload::Live;
 use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
+use crate::lease::{Leases, Leftover, Take};
 use crate::local::Local;
 use crate::metrics::Metrics;
 use crate::newcomers::{Newcomers, Refusal, Refused};
 use crate::refund::{Handle, HandleError, Signer};
 use crate::storage::{
-    CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, Op, Scope, StoreError, TierCall,
+    CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, Scope, StoreError,
+    TierCall,
 };
 use crate::view::View;
 
@@ -71,6 +73,9 @@ pub enum Mode {
     Local,
     /// Redis unreachable; allowed unchecked (`on_store_error = "open"`).
     Open,
+    /// Allowed from a lease this node holds: units an earlier decision
+    /// charged in Redis for it (see [`crate::lease`]).
+    Lease,
 }
 
 impl Mode {
@@ -80,6 +85,7 @@ impl Mode {
             Mode::View => "view",
             Mode::Local => "local",
             Mode::Open => "open",
+            Mode::Lease => "lease",
         }
     }
 }
@@ -192,11 +198,15 @@ pub struct Decider {
     /// Children of `tierlimit_decisions_total` by (tier, outcome, mode),
     /// resolved on first use: `with_label_values` hashes the labels and
     /// takes a lock on every call.
-    counters: [OnceLock<IntCounter>; 32],
+    counters: [OnceLock<IntCounter>; 40],
     /// The refund-handle signer and the secret it was built from.
     signer: arc_swap::ArcSwapOption<(String, Signer)>,
     /// The region's gate for tenants the configuration does not name.
     newcomers: Option<Newcomers>,
+    /// Units this node holds in leases, and what expired or replaced
+    /// leases left to give back.
+    leases: Leases,
+    leftovers: std::sync::Mutex<Vec<Leftover>>,
 }
 
 impl Decider {
@@ -220,6 +230,8 @@ impl Decider {
             counters: std::array::from_fn(|_| OnceLock::new()),
             signer: arc_swap::ArcSwapOption::empty(),
             newcomers: None,
+            leases: Leases::default(),
+            leftovers: std::sync::Mutex::default(),
         }
     }
 
@@ -268,10 +280,52 @@ impl Decider {
             }
         }
 
-        // 2. One round trip: every tier checked and charged atomically.
+        // 2. A lease this node holds: units charged in Redis already.
         let epoch = new_epoch();
-        let call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
-        let decision = match self.store.decide(&call).await {
+        let lease_max = cfg.config.node.lease_max;
+        let mut ask = false;
+        if lease_max > 0 && leasable(&policy) {
+            match self
+                .leases
+                .take(req.tenant, key, req.cost, Instant::now(), now)
+            {
+                Take::Leased(r, from) => {
+                    let call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
+                    let mut d = self.reply_decision(&req, &policy, key, *r, Mode::Lease, &call);
+                    d.refund_handle = self.sign_handle(&cfg, &d, from.charged_at_ms as i64, &call);
+                    return Ok(self.record(d, started));
+                }
+                Take::Redis { ask: a } => ask = a,
+            }
+        }
+
+        // 3. One round trip: every tier checked and charged atomically
+        // (and a lease taken, when asked for).
+        let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
+        if ask {
+            call.lease = Some(LeaseAsk {
+                max: lease_max,
+                share: 2 * u64::from(call.expected_nodes.max(1)),
+            });
+        }
+        let sent = Instant::now();
+        let result = self.store.decide(&call).await;
+        if ask {
+            let id = lease_id(call.epoch_candidate);
+            if let Ok(r) = &result {
+                self.metrics
+                    .lease_units
+                    .with_label_values(&["granted"])
+                    .inc_by(r.granted);
+            }
+            if let Some(left) = self
+                .leases
+                .settle(req.tenant, key, result.as_ref().ok(), sent, &id)
+            {
+                self.leftovers.lock().expect("leftovers").push(left);
+            }
+        }
+        let decision = match result {
             Ok(r) => {
                 let charged_at = r.now_ms;
                 let mut d = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
@@ -280,7 +334,7 @@ impl Decider {
                 }
                 d
             }
-            // 3. Redis unavailable: the plan's fail mode.
+            // 4. Redis unavailable: the plan's fail mode.
             Err(e) => self.fail_mode(&req, &policy, key, &call, e)?,
         };
         Ok(self.record(decision, started))
@@ -367,6 +421,41 @@ impl Decider {
                 })
             }
         }
+    }
+
+    /// Gives back the unused part of expired and replaced leases: to the
+    /// day's global count (same day only) and to the windows the lease was
+    /// charged in while they are current, never into a later window. Run
+    /// by the node every few hundred ms (`lib.rs`).
+    pub async fn return_leases(&self) {
+        let mut due = self.leases.expire(Instant::now());
+        due.append(&mut self.leftovers.lock().expect("leftovers"));
+        for l in due {
+            let key = (l.key != keys::WHOLE_TENANT).then_some(l.key.as_str());
+            let req = Request {
+                tenant: &l.tenant,
+                key,
+                cost: l.units,
+            };
+            let of = crate::storage::script::RefundOf {
+                id: l.id,
+                charged_at_ms: l.charged_at_ms,
+            };
+            let outcome = match self.refund_call(req, Some(of), "lease").await {
+                Ok(_) => "returned",
+                Err(e) => {
+                    tracing::warn!(tenant = l.tenant, units = l.units, error = %e, "lease not returned");
+                    "unreturned"
+                }
+            };
+            self.metrics
+                .lease_units
+                .with_label_values(&[outcome])
+                .inc_by(l.units);
+        }
+        self.metrics
+            .lease_outstanding
+            .set(self.leases.outstanding() as i64);
     }
 
     /// The signer of the region's current `node.refund_secret`, rebuilt
@@ -558,6 +647,7 @@ impl Decider {
             counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY,
             relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
             refund: None,
+            lease: None,
         }
     }
 
@@ -717,7 +807,7 @@ impl Decider {
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
         let tier = d.denied_by.map_or(0, |t| t as usize + 1);
-        let slot = tier * 8 + usize::from(!d.allowed) * 4 + d.mode as usize;
+        let slot = tier * 10 + usize::from(!d.allowed) * 5 + d.mode as usize;
         self.counters[slot]
             .get_or_init(|| {
                 let tier = d.denied_by.map_or("none", Tier::name);
@@ -729,6 +819,25 @@ impl Decider {
             .inc();
         d
     }
+}
+
+/// Whether a policy's checks may take leases: it has windowed tiers, all
+/// fixed or sliding windows (the script grants nothing otherwise).
+fn leasable(p: &Policy) -> bool {
+    let tiers = [p.node.as_ref(), p.region.as_ref()];
+    tiers.iter().any(Option::is_some)
+        && tiers.iter().flatten().all(|l| {
+            matches!(
+                l.algorithm,
+                Algorithm::FixedWindow | Algorithm::SlidingWindow
+            )
+        })
+}
+
+/// The refund-record id of a lease's return: distinct from the id a refund
+/// handle of the same charge carries (the call's epoch candidate).
+fn lease_id(epoch_candidate: &str) -> String {
+    format!("{epoch_candidate}:lease")
 }
 
 fn status(tier: Tier, l: &Limit, remaining: u64, reset_ms: u64) -> TierStatus {

@@ -8,6 +8,7 @@
 //!   (standalone or behind Sentinel, the circuit breaker, start-up safety
 //!   checks) and the typed interface of the Lua scripts;
 //! - [`local`]: the in-process `local` fail mode (a store too);
+//! - [`lease`]: budget charged in Redis ahead and spent in process;
 //! - [`view`] and [`follower`]: the broadcast view of global totals;
 //! - [`newcomers`]: the region's gate for tenants the configuration does
 //!   not name (how many new ones a second and a day);
@@ -17,6 +18,7 @@
 pub mod decision;
 pub mod follower;
 pub mod http;
+pub mod lease;
 pub mod legacy;
 pub mod local;
 pub mod metrics;
@@ -123,11 +125,23 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         Arc::clone(&metrics),
     )
     .with_newcomers(newcomers);
-    let app = http::router(Arc::new(http::AppState {
+    let state = Arc::new(http::AppState {
         decider,
         metrics,
         view,
-    }));
+    });
+    {
+        // The unused part of expired and replaced leases goes back.
+        let state = Arc::clone(&state);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
+            loop {
+                tick.tick().await;
+                state.decider.return_leases().await;
+            }
+        });
+    }
+    let app = http::router(state);
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
         .with_context(|| format!("binding {}", settings.listen))?;

@@ -173,6 +173,7 @@ impl Local {
             raised: 0,
             refunded: 0,
             duplicate: false,
+            granted: 0,
         };
         match call.op {
             Op::Refund => {

@@ -28,6 +28,10 @@ pub struct Metrics {
     pub newcomers: IntCounterVec,
     /// Unknown tenants this node remembers as admitted today.
     pub newcomers_cached: IntGauge,
+    /// Lease units by event: granted, returned, unreturned.
+    pub lease_units: IntCounterVec,
+    /// Units held in this node's live leases.
+    pub lease_outstanding: IntGauge,
     pub bad_requests: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub deltas_produced: IntCounter,
@@ -154,6 +158,25 @@ impl Metrics {
                         "Unknown tenants at the region's newcomer gate, by outcome: admitted (first sight today in the region), known (admitted earlier by another node), refused_rate (unknown_tenants.max_new_per_second spent), refused_day (unknown_tenants.max_per_day spent), unchecked (Redis unavailable: left to the plan's fail mode)",
                     ),
                     &["outcome"],
+                )
+                .unwrap(),
+            ),
+            lease_units: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_lease_units_total",
+                        "Lease units by event: granted (charged in Redis for this node to spend in process), returned (unused at the lease's end, given back), unreturned (unused, could not be given back: stays charged)",
+                    ),
+                    &["event"],
+                )
+                .unwrap(),
+            ),
+            lease_outstanding: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_lease_outstanding_units",
+                    "Units held in this node's live leases (charged in Redis, not yet spent)",
                 )
                 .unwrap(),
             ),

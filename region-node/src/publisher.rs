@@ -476,6 +476,7 @@ impl Publisher {
                 * tierlimit_shared::day::SECS_PER_DAY,
             relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
             refund: None,
+            lease: None,
         };
         self.store.decide(&call).await.map(|_| ())
     }

@@ -163,6 +163,12 @@ pub struct NodeSettings {
     /// (tenant, key, cost), tied to no charge. Each one is logged and
     /// counted (`tierlimit_refunds_total{kind="free_form"}`).
     pub free_form_refunds: bool,
+    /// Leases (region-node's `lease.rs`): an allowed check may also charge
+    /// up to this many more units, which the node then spends in process
+    /// until the first of the tiers' windows ends. 0 = no leases: every
+    /// decision goes to Redis. Only plans whose windowed tiers are all
+    /// fixed or sliding windows lease.
+    pub lease_max: u64,
 }
 
 impl NodeSettings {
@@ -186,6 +192,7 @@ impl Default for NodeSettings {
             urgent_fraction: 0.5,
             refund_secret: None,
             free_form_refunds: true,
+            lease_max: 0,
         }
     }
 }
@@ -794,6 +801,12 @@ impl Config {
                 Ok(())
             }
         };
+        if n.lease_max > 1_000_000 {
+            return Err(ConfigError::invalid(
+                "node.lease_max",
+                "must be at most 1000000 (0 turns leases off)",
+            ));
+        }
         let ms = Duration::from_millis;
         range("node.flush_interval", n.flush_interval, ms(10), ms(60_000))?;
         range("node.store_timeout", n.store_timeout, ms(1), ms(10_000))?;

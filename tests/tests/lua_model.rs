@@ -144,6 +144,7 @@ async fn script_matches_the_model() {
                 counter_ttl_secs: 100_000,
                 relaxed_ms: 2000,
                 refund: None,
+                lease: None,
             };
             let mut cmd = redis::cmd("EVALSHA");
             cmd.arg(&sha);

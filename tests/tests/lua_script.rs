@@ -5,8 +5,8 @@
 use harness::Redis;
 use redis::Value;
 use region_node::storage::script::{
-    encode, DecideCall, DecideReply, Denied, GlobalArgs, Op, RefundOf, ReplyError, Scope, TierCall,
-    DECIDE_LUA,
+    encode, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, RefundOf, ReplyError, Scope,
+    TierCall, DECIDE_LUA,
 };
 use tierlimit_shared::config::{Algorithm, Limit};
 use tierlimit_shared::keys;
@@ -61,6 +61,7 @@ fn check(tenant: &str, cost: u64) -> DecideCall<'_> {
         counter_ttl_secs: 86400 * 3,
         relaxed_ms: 2000,
         refund: None,
+        lease: None,
     }
 }
 
@@ -657,4 +658,67 @@ async fn a_new_day_forgets_days_past_retention() {
         fields.iter().any(|f| f.starts_with("n:n1:_:1:")),
         "{fields:?}"
     );
+}
+
+#[tokio::test]
+async fn a_lease_takes_a_share_of_what_is_left_and_nothing_near_the_limit() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let region = limit(Algorithm::FixedWindow, 100, 3_600_000, 100);
+    let node = limit(Algorithm::SlidingWindow, 1000, 3_600_000, 1000);
+    let ask = Some(LeaseAsk { max: 30, share: 4 });
+    let leased = |cost| {
+        let mut c = check("t", cost);
+        c.tiers = vec![
+            tier(Scope::Node, &node, cost),
+            tier(Scope::Region, &region, cost),
+        ];
+        c.global = global(1000);
+        c.lease = ask;
+        c
+    };
+    // 100 left: the request takes 1, the lease min(30, 99 / 4) = 24; every
+    // tier and the day's count are charged 25.
+    let r = decide(&mut con, &leased(1)).await;
+    assert!(r.allowed);
+    assert_eq!(r.granted, 24);
+    assert_eq!((r.tiers[1].remaining, r.own_p), (75, 25));
+    assert_eq!(r.tiers[0].remaining, 975);
+    assert_eq!(r.global_remaining, Some(975));
+    // 75 left → 18; 56 → 13; … the lease shrinks with what is left.
+    let mut left = 75;
+    while left > 4 {
+        let r = decide(&mut con, &leased(1)).await;
+        let want = ((left - 1) / 4).min(30);
+        assert_eq!(r.granted, want, "with {left} left");
+        left -= 1 + want;
+        assert_eq!(r.tiers[1].remaining, left);
+    }
+    // Near the limit (fewer than `share` left after the request): single
+    // decisions, until the tier denies and nothing more is granted.
+    while left > 0 {
+        let r = decide(&mut con, &leased(1)).await;
+        assert_eq!((r.allowed, r.granted), (true, 0), "with {left} left");
+        left -= 1;
+    }
+    let r = decide(&mut con, &leased(1)).await;
+    assert_eq!((r.allowed, r.granted), (false, 0));
+    assert_eq!(counter(&mut con, "t", today()).await.1, Some(100));
+
+    // The global budget bounds a lease as much as a tier does.
+    let mut c = leased(1);
+    c.tenant = "g";
+    c.global = global(9);
+    let r = decide(&mut con, &c).await;
+    assert_eq!((r.granted, r.global_remaining), (2, Some(6)));
+
+    // GCRA and the exact log keep no window a lease could die with.
+    for alg in [Algorithm::TokenBucket, Algorithm::SlidingLog] {
+        let l = limit(alg, 100, 3_600_000, 100);
+        let mut c = check("other", 1);
+        c.tiers = vec![tier(Scope::Region, &l, 1)];
+        c.lease = ask;
+        let r = decide(&mut con, &c).await;
+        assert_eq!((r.allowed, r.granted), (true, 0), "{alg:?}");
+    }
 }

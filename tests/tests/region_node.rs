@@ -1098,3 +1098,114 @@ async fn new_tenants_are_admitted_at_most_max_new_per_second() {
     )
     .await;
 }
+
+/// A region of three nodes with leases of up to `lease_max` units.
+fn lease_config(redis: &Redis, lease_max: u64, plans: &str) -> String {
+    config(redis, plans).replace("[node]\n", &format!("[node]\nlease_max = {lease_max}\n"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_stay_strict_with_three_nodes_racing_for_one_tenant() {
+    use harness::history::{self, Client, History};
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let plans = "[plans.hot]\nregion = { limit = 150, window = \"1s\" }\n\
+                 node = { limit = 100000, window = \"1h\", algorithm = \"sliding_window\" }\n\
+                 [tenants.hot]\nplan = \"hot\"\n";
+    let cfg = write_config(dir.path(), &lease_config(&redis, 20, plans));
+    let mut nodes = Vec::new();
+    for id in ["a", "b", "c"] {
+        nodes.push(RegionNode::start(&cfg, "eu", id).await);
+    }
+    let h = History::new();
+    let deadline = std::time::Instant::now() + Duration::from_millis(3500);
+    let mut tasks = Vec::new();
+    for c in 0..12 {
+        let n = &nodes[c % nodes.len()];
+        let client = Client::new(h.clone(), "eu", &n.node_id, &n.url(""));
+        tasks.push(tokio::spawn(async move {
+            while std::time::Instant::now() < deadline {
+                client.check("hot", 1).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let ev = h.events();
+    let modes = ["redis", "lease"];
+    let r = history::check_fixed_window_tier(&ev, "hot", "region", 150, 1000, &modes, false, &[]);
+    println!("{}: {:?}", r.describe(), r.usage);
+    assert!(r.violations.is_empty(), "{:?}", r.violations);
+    assert!(r.unplaced.is_empty(), "{:?}", &r.unplaced[..1]);
+    // Leases may strand what a node holds when its window ends (under-
+    // admission, never more): at most nodes × lease_max per window. The
+    // windows the run covered whole must be filled that close.
+    let windows: Vec<u64> = r.usage.values().copied().collect();
+    assert!(windows.len() >= 3, "{windows:?}");
+    for used in &windows[1..windows.len() - 1] {
+        assert!(
+            *used >= 150 - 3 * 20,
+            "window filled to {used}: {windows:?}"
+        );
+    }
+    let denied = ev
+        .iter()
+        .filter(|e| matches!(&e.outcome, history::Outcome::Denied { tier, .. } if tier == "region"))
+        .count();
+    assert!(
+        denied > 0,
+        "the region tier never denied: the test did not exercise it"
+    );
+    let leased = ev
+        .iter()
+        .filter(|e| e.allowed() && e.mode() == Some("lease"))
+        .count();
+    let allowed = ev.iter().filter(|e| e.allowed()).count();
+    // Far from the limit most decisions are leased; this tenant lives at
+    // its limit, where leases shrink to nothing: some, not most.
+    assert!(
+        leased >= 20 && leased < allowed,
+        "{leased} of {allowed} allowed decisions came from leases"
+    );
+    assert!(ev.iter().all(|e| !e.unknown()), "every check was answered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_unused_part_of_a_lease_goes_back_to_the_days_count() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let plans =
+        "[plans.g]\nregion = { limit = 1000, window = \"1s\" }\nglobal = { limit = 100000 }\n\
+                 [tenants.t]\nplan = \"g\"\n";
+    let cfg = write_config(dir.path(), &lease_config(&redis, 50, plans));
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    let mut modes = Vec::new();
+    for _ in 0..5 {
+        let (s, body) = check(&n, "t", 1).await;
+        assert_eq!(s, 200, "{body}");
+        modes.push(body["mode"].as_str().unwrap().to_string());
+    }
+    assert_eq!(modes[0], "redis", "the first check takes the lease");
+    assert!(modes[1..].iter().all(|m| m == "lease"), "{modes:?}");
+    // 1 + 50 charged at once; the lease dies with its 1 s window and its
+    // 46 unused units go back: the day's count is what was allowed.
+    wait_until(
+        "the lease's rest is given back",
+        Duration::from_secs(5),
+        || async {
+            let u = usage(&n, "t").await;
+            u["region_p"].as_u64().unwrap() - u["region_n"].as_u64().unwrap() == 5
+        },
+    )
+    .await;
+    let text = harness::get_text(&n.http, &n.url("/metrics")).await;
+    let units = |e: &str| {
+        harness::metric_sample(
+            &text,
+            &format!("tierlimit_lease_units_total{{event=\"{e}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!((units("granted"), units("returned")), (50.0, 46.0));
+}

@@ -37,7 +37,11 @@
 -- ARGV[15]  the charge's Redis time, ms: a refund by handle gives back only
 --           to a window the charge was in, and to the global count only on
 --           the charge's day
--- ARGV[16]  K, the number of windowed tiers; then 7 values per tier:
+-- ARGV[16]  lease_max: a check that is allowed may also take a lease of up
+--           to this many more units (0 = no lease; see "Leases" below)
+-- ARGV[17]  lease_share: a lease takes at most 1/lease_share of what every
+--           tier (and the global budget) leaves after the request
+-- ARGV[18]  K, the number of windowed tiers; then 7 values per tier:
 --           location (0 = tenant hash, i = KEYS[i]), field prefix in the
 --           hash, algorithm code, limit, window_ms, burst, cost
 -- then      triplets epoch, P, N: this region's actors in the broadcast
@@ -49,7 +53,8 @@
 --   (this region's PN counter); global_remaining (absent: no global tier);
 --   raised (units the rollback check added to P, see below); refunded
 --   (global units given back by a refund), duplicate (1: the handle was
---   used already, nothing given back).
+--   used already, nothing given back); granted (units of lease charged
+--   beyond the request's cost, every tier and the PN counter alike).
 --
 -- Numbers are Lua doubles: exact integers up to 2^53. Integers are written
 -- back with %.0f so no precision is lost to tostring's 14 digits.
@@ -216,10 +221,10 @@ local algorithms = { fixed_window, sliding_window, token_bucket, sliding_log }
 -- kept there; one HMGET per tier kept in a key of its own.
 local gp = 'g:' .. day .. ':'
 local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', gp .. 's' }
-local K = tonumber(ARGV[16])
+local K = tonumber(ARGV[18])
 local tiers = {}
 for i = 1, K do
-  local a = 16 + (i - 1) * 7
+  local a = 18 + (i - 1) * 7
   local tier = { loc = tonumber(ARGV[a + 1]), prefix = ARGV[a + 2], alg = algorithms[tonumber(ARGV[a + 3])],
     limit = tonumber(ARGV[a + 4]), w = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
     cost = tonumber(ARGV[a + 7]) }
@@ -263,7 +268,7 @@ local dstate = tonumber(h[4]) or 0
 -- re-admit what it already spent, and the aggregator, whose max-merge
 -- ignores a counter below what it saw, would stay short for good.
 local mine_p, mine_n = 0, 0
-local parts_from = 17 + K * 7
+local parts_from = 19 + K * 7
 if day == node_day then
   for i = parts_from, #ARGV, 3 do
     if ARGV[i] == epoch then
@@ -297,11 +302,11 @@ if glimit > 0 then
   end
 end
 
-local refunded, duplicate = 0, 0
+local refunded, duplicate, granted = 0, 0, 0
 local function reply(allowed, denied, denied_tier, retry)
   local out = { 'allowed', allowed, 'denied', denied, 'denied_tier', denied_tier, 'retry_ms', retry,
     'now_ms', now_ms, 'own_p', own_p, 'own_n', own_n, 'epoch', epoch, 'day', day, 'raised', raised,
-    'refunded', refunded, 'duplicate', duplicate }
+    'refunded', refunded, 'duplicate', duplicate, 'granted', granted }
   local tr = {}
   for i, tier in ipairs(tiers) do
     tr[2 * i - 1] = tier.r.remaining; tr[2 * i] = tier.r.reset
@@ -429,14 +434,38 @@ for i, tier in ipairs(tiers) do
 end
 if not global_ok then deny('global', 0, global_retry) end
 
+-- Leases. An allowed check may charge `granted` more units, which the node
+-- then spends in process (region-node/src/lease.rs) until the first of its
+-- tiers' windows ends. They are charged here like any other unit, so the sum
+-- of outstanding leases never exceeds what the limits leave; a lease takes
+-- at most 1/lease_share of what is left, so near the limit leases shrink to
+-- nothing and every decision comes here again. Only fixed and sliding
+-- windows lease: a unit charged to them now belongs to the current window,
+-- which is what the lease's lifetime follows (GCRA and the exact log keep
+-- no window a lease could die with).
+if denied == '' then
+  local lease_max = tonumber(ARGV[16])
+  if lease_max > 0 and K > 0 then
+    local share = math.max(1, tonumber(ARGV[17]))
+    local room = lease_max * share
+    for _, tier in ipairs(tiers) do
+      if tier.alg ~= fixed_window and tier.alg ~= sliding_window then room = 0; break end
+      room = math.min(room, tier.r.remaining - tier.cost)
+    end
+    if global_remaining >= 0 then room = math.min(room, global_remaining - gcost) end
+    granted = math.min(lease_max, math.floor(math.max(0, room) / share))
+  end
+end
+
 -- Remaining units are reported after this request only if it was charged.
 if denied == '' then
   for _, tier in ipairs(tiers) do
-    if tier.alg.zset then tier.r.do_commit() else write(tier, tier.alg.commit(tier.r, tier.cost)) end
-    tier.r.remaining = math.max(0, tier.r.remaining - tier.cost)
+    local c = tier.cost + granted
+    if tier.alg.zset then tier.r.do_commit() else write(tier, tier.alg.commit(tier.r, c)) end
+    tier.r.remaining = math.max(0, tier.r.remaining - c)
   end
-  if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - gcost) end
-  own_p = own_p + gcost
+  if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - gcost - granted) end
+  own_p = own_p + gcost + granted
   counter_changed()
 elseif raised > 0 then
   counter_changed()

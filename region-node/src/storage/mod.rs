@@ -29,7 +29,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 pub use self::script::{
-    DecideCall, DecideReply, Denied, GlobalArgs, Op, Scope, TierCall, TierReply,
+    DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, Scope, TierCall, TierReply,
 };
 
 /// A boxed future: the trait is used as `dyn CounterStore`, and one

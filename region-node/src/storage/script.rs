@@ -150,6 +150,17 @@ pub struct DecideCall<'a> {
     /// A refund by handle: which charge it gives back (`None`: a check, a
     /// peek, or a free-form refund).
     pub refund: Option<RefundOf>,
+    /// A check that may also take a lease (see `crate::lease`).
+    pub lease: Option<LeaseAsk>,
+}
+
+/// How big a lease a check may take: at most `max` units beyond its cost,
+/// and at most 1/`share` of what every tier and the global budget leave
+/// after it (so near the limit the lease shrinks to nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseAsk {
+    pub max: u64,
+    pub share: u64,
 }
 
 impl DecideCall<'_> {
@@ -206,6 +217,10 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
         // No empty arguments: a tool that splits the command on spaces
         // (redis-benchmark in scripts/bench) would drop them.
         None => cmd.arg(0u8).arg("-").arg(0u8),
+    };
+    match call.lease.filter(|_| call.op == Op::Check) {
+        Some(l) => cmd.arg(l.max).arg(l.share.max(1)),
+        None => cmd.arg(0u8).arg(1u8),
     };
     cmd.arg(call.tiers.len());
     let mut next_key = 3;
@@ -275,6 +290,9 @@ pub struct DecideReply {
     pub refunded: u64,
     /// A refund by handle that was used already: nothing given back.
     pub duplicate: bool,
+    /// Units of lease charged beyond the check's cost (every tier and the
+    /// PN counter alike).
+    pub granted: u64,
 }
 
 /// Why a reply could not be used.
@@ -327,6 +345,7 @@ struct Fields {
     raised: Option<i64>,
     refunded: Option<i64>,
     duplicate: Option<i64>,
+    granted: Option<i64>,
 }
 
 impl Fields {
@@ -349,6 +368,7 @@ impl Fields {
             b"raised" => &mut self.raised,
             b"refunded" => &mut self.refunded,
             b"duplicate" => &mut self.duplicate,
+            b"granted" => &mut self.granted,
             b"denied" => {
                 self.denied = Some(text(v));
                 return Ok(());
@@ -419,6 +439,7 @@ impl Fields {
             raised: self.raised.unwrap_or(0).max(0) as u64,
             refunded: self.refunded.unwrap_or(0).max(0) as u64,
             duplicate: self.duplicate == Some(1),
+            granted: self.granted.unwrap_or(0).max(0) as u64,
         })
     }
 }
@@ -582,6 +603,7 @@ mod tests {
             counter_ttl_secs: 259_200,
             relaxed_ms: 2000,
             refund: None,
+            lease: None,
         };
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg("sha");
@@ -618,6 +640,8 @@ mod tests {
             "0",
             "-",
             "0", // no refund record
+            "0",
+            "1", // no lease
             "2", // tiers
             "0",
             "n:n1:_:1:",
