@@ -19,6 +19,7 @@ pub const SCENARIOS: &[&str] = &[
     "rollover",
     "peer",
     "cluster",
+    "leases",
 ];
 
 /// Every benchmark scenario of tierlimit on this machine, in one run, then
@@ -43,6 +44,8 @@ pub const SCENARIOS: &[&str] = &[
 ///   rollover  6b: the same across a (faked) UTC midnight (libfaketime)
 ///   peer       7: throttlecrab-server under the same load generator
 ///                 (its rounds alternate with ceiling's)
+///   cluster    8: standalone vs 3-master Redis Cluster; failovers
+///   leases     9: node.lease_max = 0 vs 64, uniform and Zipf tenants
 #[derive(Debug, Clone, Parser, Serialize, Deserialize)]
 #[command(name = "bench", verbatim_doc_comment)]
 pub struct Knobs {

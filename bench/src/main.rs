@@ -32,7 +32,7 @@ use crate::knobs::{Knobs, KAFKA_SIDE};
 use crate::report::{Machine, Results};
 use crate::run::Run;
 use crate::scenario::{
-    accuracy, ceiling, cluster, crossings, fast_path, kafka, latency, rollover, scale,
+    accuracy, ceiling, cluster, crossings, fast_path, kafka, latency, leases, rollover, scale,
 };
 use crate::world::{start_node, Region};
 
@@ -247,6 +247,14 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
         match cluster::run(&run, &k).await {
             Ok(c) => r.cluster = Some(c),
             Err(e) => run.say(&format!("the cluster run failed: {e:#}")),
+        }
+    }
+
+    if k.runs("leases") {
+        // Its own Redis servers and nodes, like scenario 8.
+        match leases::run(&run, &k).await {
+            Ok(l) => r.leases = Some(l),
+            Err(e) => run.say(&format!("the leases run failed: {e:#}")),
         }
     }
 

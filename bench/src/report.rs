@@ -44,6 +44,8 @@ pub struct Results {
     pub peer: Option<Peer>,
     #[serde(default)]
     pub cluster: Option<crate::scenario::cluster::ClusterBench>,
+    #[serde(default)]
+    pub leases: Option<crate::scenario::leases::LeaseBench>,
     pub commands: Vec<String>,
     /// The main run's configuration file.
     pub config: Option<String>,
@@ -73,6 +75,7 @@ impl Results {
             rollover_error: None,
             peer: None,
             cluster: None,
+            leases: None,
             commands: Vec::new(),
             config: None,
             charts: Default::default(),

@@ -9,6 +9,7 @@ pub mod crossings;
 pub mod fast_path;
 pub mod kafka;
 pub mod latency;
+pub mod leases;
 pub mod peer;
 pub mod rollover;
 pub mod scale;

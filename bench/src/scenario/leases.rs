@@ -1,0 +1,217 @@
+//! Scenario 9, leases: the same closed loop through two region-nodes of the
+//! bench plan, one with leases off (`node.lease_max = 0`: one decision
+//! script call per check) and one with `node.lease_max = 64`, each on a
+//! Redis of its own, in alternating rounds, uniform and Zipf (s = 1.1)
+//! tenants: decisions/s, CPU per decision of region-node and of Redis, and
+//! decision-script calls per decision (`INFO commandstats`). Both variants
+//! are measured in the one run, so their ratio is what leases bought.
+
+use serde::{Deserialize, Serialize};
+use testkit::RegionNode;
+
+use crate::knobs::Knobs;
+use crate::loadgen::Summary;
+use crate::run::{strings, Run};
+use crate::scenario::ceiling::WARMUP;
+use crate::world::{bench_plan, start_node, RedisConn};
+
+/// Units a lease may take in the `on` variant.
+pub const LEASE_MAX: u64 = 64;
+
+/// One throughput round.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Round {
+    pub summary: Summary,
+    pub node_cpu_us: f64,
+    pub redis_cpu_us: f64,
+    /// Decision-script calls (EVALSHA) per decision.
+    pub calls_per_decision: f64,
+}
+
+/// Medians of one variant's rounds.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Variant {
+    pub rounds: Vec<Round>,
+    pub rps: f64,
+    pub node_cpu_us: f64,
+    pub redis_cpu_us: f64,
+    pub calls_per_decision: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LeaseBench {
+    pub rounds: u64,
+    pub duration: u64,
+    pub connections: u64,
+    pub tenants: u64,
+    pub lease_max: u64,
+    pub off: Variant,
+    pub on: Variant,
+    pub off_zipf: Variant,
+    pub on_zipf: Variant,
+    /// on ÷ off.
+    pub rps_ratio: f64,
+    /// (node + Redis CPU per decision) on ÷ off.
+    pub cpu_ratio: f64,
+    /// Zipf ÷ uniform, each variant.
+    pub off_zipf_ratio: f64,
+    pub on_zipf_ratio: f64,
+}
+
+fn config(redis_url: &str, lease_max: u64) -> String {
+    format!(
+        r#"# Written by scripts/bench (scenario 9).
+cluster = "bench"
+[kafka]
+brokers = "127.0.0.1:1"
+[node]
+store_timeout = "500ms"
+store_retry_interval = "100ms"
+lease_max = {lease_max}
+[regions.eu]
+redis_url = "{redis_url}"
+[unknown_tenants]
+policy = "plan"
+plan = "bench"
+max_new_per_second = 1000000
+{}
+"#,
+        bench_plan("60s")
+    )
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn variant(rounds: Vec<Round>) -> Variant {
+    let med = |f: fn(&Round) -> f64| median(rounds.iter().map(f).collect());
+    let pct = |f: fn(&Round) -> f64| med(f) / 1000.0;
+    Variant {
+        rps: med(|r| r.summary.throughput_rps),
+        node_cpu_us: med(|r| r.node_cpu_us),
+        redis_cpu_us: med(|r| r.redis_cpu_us),
+        calls_per_decision: med(|r| r.calls_per_decision),
+        p50_ms: pct(|r| r.summary.latency_us.as_ref().map_or(0.0, |p| p.p50 as f64)),
+        p99_ms: pct(|r| r.summary.latency_us.as_ref().map_or(0.0, |p| p.p99 as f64)),
+        rounds,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn round(
+    run: &Run,
+    k: &Knobs,
+    name: &str,
+    node: &RegionNode,
+    redis_pid: u32,
+    conn: &RedisConn,
+    zipf: bool,
+) -> anyhow::Result<Round> {
+    let ticks = |p| testkit::cpu_ticks(p).unwrap_or(0);
+    let (n0, r0, c0) = (ticks(node.proc.pid()), ticks(redis_pid), conn.counts().await?);
+    let mut args = strings([
+        "--url".to_string(),
+        node.url("/v1/check"),
+        "--connections".into(),
+        k.connections.to_string(),
+        "--tenants".into(),
+        k.tenants.to_string(),
+        "--duration".into(),
+        k.duration.to_string(),
+        "--warmup".into(),
+        WARMUP.to_string(),
+    ]);
+    if zipf {
+        args.extend(strings(["--dist", "zipf", "--zipf-s", "1.1", "--seed", "2"]));
+    }
+    let summary = run.http(name, &args).await?;
+    let (n1, r1) = (ticks(node.proc.pid()), ticks(redis_pid));
+    let calls = conn.counts().await?.since(c0).evalsha;
+    // Ticks are 1/100 s; the warm-up's requests are in the ticks too.
+    let decisions = (summary.throughput_rps * (k.duration + WARMUP) as f64).max(1.0);
+    Ok(Round {
+        node_cpu_us: (n1 - n0) as f64 * 10_000.0 / decisions,
+        redis_cpu_us: (r1 - r0) as f64 * 10_000.0 / decisions,
+        calls_per_decision: calls as f64 / decisions,
+        summary,
+    })
+}
+
+pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
+    run.scenario(&format!(
+        "9 leases: region-node with node.lease_max = 0 and = {LEASE_MAX}, uniform and Zipf"
+    ));
+    let dir = testkit::temp_dir();
+    let (redis_off, redis_on) = (testkit::Redis::start(), testkit::Redis::start());
+    let (conn_off, conn_on) = (
+        RedisConn::open(&redis_off.url()).await?,
+        RedisConn::open(&redis_on.url()).await?,
+    );
+    let write = |name: &str, toml: String| -> anyhow::Result<std::path::PathBuf> {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d)?;
+        Ok(testkit::write_config(&d, &toml))
+    };
+    let cfg_off = write("off", config(&redis_off.url(), 0))?;
+    let cfg_on = write("on", config(&redis_on.url(), LEASE_MAX))?;
+    run.record(format!("# scenario 9: {}", cfg_on.display()));
+    let off = start_node(run, &cfg_off, "eu", "eu-1", "/healthz", &[]).await;
+    let on = start_node(run, &cfg_on, "eu", "eu-1", "/healthz", &[]).await;
+    let (mut r_off, mut r_on, mut z_off, mut z_on) = (vec![], vec![], vec![], vec![]);
+    for i in 0..k.rounds {
+        for zipf in [false, true] {
+            let tag = if zipf { "zipf" } else { "uniform" };
+            let a = round(
+                run,
+                k,
+                &format!("s9_off_{tag}_{i}"),
+                &off,
+                redis_off.proc.pid(),
+                &conn_off,
+                zipf,
+            )
+            .await?;
+            let b = round(
+                run,
+                k,
+                &format!("s9_on_{tag}_{i}"),
+                &on,
+                redis_on.proc.pid(),
+                &conn_on,
+                zipf,
+            )
+            .await?;
+            if zipf {
+                z_off.push(a);
+                z_on.push(b);
+            } else {
+                r_off.push(a);
+                r_on.push(b);
+            }
+        }
+    }
+    let (off_v, on_v) = (variant(r_off), variant(r_on));
+    let (off_z, on_z) = (variant(z_off), variant(z_on));
+    let r = LeaseBench {
+        rounds: k.rounds,
+        duration: k.duration,
+        connections: k.connections,
+        tenants: k.tenants,
+        lease_max: LEASE_MAX,
+        rps_ratio: on_v.rps / off_v.rps.max(1.0),
+        cpu_ratio: (on_v.node_cpu_us + on_v.redis_cpu_us)
+            / (off_v.node_cpu_us + off_v.redis_cpu_us).max(0.001),
+        off_zipf_ratio: off_z.rps / off_v.rps.max(1.0),
+        on_zipf_ratio: on_z.rps / on_v.rps.max(1.0),
+        off: off_v,
+        on: on_v,
+        off_zipf: off_z,
+        on_zipf: on_z,
+    };
+    run.save("s9_leases", &r)?;
+    Ok(r)
+}
