@@ -186,21 +186,43 @@ async fn keys_scopes_and_tenants_refuse_without_charging() {
     assert_eq!((status, &body["scope"]), (403, &json!("refund")));
     let (status, body) = refund(REFUNDER, json!({ "tenant": "acme", "cost": 5 })).await;
     assert_eq!((status, &body["scope"]), (403, &json!("admin")), "{body}");
-    assert_eq!(remaining(&n, "acme").await, 98, "refused refunds give nothing");
+    assert_eq!(
+        remaining(&n, "acme").await,
+        98,
+        "refused refunds give nothing"
+    );
     let (status, body) = refund(REFUNDER, json!({ "handle": handle })).await;
     assert_eq!((status, &body["refunded"]), (200, &json!(1)), "{body}");
     assert_eq!(remaining(&n, "acme").await, 99);
 
     // Probes are open; /metrics is only on the admin listener.
-    assert_eq!(bare().get(n.url("/healthz")).send().await.unwrap().status(), 200);
+    assert_eq!(
+        bare().get(n.url("/healthz")).send().await.unwrap().status(),
+        200
+    );
     let readyz = bare().get(n.url("/readyz")).send().await.unwrap().status();
-    assert!(readyz == 200 || readyz == 503, "readyz is a probe, not 401: {readyz}");
-    assert_eq!(bare().get(n.url("/metrics")).send().await.unwrap().status(), 404);
+    assert!(
+        readyz == 200 || readyz == 503,
+        "readyz is a probe, not 401: {readyz}"
+    );
+    assert_eq!(
+        bare().get(n.url("/metrics")).send().await.unwrap().status(),
+        404
+    );
     let admin = bare().get(n.admin_url("/metrics")).send().await.unwrap();
     assert_eq!(admin.status(), 200);
-    assert!(admin.text().await.unwrap().contains("tierlimit_decisions_total"));
+    assert!(admin
+        .text()
+        .await
+        .unwrap()
+        .contains("tierlimit_decisions_total"));
     assert_eq!(
-        bare().post(n.admin_url("/v1/check")).send().await.unwrap().status(),
+        bare()
+            .post(n.admin_url("/v1/check"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
         404,
         "the admin listener serves no API"
     );
@@ -215,11 +237,17 @@ async fn keys_scopes_and_tenants_refuse_without_charging() {
         ),
     );
     n.proc.hup();
-    wait_until("the new key is accepted", Duration::from_secs(10), || async {
-        check_with(&n, Some(LATE), "acme").await.0 == 200
-    })
+    wait_until(
+        "the new key is accepted",
+        Duration::from_secs(10),
+        || async { check_with(&n, Some(LATE), "acme").await.0 == 200 },
+    )
     .await;
-    assert_eq!(check_with(&n, Some(CHECKER), "acme").await.0, 401, "the old key is revoked");
+    assert_eq!(
+        check_with(&n, Some(CHECKER), "acme").await.0,
+        401,
+        "the old key is revoked"
+    );
     assert_eq!(check_with(&n, None, "globex").await.0, 200, "check is open");
     let r = bare().get(n.url("/v1/tenants/acme")).send().await.unwrap();
     assert_eq!(r.status(), 401, "reading is not");
@@ -242,7 +270,8 @@ fn pki() -> Pki {
     let ca_key = KeyPair::generate().unwrap();
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, "tierlimit test CA");
+    ca.distinguished_name
+        .push(DnType::CommonName, "tierlimit test CA");
     let ca_cert = ca.self_signed(&ca_key).unwrap();
 
     let server_key = KeyPair::generate().unwrap();
@@ -333,12 +362,10 @@ async fn exchange_body<S: AsyncRead + AsyncWrite + Unpin>(
     Some((status, body.to_string()))
 }
 
-async fn over_tls(
-    port: u16,
-    connector: &tokio_rustls::TlsConnector,
-    request: &str,
-) -> Option<u16> {
-    over_tls_body(port, connector, request).await.map(|(s, _)| s)
+async fn over_tls(port: u16, connector: &tokio_rustls::TlsConnector, request: &str) -> Option<u16> {
+    over_tls_body(port, connector, request)
+        .await
+        .map(|(s, _)| s)
 }
 
 async fn over_tls_body(
@@ -474,10 +501,14 @@ max_uri_bytes = 2048
             closed.fetch_add(1, Ordering::Relaxed);
         }));
     }
-    wait_until("every slow connection is open", Duration::from_secs(10), || {
-        let o = opened.clone();
-        async move { o.load(Ordering::Relaxed) == SLOW }
-    })
+    wait_until(
+        "every slow connection is open",
+        Duration::from_secs(10),
+        || {
+            let o = opened.clone();
+            async move { o.load(Ordering::Relaxed) == SLOW }
+        },
+    )
     .await;
     // Checks are answered meanwhile, promptly.
     let mut worst = Duration::ZERO;
@@ -528,7 +559,11 @@ max_uri_bytes = 2048
     assert_eq!(rejected(&n, "headers-too-large").await, 1.0);
     assert_eq!(rejected(&n, "uri-too-long").await, 1.0);
     assert_eq!(rejected(&n, "request-timeout").await, 1.0);
-    assert_eq!(remaining(&n, "acme").await, 80, "only the 20 checks charged");
+    assert_eq!(
+        remaining(&n, "acme").await,
+        80,
+        "only the 20 checks charged"
+    );
     for t in tasks {
         t.await.unwrap();
     }
@@ -571,7 +606,10 @@ tenants = ["acme"]
         (r.status().as_u16(), ct)
     };
     let problem = "application/problem+json".to_string();
-    assert_eq!(get(a.url("/v1/global/acme"), None).await, (401, problem.clone()));
+    assert_eq!(
+        get(a.url("/v1/global/acme"), None).await,
+        (401, problem.clone())
+    );
     assert_eq!(get(a.url("/v1/global/acme"), Some(READER)).await.0, 200);
     assert_eq!(
         get(a.url("/v1/global/globex"), Some(READER)).await,
