@@ -35,6 +35,9 @@ cluster = "security"
 brokers = "127.0.0.1:1"
 [node]
 refund_secret = "a-region-secret-of-at-least-32-bytes-for-tests"
+# Generous: a loaded test machine must not turn a check into the fail mode.
+store_timeout = "2s"
+store_retry_interval = "50ms"
 [regions.eu]
 redis_url = "{}"
 [plans.p]
