@@ -46,12 +46,13 @@ pub fn router(state: Arc<State>, http: &HttpSettings) -> Router {
             on_reject: on_reject(&state),
         },
     );
+    // Shedding covers the API only: the probes below still answer when
+    // the API is saturated.
+    let api = tierlimit_shared::serve::shed(api, http.max_concurrent_requests, on_reject(&state));
     let router = api
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(Arc::clone(&state));
-    let router =
-        tierlimit_shared::serve::shed(router, http.max_concurrent_requests, on_reject(&state));
     tierlimit_shared::serve::harden(
         router,
         tierlimit_shared::serve::Limits::new(http, on_reject(&state)),

@@ -234,7 +234,7 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
         .await?;
     }
     say(format!(
-        "aggregator on {aggregator_url} (dashboard: {aggregator_url}/)"
+        "aggregator on {aggregator_url} (dashboard: http://127.0.0.1:{agg_admin}/)"
     ));
     for r in &regions {
         say(format!(

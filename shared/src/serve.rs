@@ -231,13 +231,21 @@ async fn limit_request(State(l): State<Limits>, req: Request, next: Next) -> Res
 /// At most `max` requests of `router` at once; the rest are refused at
 /// once with 503 problem+json and `Retry-After: 1` (shedding, not
 /// queueing: a queue would only add latency to answers nobody waits for).
-pub fn shed(router: Router, max: usize, on_reject: OnReject) -> Router {
+///
+/// A route layer: only the routes added before this call are limited, so
+/// probes added after it still answer under overload (a liveness probe
+/// shed with the load would get a busy process restarted).
+pub fn shed<S: Clone + Send + Sync + 'static>(
+    router: Router<S>,
+    max: usize,
+    on_reject: OnReject,
+) -> Router<S> {
     let state = Shed {
         permits: Arc::new(tokio::sync::Semaphore::new(max)),
         max,
         on_reject,
     };
-    router.layer(axum::middleware::from_fn_with_state(state, shed_request))
+    router.route_layer(axum::middleware::from_fn_with_state(state, shed_request))
 }
 
 #[derive(Clone)]
