@@ -51,7 +51,8 @@ pub fn router(state: Arc<State>, http: &HttpSettings) -> Router {
     let api = tierlimit_shared::serve::shed(api, http.max_concurrent_requests, on_reject(&state));
     let router = api
         .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
+        .route("/readyz", get(readyz));
+    let router = tierlimit_shared::serve::problem_fallbacks(router, on_reject(&state))
         .with_state(Arc::clone(&state));
     tierlimit_shared::serve::harden(
         router,
@@ -65,7 +66,8 @@ pub fn admin_router(state: Arc<State>, http: &HttpSettings) -> Router {
         .route("/", get(crate::dashboard::page))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
+        .route("/readyz", get(readyz));
+    let router = tierlimit_shared::serve::problem_fallbacks(router, on_reject(&state))
         .with_state(Arc::clone(&state));
     tierlimit_shared::serve::harden(
         router,

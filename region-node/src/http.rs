@@ -71,7 +71,8 @@ pub fn router(state: Arc<AppState>, http: &tierlimit_shared::config::HttpSetting
     let router = api
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY));
+    let router = tierlimit_shared::serve::problem_fallbacks(router, state.on_reject())
         .with_state(Arc::clone(&state));
     tierlimit_shared::serve::harden(
         router,
@@ -86,7 +87,8 @@ pub fn admin_router(state: Arc<AppState>, http: &tierlimit_shared::config::HttpS
     let router = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
+        .route("/readyz", get(readyz));
+    let router = tierlimit_shared::serve::problem_fallbacks(router, state.on_reject())
         .with_state(Arc::clone(&state));
     tierlimit_shared::serve::harden(
         router,

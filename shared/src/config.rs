@@ -106,7 +106,9 @@ pub struct HttpSettings {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_client_ca: Option<std::path::PathBuf>,
     /// A connection must send a request's complete headers within this
-    /// (slow-loris connections are closed, not kept).
+    /// (slow-loris connections are closed, not kept). The clock also runs
+    /// while a keep-alive connection waits for its next request, so this is
+    /// the idle timeout of keep-alive connections too.
     #[serde(with = "serde_human")]
     pub header_read_timeout: Duration,
     /// A request (body included) must be answered within this; past it

@@ -153,6 +153,38 @@ async fn serve_io<I>(
     let _ = watcher.watch(builder.serve_connection(io, svc)).await;
 }
 
+/// Unknown routes (404) and methods (405) answer problem+json too, counted
+/// like every other refusal (axum's defaults are empty bodies).
+pub fn problem_fallbacks<S: Clone + Send + Sync + 'static>(
+    router: Router<S>,
+    on_reject: OnReject,
+) -> Router<S> {
+    let on_405 = on_reject.clone();
+    router
+        .fallback(move |uri: axum::http::Uri| async move {
+            on_reject("not-found");
+            Problem::new(
+                StatusCode::NOT_FOUND,
+                "not-found",
+                "No such route",
+                format!("nothing is served at {}", uri.path()),
+            )
+            .into_response()
+        })
+        .method_not_allowed_fallback(
+            move |method: axum::http::Method, uri: axum::http::Uri| async move {
+                on_405("method-not-allowed");
+                Problem::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method-not-allowed",
+                    "Method not allowed",
+                    format!("{method} is not served at {}", uri.path()),
+                )
+                .into_response()
+            },
+        )
+}
+
 /// What [`harden`] enforces, fixed at start.
 #[derive(Clone)]
 pub struct Limits {

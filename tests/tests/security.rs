@@ -208,10 +208,12 @@ async fn keys_scopes_and_tenants_refuse_without_charging() {
         readyz == 200 || readyz == 503,
         "readyz is a probe, not 401: {readyz}"
     );
-    assert_eq!(
-        bare().get(n.url("/metrics")).send().await.unwrap().status(),
-        404
-    );
+    let r = bare().get(n.url("/metrics")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let r = bare().delete(n.url("/v1/check")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
     let admin = bare().get(n.admin_url("/metrics")).send().await.unwrap();
     assert_eq!(admin.status(), 200);
     assert!(admin
