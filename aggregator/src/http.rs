@@ -7,16 +7,23 @@
 //! instance", not "no traffic". `GET /` is the HTML dashboard
 //! ([`crate::dashboard`]). A refusal (an invalid tenant id) is the shared
 //! problem+json [`Problem`].
+//!
+//! Two routers: [`router`] is the API (`/v1/…`, needing the `read` scope,
+//! tenant-restricted keys see only their tenants) with a concurrency limit
+//! that sheds load; [`admin_router`] is the dashboard and `/metrics`, on the
+//! admin listener. `/healthz` and `/readyz` are open on both.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{Path, State as AxumState};
+use axum::extract::{Extension, Path, State as AxumState};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use serde::Serialize;
+use tierlimit_shared::auth::{Principal, Scope};
+use tierlimit_shared::config::HttpSettings;
 use tierlimit_shared::day;
 use tierlimit_shared::messages::{partition_of, ActorPart};
 use tierlimit_shared::problem::Problem;
@@ -27,16 +34,61 @@ use crate::state::State;
 
 type AppState = Arc<State>;
 
-/// The routes, ready to be served.
-pub fn router(state: Arc<State>) -> Router {
-    Router::new()
-        .route("/", get(crate::dashboard::page))
+/// The API routes, ready to be served on the main listener.
+pub fn router(state: Arc<State>, http: &HttpSettings) -> Router {
+    let api = Router::new()
         .route("/v1/global/{tenant}", get(tenant_view))
-        .route("/v1/over-limit", get(over_limit))
+        .route("/v1/over-limit", get(over_limit));
+    let api = tierlimit_shared::auth::require_auth(
+        api,
+        tierlimit_shared::auth::Authn {
+            live: state.live().clone(),
+            on_reject: on_reject(&state),
+        },
+    );
+    // Shedding covers the API only: the probes below still answer when
+    // the API is saturated.
+    let api = tierlimit_shared::serve::shed(api, http.max_concurrent_requests, on_reject(&state));
+    let router = api
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz));
+    let router = tierlimit_shared::serve::problem_fallbacks(router, on_reject(&state))
+        .with_state(Arc::clone(&state));
+    tierlimit_shared::serve::harden(
+        router,
+        tierlimit_shared::serve::Limits::new(http, on_reject(&state)),
+    )
+}
+
+/// The admin listener's routes: the dashboard, `/metrics` and the probes.
+pub fn admin_router(state: Arc<State>, http: &HttpSettings) -> Router {
+    let router = Router::new()
+        .route("/", get(crate::dashboard::page))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .with_state(state)
+        .route("/readyz", get(readyz));
+    let router = tierlimit_shared::serve::problem_fallbacks(router, on_reject(&state))
+        .with_state(Arc::clone(&state));
+    tierlimit_shared::serve::harden(
+        router,
+        tierlimit_shared::serve::Limits::new(http, on_reject(&state)),
+    )
+}
+
+/// Counts a refusal in `tierlimit_aggregator_http_rejections_total`.
+fn on_reject(state: &Arc<State>) -> tierlimit_shared::serve::OnReject {
+    let s = Arc::clone(state);
+    Arc::new(move |slug| s.metrics.http_rejections.with_label_values(&[slug]).inc())
+}
+
+/// A counted problem response.
+fn refuse(state: &State, p: Problem) -> Response {
+    state
+        .metrics
+        .http_rejections
+        .with_label_values(&[p.slug()])
+        .inc();
+    p.into_response()
 }
 
 /// One day of a tenant's global counter.
@@ -85,16 +137,22 @@ pub struct TenantView {
 
 async fn tenant_view(
     AxumState(state): AxumState<AppState>,
+    Extension(who): Extension<Principal>,
     Path(tenant): Path<String>,
 ) -> Response {
     if let Err(e) = tierlimit_shared::validate::tenant(&tenant) {
-        return Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid-tenant",
-            "Invalid tenant id",
-            e.to_string(),
-        )
-        .into_response();
+        return refuse(
+            &state,
+            Problem::new(
+                StatusCode::BAD_REQUEST,
+                "invalid-tenant",
+                "Invalid tenant id",
+                e.to_string(),
+            ),
+        );
+    }
+    if let Err(e) = who.require(Scope::Read, Some(&tenant)) {
+        return refuse(&state, e.into());
     }
     let limit = state.limit_of(&tenant);
     let today = day::today();
@@ -130,13 +188,21 @@ pub struct OverLimitView {
     pub tenants: Vec<OverLimitTenant>,
 }
 
-async fn over_limit(AxumState(state): AxumState<AppState>) -> Json<OverLimitView> {
+/// A key limited to some tenants sees only those.
+async fn over_limit(
+    AxumState(state): AxumState<AppState>,
+    Extension(who): Extension<Principal>,
+) -> Response {
+    if let Err(e) = who.require(Scope::Read, None) {
+        return refuse(&state, e.into());
+    }
     let today = day::today();
     let config = state.live().load();
     let mut tenants: Vec<OverLimitTenant> = {
         let core = state.lock();
         core.merged
             .day(today)
+            .filter(|(tenant, _)| who.may_see(tenant))
             .filter_map(|(tenant, c)| {
                 let limit = config.policy(tenant).and_then(|p| p.global)?;
                 let total = c.total();
@@ -154,6 +220,7 @@ async fn over_limit(AxumState(state): AxumState<AppState>) -> Json<OverLimitView
         date: day::to_iso(today),
         tenants,
     })
+    .into_response()
 }
 
 async fn metrics(AxumState(state): AxumState<AppState>) -> impl IntoResponse {
@@ -214,6 +281,34 @@ mod tests {
     use tower::ServiceExt;
 
     use crate::state::tests::state;
+
+    /// The API with `read` open (as `auth.open_scopes` would), the admin
+    /// routes beside it.
+    fn router(s: Arc<State>) -> Router {
+        let mut config = s.live().load().config.clone();
+        config.auth.open_scopes.insert(Scope::Read);
+        s.live().store(Arc::new(config.validate().unwrap()));
+        admin(s)
+    }
+
+    fn api(s: Arc<State>) -> Router {
+        super::router(s, &HttpSettings::default())
+    }
+
+    fn admin(s: Arc<State>) -> Router {
+        let a = admin_router(s.clone(), &HttpSettings::default());
+        // The API's /v1 routes, the admin listener's others: the tests
+        // read both through one router.
+        let api = api(s);
+        Router::new().fallback(move |req: Request<Body>| {
+            let target = if req.uri().path().starts_with("/v1/") {
+                api.clone()
+            } else {
+                a.clone()
+            };
+            async move { target.oneshot(req).await.unwrap() }
+        })
+    }
 
     async fn get(router: &Router, uri: &str) -> (StatusCode, String, serde_json::Value) {
         let response = router
@@ -289,6 +384,90 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_api_needs_a_key_and_keys_see_their_tenants() {
+        let s = rebuilt_state();
+        let p = partition_of("acme", 4);
+        let today = day::today();
+        s.on_delta(
+            p,
+            0,
+            &Delta::new("acme", today, actor("eu", "a"), 700, 0, now_ms()),
+        );
+        let p = partition_of("globex", 4);
+        s.on_delta(
+            p,
+            1,
+            &Delta::new("globex", today, actor("eu", "a"), 700, 0, now_ms()),
+        );
+        let mut config = s.live().load().config.clone();
+        let key: tierlimit_shared::auth::KeyConfig = serde_json::from_value(serde_json::json!({
+            "sha256": tierlimit_shared::auth::KeyDigest::of(b"k-acme").to_hex(),
+            "scopes": ["read"],
+            "tenants": ["acme"],
+        }))
+        .unwrap();
+        config.auth.keys.insert("acme".into(), key);
+        s.live().store(Arc::new(config.validate().unwrap()));
+        let router = api(s.clone());
+        let (status, ct, v) = get(&router, "/v1/global/acme").await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert_eq!(ct, "application/problem+json");
+        assert!(v["type"].as_str().unwrap().ends_with("/unauthorized"));
+        let with_key = |uri: &str| {
+            Request::get(uri)
+                .header("authorization", "Bearer k-acme")
+                .body(Body::empty())
+                .unwrap()
+        };
+        let resp = router
+            .clone()
+            .oneshot(with_key("/v1/global/acme"))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let resp = router
+            .clone()
+            .oneshot(with_key("/v1/global/globex"))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        let resp = router
+            .clone()
+            .oneshot(with_key("/v1/over-limit"))
+            .await
+            .unwrap();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        let listed: Vec<_> = v["tenants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["tenant"].clone())
+            .collect();
+        assert_eq!(
+            listed,
+            vec![serde_json::json!("acme")],
+            "globex is over too, but not this key's"
+        );
+        // Probes stay open; the dashboard is not on the API listener.
+        assert_eq!(get(&router, "/healthz").await.0, StatusCode::OK);
+        assert_eq!(get(&router, "/metrics").await.0, StatusCode::NOT_FOUND);
+        let rejected = s
+            .metrics
+            .http_rejections
+            .with_label_values(&["unauthorized"])
+            .get();
+        assert_eq!(rejected, 1);
+        assert_eq!(
+            s.metrics
+                .http_rejections
+                .with_label_values(&["forbidden"])
+                .get(),
+            1
+        );
+    }
+
+    #[tokio::test]
     async fn unknown_tenant_is_zero() {
         let router = router(rebuilt_state());
         let (status, _, v) = get(&router, "/v1/global/nobody").await;
@@ -313,7 +492,7 @@ mod tests {
     #[tokio::test]
     async fn readiness_follows_the_rebuild() {
         let s = state();
-        let router = router(s.clone());
+        let router = admin(s.clone());
         let (status, _, v) = get(&router, "/readyz").await;
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(v["ready"], false);

@@ -66,14 +66,30 @@ pub enum Error {
     Signals(#[source] std::io::Error),
     #[error("HTTP server failed: {0}")]
     Http(#[source] std::io::Error),
+    #[error(transparent)]
+    Tls(#[from] tierlimit_shared::tls::TlsError),
     #[error("{0}")]
     Topics(String),
 }
 
+/// Where the aggregator listens: the API (`listen`) and the admin
+/// listener (dashboard, `/metrics`).
+#[derive(Debug, Clone, Copy)]
+pub struct Listen {
+    pub api: SocketAddr,
+    pub admin: SocketAddr,
+}
+
 /// Runs the aggregator until SIGTERM or SIGINT.
-pub async fn run(config_path: &Path, listen: SocketAddr) -> Result<(), Error> {
+pub async fn run(config_path: &Path, listen: Listen) -> Result<(), Error> {
     let signals = shutdown_signal().map_err(Error::Signals)?;
     run_until(config_path, listen, signals).await
+}
+
+async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, Error> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Listen { addr, source })
 }
 
 /// Runs the aggregator until `shutdown` completes.
@@ -83,12 +99,21 @@ pub async fn run(config_path: &Path, listen: SocketAddr) -> Result<(), Error> {
 /// retried for as long as the process runs.
 pub async fn run_until(
     config_path: &Path,
-    listen: SocketAddr,
+    listen: Listen,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
     let loaded = Config::load(config_path)?;
     let kafka = loaded.config.kafka.clone();
     let settings = loaded.config.aggregator.clone();
+    let http_settings = loaded.config.http.clone();
+    let tls = match http_settings.tls() {
+        Some((cert, key)) => Some(tierlimit_shared::tls::server_config(
+            cert,
+            key,
+            http_settings.tls_client_ca.as_deref(),
+        )?),
+        None => None,
+    };
     tracing::info!(
         cluster = %loaded.config.cluster,
         brokers = %kafka.brokers,
@@ -106,12 +131,8 @@ pub async fn run_until(
     })
     .map_err(Error::Signals)?;
 
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .map_err(|source| Error::Listen {
-            addr: listen,
-            source,
-        })?;
+    let listener = bind(listen.api).await?;
+    let admin_listener = bind(listen.admin).await?;
     let local = listener.local_addr().map_err(Error::Http)?;
 
     // Created up front so invalid client settings stop the start.
@@ -141,10 +162,23 @@ pub async fn run_until(
     let broadcast_task = tokio::spawn(broadcaster.run(stop.clone()));
     let housekeeping_task = tokio::spawn(housekeeping(state.clone(), stop.clone()));
 
-    tracing::info!(addr = %local, "HTTP listening");
-    let served = axum::serve(listener, http::router(state.clone()))
-        .with_graceful_shutdown(stop.clone().cancelled_owned())
-        .await;
+    tracing::info!(addr = %local, admin = %listen.admin, tls = tls.is_some(), "HTTP listening");
+    let api = tierlimit_shared::serve::serve(
+        listener,
+        http::router(state.clone(), &http_settings),
+        tls,
+        &http_settings,
+        stop.clone().cancelled_owned(),
+    );
+    let admin = tierlimit_shared::serve::serve(
+        admin_listener,
+        http::admin_router(state.clone(), &http_settings),
+        None,
+        &http_settings,
+        stop.clone().cancelled_owned(),
+    );
+    let (api, admin) = tokio::join!(api, admin);
+    let served = api.and(admin);
     // The server only returns early on an I/O error; stop the rest too.
     stop.cancel();
 

@@ -27,6 +27,12 @@ struct Cli {
     #[arg(long, env = "TIERLIMIT_LISTEN", default_value = "127.0.0.1:9100")]
     listen: SocketAddr,
 
+    /// Address of the admin listener: the dashboard (GET /) and /metrics
+    /// (and the probes), never the API. Loopback by default; it takes no
+    /// credentials, so bind it only where operators and Prometheus reach.
+    #[arg(long, env = "TIERLIMIT_ADMIN_LISTEN", default_value = "127.0.0.1:9101")]
+    admin_listen: SocketAddr,
+
     /// Log as JSON lines instead of text (level from RUST_LOG, default info).
     #[arg(long, env = "TIERLIMIT_LOG_JSON", global = true)]
     log_json: bool,
@@ -45,7 +51,8 @@ Signals: SIGHUP reloads the configuration file (limits and tenants; kafka.* need
 restart; an invalid file is refused and the old configuration stays); SIGTERM and
 SIGINT stop after a last broadcast.
 
-HTTP: GET / (dashboard), /v1/global/{tenant}, /v1/over-limit, /metrics, /healthz, /readyz";
+HTTP (--listen, keys from [auth], `read` scope): /v1/global/{tenant}, /v1/over-limit, /healthz, /readyz.
+Admin (--admin-listen): GET / (dashboard), /metrics, /healthz, /readyz.";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -104,7 +111,11 @@ fn main() -> ExitCode {
                 let config = cli
                     .config
                     .expect("clap requires --config without a subcommand");
-                aggregator::run(&config, cli.listen).await
+                let listen = aggregator::Listen {
+                    api: cli.listen,
+                    admin: cli.admin_listen,
+                };
+                aggregator::run(&config, listen).await
             }
         }
     });
@@ -129,6 +140,7 @@ mod tests {
         Cli::command_for_tests().debug_assert();
         let cli = Cli::try_parse_from(["aggregator", "--config", "c.toml"]).unwrap();
         assert_eq!(cli.listen, "127.0.0.1:9100".parse().unwrap());
+        assert_eq!(cli.admin_listen, "127.0.0.1:9101".parse().unwrap());
         assert!(cli.command.is_none());
         let cli = Cli::try_parse_from([
             "aggregator",

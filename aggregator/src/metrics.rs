@@ -48,6 +48,8 @@ pub struct Metrics {
     pub delta_age: Histogram,
     /// Configuration reloads by result (`ok`, `error`).
     pub config_reloads: IntCounterVec,
+    /// HTTP requests refused (auth, limits, shedding), by problem slug.
+    pub http_rejections: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -122,6 +124,11 @@ impl Metrics {
             "over_limit_tenants",
             "Tenants at or over their global limit today.",
         );
+        let http_rejections = counter_vec(
+            "http_rejections_total",
+            "HTTP requests refused with a problem+json, by its type slug (unauthorized, forbidden, overloaded, request-timeout, …).",
+            &["reason"],
+        );
         let tracked_counters = gauge("tracked_counters", "(tenant, day) counters held in memory.");
         let consumer_lag = IntGaugeVec::new(
             Opts::new(
@@ -189,6 +196,7 @@ impl Metrics {
             region_last_delta,
             delta_age,
             config_reloads,
+            http_rejections,
         }
     }
 

@@ -183,7 +183,7 @@ impl Region {
 /// The text of `base/metrics`, empty on failure.
 pub async fn metrics_text(http: &reqwest::Client, base: &str) -> String {
     match http
-        .get(format!("{base}/metrics"))
+        .get(format!("{}/metrics", testkit::admin_base(base)))
         .timeout(Duration::from_secs(10))
         .send()
         .await
@@ -213,6 +213,11 @@ pub async fn wait_ok(http: &reqwest::Client, what: &str, url: &str, deadline: Du
     .await
 }
 
+/// `auth.open_scopes` of the benchmark's region-nodes (loadgen sends no
+/// API key; the bench measures the decision path, not authentication).
+pub const BENCH_OPEN_SCOPES: (&str, &str) =
+    ("TIERLIMIT__AUTH__OPEN_SCOPES", r#"["check", "refund"]"#);
+
 /// A region-node started (recorded) with `env` on top of `RUST_LOG=warn`,
 /// and, unless `ready` is `/healthz`, waited for on `ready` too.
 pub async fn start_node(
@@ -223,7 +228,9 @@ pub async fn start_node(
     ready: &str,
     env: &[(&str, &str)],
 ) -> RegionNode {
-    let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn")];
+    // loadgen and redis-free clients send no key: the benchmark's nodes
+    // leave check and refund open, as a trusted loopback deployment may.
+    let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn"), BENCH_OPEN_SCOPES];
     all.extend_from_slice(env);
     let node = RegionNode::start_with_env(config, region, node_id, &all).await;
     let envs: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();

@@ -174,13 +174,16 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
     ));
 
     let agg_port = free_port();
-    let agg = Cmd::new(&aggregator)
+    let agg_admin = free_port();
+    let agg = with_harness_key(Cmd::new(&aggregator))
         .arg("--config")
         .arg(&config)
         .args(["--listen", &format!("127.0.0.1:{agg_port}")])
+        .args(["--admin-listen", &format!("127.0.0.1:{agg_admin}")])
         .env("RUST_LOG", "info");
     spawn(procs, &logs, "aggregator", agg)?;
     let aggregator_url = format!("http://127.0.0.1:{agg_port}");
+    testkit::register_admin_base(&aggregator_url, &format!("http://127.0.0.1:{agg_admin}"));
 
     let tansu_addr = SocketAddr::from(([127, 0, 0, 1], tansu_port));
     let mut regions = Vec::new();
@@ -189,16 +192,22 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
         let mut nodes = Vec::new();
         for i in 1..=NODES_PER_REGION {
             let port = free_port();
+            let admin = free_port();
             let node_id = format!("{name}-{i}");
-            let node = Cmd::new(&region_node)
+            let node = with_harness_key(Cmd::new(&region_node))
                 .arg("--config")
                 .arg(&config)
                 .args(["--region", name, "--node-id", &node_id])
                 .args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
                 .env("RUST_LOG", "info")
                 .env("TIERLIMIT__KAFKA__BROKERS", proxy.addr.to_string());
             spawn(procs, &logs, &format!("region-node-{node_id}"), node)?;
             nodes.push(format!("http://127.0.0.1:{port}"));
+            testkit::register_admin_base(
+                &format!("http://127.0.0.1:{port}"),
+                &format!("http://127.0.0.1:{admin}"),
+            );
         }
         regions.push(Region {
             name,
@@ -225,7 +234,7 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
         .await?;
     }
     say(format!(
-        "aggregator on {aggregator_url} (dashboard: {aggregator_url}/)"
+        "aggregator on {aggregator_url} (dashboard: http://127.0.0.1:{agg_admin}/)"
     ));
     for r in &regions {
         say(format!(
@@ -393,10 +402,11 @@ impl World {
             .map(|v| v.1.get(region).copied().unwrap_or(0))
     }
 
-    /// The Prometheus text of a server (`base` is its `http://…` URL); empty
-    /// if it does not answer.
+    /// The Prometheus text of a server (`base` is its API's `http://…` URL;
+    /// metrics are on its admin listener); empty if it does not answer.
     pub async fn metrics_text(&self, base: &str) -> String {
-        match self.http.get(format!("{base}/metrics")).send().await {
+        let admin = testkit::admin_base(base);
+        match self.http.get(format!("{admin}/metrics")).send().await {
             Ok(r) => r.text().await.unwrap_or_default(),
             Err(_) => String::new(),
         }
@@ -430,4 +440,12 @@ impl World {
         }
         Ok(sum)
     }
+}
+
+/// The processes accept the harness key that `testkit::http_client` sends:
+/// the demo runs with authentication on, as deployed.
+fn with_harness_key(cmd: Cmd) -> Cmd {
+    testkit::harness_env()
+        .into_iter()
+        .fold(cmd, |c, (k, v)| c.env(k, v))
 }

@@ -34,9 +34,11 @@ COPY --from=build /usr/local/bin/aggregator /usr/local/bin/aggregator
 USER 10001:10001
 ENV TIERLIMIT_CONFIG=/etc/tierlimit/tierlimit.toml \
     TIERLIMIT_LISTEN=0.0.0.0:9100 \
+    TIERLIMIT_ADMIN_LISTEN=0.0.0.0:9101 \
     TIERLIMIT_LOG_JSON=true \
     RUST_LOG=info
-EXPOSE 9100
+# 9100: the API (keys from [auth]); 9101: dashboard and /metrics, for operators.
+EXPOSE 9100 9101
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/${TIERLIMIT_LISTEN##*:} && printf 'GET /healthz HTTP/1.0\\r\\n\\r\\n' >&3 && grep -q ' 200 ' <&3"]
 STOPSIGNAL SIGTERM

@@ -34,9 +34,11 @@ USER 10001:10001
 # with TIERLIMIT__SECTION__KEY (e.g. TIERLIMIT__KAFKA__BROKERS).
 ENV TIERLIMIT_CONFIG=/etc/tierlimit/tierlimit.toml \
     TIERLIMIT_LISTEN=0.0.0.0:9000 \
+    TIERLIMIT_ADMIN_LISTEN=0.0.0.0:9001 \
     TIERLIMIT_LOG_JSON=true \
     RUST_LOG=info
-EXPOSE 9000
+# 9000: the API (keys from [auth]); 9001: /metrics, for Prometheus only.
+EXPOSE 9000 9001
 # GET /healthz answers 200 while the process serves (bash's /dev/tcp: no
 # curl in the slim image).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

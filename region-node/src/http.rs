@@ -4,6 +4,13 @@
 //! what was wrong (the field, or the violated policy), and nothing is charged
 //! for a request that fails validation: validation happens before the
 //! decision script runs.
+//!
+//! Two routers: [`router`] is the API (check, refund, usage), every route
+//! behind authentication ([`tierlimit_shared::auth`]) except `/healthz` and
+//! `/readyz`; [`admin_router`] is `/metrics` (and health), served on the
+//! separate admin listener. A request is authorised (scope, tenant) after
+//! its body is parsed and before anything is charged, so a 401 or 403
+//! never costs the tenant a unit.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -12,7 +19,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::extract::{Extension, FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -20,7 +27,9 @@ use axum::routing::{get, post};
 use axum::Router;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use tierlimit_shared::auth::{Principal, Scope};
 use tierlimit_shared::problem::Problem;
+use tierlimit_shared::reload::Live;
 
 use crate::decision::{DecideError, Decider, Decision, Request, Tier, TierStatus};
 use crate::metrics::Metrics;
@@ -31,6 +40,8 @@ pub struct AppState {
     pub decider: Decider,
     pub metrics: Arc<Metrics>,
     pub view: Arc<View>,
+    /// The live configuration: API keys are read from it per request.
+    pub live: Live,
 }
 
 /// Largest request body accepted. A check or refund is a few hundred bytes;
@@ -38,16 +49,57 @@ pub struct AppState {
 /// caller make the node buffer megabytes per request.
 pub const MAX_BODY: usize = 64 * 1024;
 
-pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+/// The API: every route but the probes needs credentials; decisions are
+/// never cached; size limits and timeouts from `[http]`.
+pub fn router(state: Arc<AppState>, http: &tierlimit_shared::config::HttpSettings) -> Router {
+    let api = Router::new()
         .route("/v1/check", post(check_post).get(check_get))
         .route("/v1/refund", post(refund))
         .route("/v1/tenants/{tenant}", get(tenant_usage))
-        .route("/metrics", get(metrics))
+        // A decision is about this moment: no cache may answer it later.
+        .route_layer(axum::middleware::map_response(no_store));
+    let api = tierlimit_shared::auth::require_auth(
+        api,
+        tierlimit_shared::auth::Authn {
+            live: Arc::clone(&state.live),
+            on_reject: state.on_reject(),
+        },
+    );
+    // Admission control (concurrency limit and load shedding of checks)
+    // belongs here, as the outermost layer of `api`: it is the hot path's
+    // own mechanism (region-node/src/admission.rs), not the listener's.
+    let router = api
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
-        .with_state(state)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY));
+    let router = tierlimit_shared::serve::problem_fallbacks(router, state.on_reject())
+        .with_state(Arc::clone(&state));
+    tierlimit_shared::serve::harden(
+        router,
+        tierlimit_shared::serve::Limits::new(http, state.on_reject()),
+    )
+}
+
+/// The admin listener's routes: `/metrics` and the probes, no API. It is
+/// kept off the API listener so that an API caller never reaches it; its
+/// protection is its address (loopback by default, see `--admin-listen`).
+pub fn admin_router(state: Arc<AppState>, http: &tierlimit_shared::config::HttpSettings) -> Router {
+    let router = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz));
+    let router = tierlimit_shared::serve::problem_fallbacks(router, state.on_reject())
+        .with_state(Arc::clone(&state));
+    tierlimit_shared::serve::harden(
+        router,
+        tierlimit_shared::serve::Limits::new(http, state.on_reject()),
+    )
+}
+
+async fn no_store(mut resp: Response) -> Response {
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
 }
 
 /// The body, or the problem of a body that could not be read (413 past
@@ -250,6 +302,7 @@ fn parse_query(q: &HashMap<String, String>) -> Result<(String, Option<String>, u
 
 async fn check_post(
     State(s): State<Arc<AppState>>,
+    Extension(who): Extension<Principal>,
     ct: ContentType,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -258,7 +311,10 @@ async fn check_post(
         Err(p) => return s.refused(p),
     };
     match parse_body(&ct, &body) {
-        Ok((t, k, c)) => decide(&s, &t, k.as_deref(), c).await,
+        Ok((t, k, c)) => match who.require(Scope::Check, Some(&t)) {
+            Ok(()) => decide(&s, &t, k.as_deref(), c).await,
+            Err(e) => s.refused(e.into()),
+        },
         Err(p) => s.refused(p),
     }
 }
@@ -267,6 +323,7 @@ async fn check_post(
 /// ext_authz HTTP): 200 allows, 429 denies.
 async fn check_get(
     State(s): State<Arc<AppState>>,
+    Extension(who): Extension<Principal>,
     Query(q): Query<Vec<(String, String)>>,
 ) -> Response {
     let parsed = match unique_query(q) {
@@ -274,7 +331,10 @@ async fn check_get(
         Err(p) => Err(p),
     };
     match parsed {
-        Ok((t, k, c)) => decide(&s, &t, k.as_deref(), c).await,
+        Ok((t, k, c)) => match who.require(Scope::Check, Some(&t)) {
+            Ok(()) => decide(&s, &t, k.as_deref(), c).await,
+            Err(e) => s.refused(e.into()),
+        },
         Err(p) => s.refused(p),
     }
 }
@@ -292,6 +352,7 @@ async fn decide(s: &AppState, tenant: &str, key: Option<&str>, cost: u64) -> Res
 /// charge (see `node.free_form_refunds`).
 async fn refund(
     State(s): State<Arc<AppState>>,
+    Extension(who): Extension<Principal>,
     ct: ContentType,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -311,12 +372,25 @@ async fn refund(
                 "a refund by handle names no tenant or key: the handle does",
             ))
         }
-        Some(ref handle) => s.decider.refund_handle(handle, b.cost).await,
+        Some(ref handle) => {
+            // Authorised on the tenant the handle claims; the decider
+            // then verifies the claim (its signature) before giving back.
+            let tenant = handle_tenant(handle);
+            if let Err(e) = who.require(Scope::Refund, Some(tenant.as_deref().unwrap_or(""))) {
+                return s.refused(e.into());
+            }
+            s.decider.refund_handle(handle, b.cost).await
+        }
         None => {
             let (tenant, key, cost) = match tenant_key_cost(b) {
                 Ok(v) => v,
                 Err(p) => return s.refused(p),
             };
+            // Tied to no charge: an operator's act, never a client's.
+            if let Err(e) = who.require(Scope::Admin, Some(&tenant)) {
+                return s.refused(e.into());
+            }
+            tracing::info!(who = %who.name, tenant = %tenant, cost, "free-form refund requested");
             let req = Request {
                 tenant: &tenant[..],
                 key: key.as_deref(),
@@ -346,9 +420,13 @@ async fn refund(
 
 async fn tenant_usage(
     State(s): State<Arc<AppState>>,
+    Extension(who): Extension<Principal>,
     Path(tenant): Path<String>,
     Query(q): Query<Vec<(String, String)>>,
 ) -> Response {
+    if let Err(e) = who.require(Scope::Read, Some(&tenant)) {
+        return s.refused(e.into());
+    }
     let q = match unique_query(q) {
         Ok(q) => q,
         Err(p) => return s.refused(p),
@@ -392,7 +470,27 @@ async fn readyz(State(s): State<Arc<AppState>>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
+/// The tenant a refund handle names (`<payload>.<mac>`, the payload
+/// `tenant|…`), unverified: authorization looks at it, the decider checks
+/// the signature.
+fn handle_tenant(handle: &str) -> Option<String> {
+    use base64::Engine as _;
+    let payload = handle.split_once('.')?.0;
+    let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload)
+        .ok()?;
+    let payload = String::from_utf8(payload).ok()?;
+    Some(payload.split('|').next()?.to_owned())
+}
+
 impl AppState {
+    /// Counts a refusal of the listener layers (auth, limits) under its
+    /// problem slug, like the handlers' own refusals.
+    fn on_reject(&self) -> tierlimit_shared::serve::OnReject {
+        let m = Arc::clone(&self.metrics);
+        Arc::new(move |slug| m.bad_requests.with_label_values(&[slug]).inc())
+    }
+
     fn refused(&self, p: Problem) -> Response {
         if p.status() != StatusCode::SERVICE_UNAVAILABLE {
             self.metrics
@@ -575,6 +673,20 @@ mod tests {
     use tierlimit_shared::problem::PROBLEM_BASE;
 
     use super::*;
+
+    #[test]
+    fn the_tenant_of_a_handle_is_read_without_the_secret() {
+        let signer = crate::refund::Signer::new(b"a region secret of at least 32 bytes!");
+        let h = signer.sign(&crate::refund::Handle {
+            tenant: "acme".into(),
+            key: "k".into(),
+            cost: 1,
+            charged_at_ms: 1,
+            id: "x".into(),
+        });
+        assert_eq!(handle_tenant(&h).as_deref(), Some("acme"));
+        assert_eq!(handle_tenant("garbage"), None);
+    }
 
     #[test]
     fn rate_limited_type_is_under_the_problem_base() {

@@ -44,6 +44,8 @@ pub struct Settings {
     pub region: String,
     pub node_id: String,
     pub listen: SocketAddr,
+    /// The admin listener (`/metrics`, probes); kept off the API listener.
+    pub admin_listen: SocketAddr,
     /// Accept a Redis whose maxmemory-policy can evict counters.
     pub allow_eviction: bool,
 }
@@ -115,6 +117,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
     ));
 
     let newcomers = newcomers::Newcomers::new(Arc::clone(&store), Arc::clone(&metrics));
+    let live_for_http = Arc::clone(&live);
     let decider = decision::Decider::new(
         live,
         store,
@@ -125,10 +128,12 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         Arc::clone(&metrics),
     )
     .with_newcomers(newcomers);
+    let http_settings = config.http.clone();
     let state = Arc::new(http::AppState {
         decider,
         metrics,
         view,
+        live: Arc::clone(&live_for_http),
     });
     {
         // The unused part of expired and replaced leases goes back.
@@ -141,19 +146,58 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             }
         });
     }
-    let app = http::router(state);
+    let tls = match http_settings.tls() {
+        Some((cert, key)) => Some(
+            tierlimit_shared::tls::server_config(cert, key, http_settings.tls_client_ca.as_deref())
+                .context("[http] TLS")?,
+        ),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
         .with_context(|| format!("binding {}", settings.listen))?;
+    let admin = tokio::net::TcpListener::bind(settings.admin_listen)
+        .await
+        .with_context(|| format!("binding the admin listener {}", settings.admin_listen))?;
+    if config.auth.keys.is_empty() && config.auth.clients.is_empty() {
+        tracing::warn!(
+            open_scopes = ?config.auth.open_scopes,
+            "no API keys configured ([auth.keys]): only auth.open_scopes are usable"
+        );
+    }
     tracing::info!(
         listen = %settings.listen,
+        admin_listen = %settings.admin_listen,
+        tls = tls.is_some(),
         region = %settings.region,
         node = %settings.node_id,
         "region-node serving"
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let api = tierlimit_shared::serve::serve(
+        listener,
+        http::router(Arc::clone(&state), &http_settings),
+        tls,
+        &http_settings,
+        stopped(stop_rx.clone()),
+    );
+    let admin = tierlimit_shared::serve::serve(
+        admin,
+        http::admin_router(state, &http_settings),
+        None,
+        &http_settings,
+        stopped(stop_rx),
+    );
+    let (api, admin) = tokio::join!(api, admin);
+    api.context("API listener")?;
+    admin.context("admin listener")?;
     Ok(())
 }
 

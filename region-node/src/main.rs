@@ -35,6 +35,11 @@ struct Cli {
     /// Address of the HTTP API.
     #[arg(long, env = "TIERLIMIT_LISTEN", default_value = "127.0.0.1:9000")]
     listen: SocketAddr,
+    /// Address of the admin listener: /metrics (and /healthz, /readyz),
+    /// never the API. Loopback by default: Prometheus on the same host, or
+    /// bind a private interface; it takes no credentials.
+    #[arg(long, env = "TIERLIMIT_ADMIN_LISTEN", default_value = "127.0.0.1:9001")]
+    admin_listen: SocketAddr,
     /// Log as JSON lines instead of text (level from RUST_LOG, default info).
     #[arg(long, env = "TIERLIMIT_LOG_JSON")]
     log_json: bool,
@@ -57,7 +62,8 @@ Signals: SIGHUP reloads plans, tenants and unknown-tenant policy (kafka.*, regio
 and node.* need a restart; an invalid file is refused and the old configuration stays);
 SIGTERM and SIGINT stop gracefully.
 
-HTTP: POST|GET /v1/check, POST /v1/refund, GET /v1/tenants/{tenant}, /metrics, /healthz, /readyz";
+HTTP (--listen, keys from [auth]): POST|GET /v1/check, POST /v1/refund, GET /v1/tenants/{tenant},
+/healthz, /readyz. Admin (--admin-listen): /metrics, /healthz, /readyz.";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -105,6 +111,7 @@ fn main() -> ExitCode {
         region,
         node_id,
         listen: cli.listen,
+        admin_listen: cli.admin_listen,
         allow_eviction: cli.allow_eviction,
     })) {
         Ok(()) => ExitCode::SUCCESS,

@@ -76,6 +76,75 @@ pub struct Config {
     pub tenants: BTreeMap<String, TenantConfig>,
     #[serde(default)]
     pub unknown_tenants: UnknownTenants,
+    /// API keys, client certificates and open scopes (see [`crate::auth`]).
+    #[serde(default)]
+    pub auth: crate::auth::AuthConfig,
+    /// The HTTP listeners: TLS, timeouts and size limits.
+    #[serde(default)]
+    pub http: HttpSettings,
+}
+
+/// `[http]`: how both binaries' HTTP listeners protect themselves.
+///
+/// TLS applies to the main listener (the API); the admin listener
+/// (`/metrics`, dashboard) is plain HTTP on a loopback address by default.
+/// The limits hold for both.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpSettings {
+    /// PEM certificate chain of the main listener; with `tls_key`, the
+    /// listener speaks only TLS.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// PEM CA bundle for client certificates (mTLS). Set: a client may
+    /// present a certificate signed by it and is identified by its DNS
+    /// SANs (`auth.clients`); one signed by anyone else is refused in the
+    /// handshake. A client without a certificate may still use a key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_client_ca: Option<std::path::PathBuf>,
+    /// A connection must send a request's complete headers within this
+    /// (slow-loris connections are closed, not kept). The clock also runs
+    /// while a keep-alive connection waits for its next request, so this is
+    /// the idle timeout of keep-alive connections too.
+    #[serde(with = "serde_human")]
+    pub header_read_timeout: Duration,
+    /// A request (body included) must be answered within this; past it
+    /// 408 problem+json.
+    #[serde(with = "serde_human")]
+    pub request_timeout: Duration,
+    /// Largest sum of header names and values accepted (431 past it).
+    pub max_header_bytes: usize,
+    /// Longest request target (path and query) accepted (414 past it).
+    pub max_uri_bytes: usize,
+    /// Aggregator only: requests served at once; more are shed with 503
+    /// and `Retry-After` (the region-node admits checks by its own
+    /// admission control).
+    pub max_concurrent_requests: usize,
+}
+
+impl HttpSettings {
+    /// TLS certificate and key, when both are set.
+    pub fn tls(&self) -> Option<(&Path, &Path)> {
+        Some((self.tls_cert.as_deref()?, self.tls_key.as_deref()?))
+    }
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        HttpSettings {
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
+            header_read_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+            max_header_bytes: 16 * 1024,
+            max_uri_bytes: 4 * 1024,
+            max_concurrent_requests: 256,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -849,6 +918,56 @@ impl Config {
                 format!("must be within 0..1, got {}", n.urgent_fraction),
             ));
         }
+        let h = &self.http;
+        if h.tls_cert.is_some() != h.tls_key.is_some() {
+            return Err(ConfigError::invalid(
+                if h.tls_cert.is_some() {
+                    "http.tls_key"
+                } else {
+                    "http.tls_cert"
+                },
+                "http.tls_cert and http.tls_key are set together",
+            ));
+        }
+        if h.tls_client_ca.is_some() && h.tls_cert.is_none() {
+            return Err(ConfigError::invalid(
+                "http.tls_client_ca",
+                "client certificates need TLS: set http.tls_cert and http.tls_key",
+            ));
+        }
+        range(
+            "http.header_read_timeout",
+            h.header_read_timeout,
+            ms(100),
+            ms(600_000),
+        )?;
+        range(
+            "http.request_timeout",
+            h.request_timeout,
+            ms(100),
+            ms(600_000),
+        )?;
+        if !(1024..=1024 * 1024).contains(&h.max_header_bytes) {
+            return Err(ConfigError::invalid(
+                "http.max_header_bytes",
+                "must be between 1024 and 1048576",
+            ));
+        }
+        if !(256..=64 * 1024).contains(&h.max_uri_bytes) {
+            return Err(ConfigError::invalid(
+                "http.max_uri_bytes",
+                "must be between 256 and 65536",
+            ));
+        }
+        if h.max_concurrent_requests == 0 {
+            return Err(ConfigError::invalid(
+                "http.max_concurrent_requests",
+                "must be at least 1",
+            ));
+        }
+        self.auth
+            .validate()
+            .map_err(|(key, reason)| ConfigError::invalid(key, reason))?;
         let a = &self.aggregator;
         if a.group_id.is_empty() {
             return Err(ConfigError::invalid(

@@ -8,6 +8,7 @@
 //! behind the `http` feature.
 
 pub mod algorithm;
+pub mod auth;
 pub mod config;
 pub mod day;
 pub mod describe;
@@ -18,6 +19,10 @@ pub mod messages;
 #[cfg(feature = "http")]
 pub mod problem;
 pub mod reload;
+#[cfg(feature = "http")]
+pub mod serve;
+#[cfg(feature = "http")]
+pub mod tls;
 pub mod validate;
 
 pub use config::{Config, ConfigError};

@@ -1220,6 +1220,23 @@ fn example_config_documents_every_key() {
         "sasl.mechanisms",
         "ssl.ca.location",
         "TIERLIMIT__",
+        "[auth]",
+        "open_scopes",
+        "[auth.keys.",
+        "sha256",
+        "scopes",
+        "tenants",
+        "[auth.clients.",
+        "dns_name",
+        "[http]",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "header_read_timeout",
+        "request_timeout",
+        "max_header_bytes",
+        "max_uri_bytes",
+        "max_concurrent_requests",
     ];
     for key in keys {
         assert!(text.contains(key), "{key} is not documented in the example");
@@ -1242,5 +1259,40 @@ fn example_config_documents_every_key() {
     assert_eq!(
         l.config.regions["eu-west"].redis_url,
         "rediss://redis.eu:6380"
+    );
+}
+
+// ----- [auth] and [http] -------------------------------------------------------------
+
+#[test]
+fn auth_and_http_errors_name_the_key() {
+    let base = std::fs::read_to_string(EXAMPLE).unwrap();
+    let with = |extra: &str| Config::from_toml(&format!("{base}\n{extra}"));
+    let err = |extra: &str| with(extra).unwrap_err();
+    let e = err("[auth.keys.bad]\nsha256 = \"abc\"\nscopes = [\"check\"]\n");
+    assert_eq!(e.key(), Some("auth.keys.bad.sha256"), "{e}");
+    assert!(e.to_string().contains("64 hex digits"), "{e}");
+    let e = err("[auth.keys.bad]\nsha256 = \"8f434346648f6b96df89dda901c5176b10a6d83961dd3c1ac88b59b2dc327aa4\"\nscopes = [\"root\"]\n");
+    assert!(e.key().unwrap().starts_with("auth.keys.bad.scopes"), "{e}");
+    assert!(e.to_string().contains("root"), "{e}");
+    // The example's keys validated; the defaults are the safe ones.
+    let l = with("").unwrap();
+    assert!(l.config.auth.open_scopes.is_empty());
+    assert_eq!(l.config.auth.keys.len(), 2);
+    assert!(l.config.http.tls().is_none());
+    let mut text = base.replace("open_scopes = []", "open_scopes = [\"admin\"]");
+    assert_eq!(
+        Config::from_toml(&text).unwrap_err().key(),
+        Some("auth.open_scopes")
+    );
+    text = base.replace("max_uri_bytes = 4096", "max_uri_bytes = 10");
+    assert_eq!(
+        Config::from_toml(&text).unwrap_err().key(),
+        Some("http.max_uri_bytes")
+    );
+    text = base.replace("# tls_cert = ", "tls_cert = ");
+    assert_eq!(
+        Config::from_toml(&text).unwrap_err().key(),
+        Some("http.tls_key")
     );
 }

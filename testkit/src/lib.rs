@@ -45,6 +45,7 @@
 //!
 //! What is to come lands here too, one module each: Envoy.
 
+pub mod auth;
 pub mod bins;
 pub mod port;
 pub mod proc;
@@ -60,6 +61,7 @@ pub mod wait;
 
 pub use tempfile;
 
+pub use crate::auth::{harness_env, harness_headers, HARNESS_KEY};
 pub use crate::bins::{bin_path, set_bin_dir};
 pub use crate::port::{free_port, temp_dir, write_config};
 pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
@@ -70,7 +72,7 @@ pub use crate::redis_server::{query, Redis};
 pub use crate::scrape::{
     get_json, get_text, metric_sample, metric_value, scrape_metric, try_json, try_text,
 };
-pub use crate::server::{http_client, Aggregator, RegionNode};
+pub use crate::server::{admin_base, http_client, register_admin_base, Aggregator, RegionNode};
 pub use crate::start::start_on_free_port;
 pub use crate::tansu::{client_config, tansu_bin, try_tansu_bin, Tansu};
 pub use crate::wait::{

@@ -1,7 +1,13 @@
 //! `region-node` and `aggregator` processes, ready once `/healthz` answers.
+//!
+//! Each gets two ports: the API (`--listen`, [`RegionNode::url`]) and the
+//! admin listener (`--admin-listen`, [`RegionNode::admin_url`]: `/metrics`,
+//! the dashboard), and accepts the harness key ([`crate::auth`]).
 
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::Path;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::bins::bin_path;
@@ -10,35 +16,72 @@ use crate::proc::{addr_in_use, Cmd, Proc};
 use crate::wait::{POLL, START_DEADLINE};
 
 /// An HTTP client for talking to local servers: no proxy (a proxy from the
-/// environment must not see loopback traffic), 10 s per request.
+/// environment must not see loopback traffic), 10 s per request, sending
+/// the harness key ([`crate::auth::HARNESS_KEY`]).
 pub fn http_client() -> reqwest::Client {
     reqwest::Client::builder()
         .no_proxy()
+        .default_headers(crate::auth::harness_headers())
         .timeout(Duration::from_secs(10))
         .build()
         .expect("reqwest client")
 }
 
-/// Starts `bin` with `args(port)` on a free port (retrying on a port
-/// collision) and waits until `GET /healthz` answers 200.
+/// API base URL (`http://127.0.0.1:PORT`) → admin base URL, for every
+/// server this process started.
+static ADMIN_BASES: Mutex<Option<HashMap<String, String>>> = Mutex::new(None);
+
+/// The admin listener's base URL of the server whose API is at `base`
+/// (`http://127.0.0.1:PORT`, as [`RegionNode::url`]`("")` gives), for code
+/// that only kept the base. `base` itself if testkit did not start it.
+pub fn admin_base(base: &str) -> String {
+    let base = base.trim_end_matches('/');
+    ADMIN_BASES
+        .lock()
+        .unwrap()
+        .as_ref()
+        .and_then(|m| m.get(base).cloned())
+        .unwrap_or_else(|| base.to_string())
+}
+
+/// Records that the server whose API is at `base` has its admin listener
+/// at `admin` (for servers started without [`RegionNode`]/[`Aggregator`]).
+pub fn register_admin_base(base: &str, admin: &str) {
+    ADMIN_BASES
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(base.trim_end_matches('/').to_string(), admin.to_string());
+}
+
+/// Starts `bin` with `args(port, admin_port)` on free ports (retrying on a
+/// port collision) and waits until `GET /healthz` answers 200 on the admin
+/// listener.
 async fn start_http_server(
     label: &str,
     bin: &Path,
-    args: impl Fn(u16) -> Vec<OsString>,
+    args: impl Fn(u16, u16) -> Vec<OsString>,
     env: &[(&str, &str)],
-) -> (Proc, u16) {
+) -> (Proc, u16, u16) {
     let client = http_client();
     for _attempt in 0..5 {
         let port = free_port();
+        let mut admin_port = free_port();
+        while admin_port == port {
+            admin_port = free_port();
+        }
         let mut cmd = Cmd::new(bin)
             .label(format!("{label}:{port}"))
-            .args(args(port))
+            .args(args(port, admin_port))
             .env("RUST_LOG", "info");
+        for (k, v) in crate::auth::harness_env() {
+            cmd = cmd.env(&k, &v);
+        }
         for (k, v) in env {
             cmd = cmd.env(k, v);
         }
         let mut proc = cmd.spawn();
-        let url = format!("http://127.0.0.1:{port}/healthz");
+        let admin_url = format!("http://127.0.0.1:{admin_port}/healthz");
         let start = Instant::now();
         loop {
             if let Some(status) = proc.poll_exit() {
@@ -47,14 +90,21 @@ async fn start_http_server(
                 }
                 panic!("{} exited before /healthz answered: {status}", proc.label());
             }
+            // The admin listener: it answers plain HTTP even when the API
+            // speaks TLS, and both are bound before either serves, so an
+            // answer here means the API port accepts connections too.
             let ok = client
-                .get(&url)
+                .get(&admin_url)
                 .timeout(Duration::from_secs(1))
                 .send()
                 .await
                 .is_ok_and(|r| r.status() == reqwest::StatusCode::OK);
             if ok {
-                return (proc, port);
+                register_admin_base(
+                    &format!("http://127.0.0.1:{port}"),
+                    &format!("http://127.0.0.1:{admin_port}"),
+                );
+                return (proc, port, admin_port);
             }
             if start.elapsed() >= START_DEADLINE {
                 panic!(
@@ -69,8 +119,9 @@ async fn start_http_server(
 }
 
 /// A real `region-node` process:
-/// `region-node --config FILE --region NAME --node-id ID --listen 127.0.0.1:PORT`
-/// with `RUST_LOG=info`, ready once `GET /healthz` answers 200.
+/// `region-node --config FILE --region NAME --node-id ID --listen 127.0.0.1:PORT
+/// --admin-listen 127.0.0.1:ADMIN_PORT` with `RUST_LOG=info` and the harness
+/// key, ready once `GET /healthz` answers 200 on the admin listener.
 #[derive(Debug)]
 pub struct RegionNode {
     pub proc: Proc,
@@ -78,6 +129,7 @@ pub struct RegionNode {
     pub region: String,
     pub node_id: String,
     port: u16,
+    admin_port: u16,
 }
 
 impl RegionNode {
@@ -96,10 +148,10 @@ impl RegionNode {
         let bin = bin_path("region-node");
         let config = config.to_path_buf();
         let (r, n) = (region.to_string(), node_id.to_string());
-        let (proc, port) = start_http_server(
+        let (proc, port, admin_port) = start_http_server(
             &format!("region-node[{region}/{node_id}]"),
             &bin,
-            |port| {
+            |port, admin_port| {
                 vec![
                     "--config".into(),
                     config.clone().into(),
@@ -109,6 +161,8 @@ impl RegionNode {
                     n.clone().into(),
                     "--listen".into(),
                     format!("127.0.0.1:{port}").into(),
+                    "--admin-listen".into(),
+                    format!("127.0.0.1:{admin_port}").into(),
                 ]
             },
             env,
@@ -120,6 +174,7 @@ impl RegionNode {
             region: region.to_string(),
             node_id: node_id.to_string(),
             port,
+            admin_port,
         }
     }
 
@@ -131,16 +186,27 @@ impl RegionNode {
     pub fn port(&self) -> u16 {
         self.port
     }
+
+    /// `http://127.0.0.1:ADMIN_PORT{path}`: `/metrics` (and the dashboard).
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+
+    pub fn admin_port(&self) -> u16 {
+        self.admin_port
+    }
 }
 
 /// A real `aggregator` process:
-/// `aggregator --config FILE --listen 127.0.0.1:PORT` with `RUST_LOG=info`,
-/// ready once `GET /healthz` answers 200.
+/// `aggregator --config FILE --listen 127.0.0.1:PORT --admin-listen
+/// 127.0.0.1:ADMIN_PORT` with `RUST_LOG=info` and the harness key, ready
+/// once `GET /healthz` answers 200 on the admin listener.
 #[derive(Debug)]
 pub struct Aggregator {
     pub proc: Proc,
     pub http: reqwest::Client,
     port: u16,
+    admin_port: u16,
 }
 
 impl Aggregator {
@@ -152,15 +218,17 @@ impl Aggregator {
     pub async fn start_with_env(config: &Path, env: &[(&str, &str)]) -> Aggregator {
         let bin = bin_path("aggregator");
         let config = config.to_path_buf();
-        let (proc, port) = start_http_server(
+        let (proc, port, admin_port) = start_http_server(
             "aggregator",
             &bin,
-            |port| {
+            |port, admin_port| {
                 vec![
                     "--config".into(),
                     config.clone().into(),
                     "--listen".into(),
                     format!("127.0.0.1:{port}").into(),
+                    "--admin-listen".into(),
+                    format!("127.0.0.1:{admin_port}").into(),
                 ]
             },
             env,
@@ -170,6 +238,7 @@ impl Aggregator {
             proc,
             http: http_client(),
             port,
+            admin_port,
         }
     }
 
@@ -180,5 +249,14 @@ impl Aggregator {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// `http://127.0.0.1:ADMIN_PORT{path}`: `/metrics` (and the dashboard).
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+
+    pub fn admin_port(&self) -> u16 {
+        self.admin_port
     }
 }

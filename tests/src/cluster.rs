@@ -24,9 +24,13 @@ use crate::{
 pub const REGIONS: [&str; 3] = ["eu", "us", "ap"];
 pub const NODE_IDS: [&str; 2] = ["a", "b"];
 pub const NODE_PORTS: [u16; 2] = [9000, 9001];
+/// The nodes' admin listeners (`/metrics`).
+pub const NODE_ADMIN_PORTS: [u16; 2] = [9010, 9011];
 pub const REDIS_PORT: u16 = 6379;
 pub const KAFKA_PORT: u16 = 9092;
 pub const AGG_PORT: u16 = 9100;
+/// The aggregator's admin listener (`/metrics`, dashboard).
+pub const AGG_ADMIN_PORT: u16 = 9110;
 pub const PARTITIONS: i32 = 4;
 pub const DELTAS: &str = "tierlimit.deltas";
 pub const GLOBAL: &str = "tierlimit.global";
@@ -58,6 +62,8 @@ pub struct Node {
     pub proc: Proc,
     /// `http://ip:port`
     pub base: String,
+    /// `http://ip:admin_port`: `/metrics`.
+    pub admin: String,
 }
 
 impl Node {
@@ -193,6 +199,7 @@ policy = "deny"
             keep_logs: false,
             http: reqwest::Client::builder()
                 .no_proxy()
+                .default_headers(testkit::harness_headers())
                 .timeout(Duration::from_secs(2))
                 .build()
                 .unwrap(),
@@ -229,6 +236,7 @@ policy = "deny"
                     id: NODE_IDS[i].to_string(),
                     proc: p,
                     base: format!("http://{}", cluster.topo.host(r).addr(NODE_PORTS[i])),
+                    admin: format!("http://{}", cluster.topo.host(r).addr(NODE_ADMIN_PORTS[i])),
                 });
             }
         }
@@ -239,19 +247,19 @@ policy = "deny"
 
     fn aggregator_cmd(&self) -> crate::Cmd {
         let listen = self.topo.host("core").addr(AGG_PORT);
-        self.topo
-            .cmd("core", bin_path("aggregator"))
+        let admin = self.topo.host("core").addr(AGG_ADMIN_PORT);
+        with_harness_key(self.topo.cmd("core", bin_path("aggregator")))
             .arg("--config")
             .arg(&self.config)
-            .args(["--listen", &listen])
+            .args(["--listen", &listen, "--admin-listen", &admin])
             .env("RUST_LOG", "info")
             .log_file(self.dir.path().join("aggregator.log"))
     }
 
     fn node_cmd(&self, region: &str, i: usize) -> crate::Cmd {
         let listen = self.topo.host(region).addr(NODE_PORTS[i]);
-        self.topo
-            .cmd(region, bin_path("region-node"))
+        let admin = self.topo.host(region).addr(NODE_ADMIN_PORTS[i]);
+        with_harness_key(self.topo.cmd(region, bin_path("region-node")))
             .arg("--config")
             .arg(&self.config)
             .args([
@@ -261,6 +269,8 @@ policy = "deny"
                 NODE_IDS[i],
                 "--listen",
                 &listen,
+                "--admin-listen",
+                &admin,
             ])
             .env(
                 "RUST_LOG",
@@ -272,6 +282,14 @@ policy = "deny"
                     .path()
                     .join(format!("node-{region}-{}.log", NODE_IDS[i])),
             )
+    }
+
+    /// The aggregator's admin listener: `/metrics`, the dashboard.
+    pub fn agg_admin_url(&self, path: &str) -> String {
+        format!(
+            "http://{}{path}",
+            self.topo.host("core").addr(AGG_ADMIN_PORT)
+        )
     }
 
     pub fn agg_url(&self, path: &str) -> String {
@@ -504,11 +522,11 @@ policy = "deny"
     }
 
     pub async fn node_metrics_text(&self, node: &Node) -> Option<String> {
-        try_text(&self.http, &format!("{}/metrics", node.base)).await
+        try_text(&self.http, &format!("{}/metrics", node.admin)).await
     }
 
     pub async fn aggregator_metric(&self, name: &str) -> Option<f64> {
-        let text = try_text(&self.http, &self.agg_url("/metrics")).await?;
+        let text = try_text(&self.http, &self.agg_admin_url("/metrics")).await?;
         Some(metric_value(&text, name))
     }
 
@@ -570,4 +588,12 @@ async fn ping(url: &str) -> bool {
         .query_async::<String>(&mut c)
         .await
         .is_ok()
+}
+
+/// A process of the deployment, accepting the harness key
+/// ([`testkit::HARNESS_KEY`]) that the cluster's clients send.
+fn with_harness_key(cmd: crate::Cmd) -> crate::Cmd {
+    testkit::harness_env()
+        .into_iter()
+        .fold(cmd, |c, (k, v)| c.env(k, v))
 }

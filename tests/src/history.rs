@@ -161,6 +161,7 @@ impl Client {
         Client {
             http: reqwest::Client::builder()
                 .no_proxy()
+                .default_headers(testkit::harness_headers())
                 .timeout(Duration::from_secs(3))
                 .pool_max_idle_per_host(4)
                 .build()

@@ -62,7 +62,7 @@ impl Cluster {
         let targets: Vec<(String, String)> = self
             .nodes
             .iter()
-            .map(|n| (n.name(), n.base.clone()))
+            .map(|n| (n.name(), n.admin.clone()))
             .collect();
         let http = self.http.clone();
         let (s2, samples2) = (stop.clone(), samples.clone());

@@ -249,7 +249,7 @@ policy = "deny"
     }
 
     // Chromium: screenshot and DOM.
-    let url = agg.url("/?refresh=0");
+    let url = agg.admin_url("/?refresh=0");
     let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     std::fs::create_dir_all(&shots).unwrap();
     let png = shots.join("tierlimit-dashboard.png");

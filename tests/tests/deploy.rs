@@ -858,9 +858,9 @@ plan = "p"
 
     let all_referenced: BTreeSet<String> = referenced.values().flatten().cloned().collect();
     let exported_now = || async {
-        let mut names = exported(&harness::get_text(&http, &node.url("/metrics")).await);
+        let mut names = exported(&harness::get_text(&http, &node.admin_url("/metrics")).await);
         names.extend(exported(
-            &harness::get_text(&http, &agg.url("/metrics")).await,
+            &harness::get_text(&http, &agg.admin_url("/metrics")).await,
         ));
         names
     };

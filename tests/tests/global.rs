@@ -149,7 +149,7 @@ async fn agg_total(a: &Aggregator, tenant: &str) -> Option<u64> {
 }
 
 async fn agg_metric(a: &Aggregator, name: &str) -> u64 {
-    harness::scrape_metric(&a.http, &a.url("/metrics"), name).await as u64
+    harness::scrape_metric(&a.http, &a.admin_url("/metrics"), name).await as u64
 }
 
 /// Background traffic: `clients` loops per node URL until stopped; counts 200s.
@@ -173,7 +173,7 @@ impl Traffic {
                     tenant.to_string(),
                 );
                 tasks.push(tokio::spawn(async move {
-                    let http = reqwest::Client::new();
+                    let http = harness::http_client();
                     while !stop.load(Ordering::Relaxed) {
                         let (s, _) = check(&http, &url, &tenant).await;
                         match s {
@@ -261,7 +261,7 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
         for _ in 0..4 {
             let url = url.clone();
             tasks.push(tokio::spawn(async move {
-                let http = reqwest::Client::new();
+                let http = harness::http_client();
                 let mut allowed = 0u64;
                 loop {
                     let (s, body) = check(&http, &url, "hot").await;
@@ -292,7 +292,7 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
             || {
                 let url = url.clone();
                 async move {
-                    let (s, body) = check(&reqwest::Client::new(), &url, "hot").await;
+                    let (s, body) = check(&harness::http_client(), &url, "hot").await;
                     s == 429 && body["mode"] == "view" && body["violated-policy"] == "global"
                 }
             },
@@ -491,7 +491,7 @@ async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
 
 /// Sum of a region-node's metric `name` (all label sets).
 async fn node_metric(n: &RegionNode, name: &str) -> u64 {
-    harness::scrape_metric(&n.http, &n.url("/metrics"), name).await as u64
+    harness::scrape_metric(&n.http, &n.admin_url("/metrics"), name).await as u64
 }
 
 /// One allowed check of `cost` (one request, so no flush can split it).

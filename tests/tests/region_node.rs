@@ -541,7 +541,7 @@ plan = "local"
         allowed, 5,
         "local mode enforces the node's share of the region limit"
     );
-    let m = harness::get_text(&n.http, &n.url("/metrics")).await;
+    let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
     assert!(m.contains("tierlimit_store_up 0"), "store_up gauge drops");
     assert!(m.contains("tierlimit_fail_mode_decisions_total{mode=\"local\"}"));
     let r: Value = harness::get_json(&n.http, &n.url("/readyz")).await;
@@ -597,7 +597,7 @@ async fn sighup_reload_good_and_bad() {
         "the refused reload is counted",
         Duration::from_secs(5),
         || async {
-            let m = harness::try_text(&n.http, &n.url("/metrics")).await?;
+            let m = harness::try_text(&n.http, &n.admin_url("/metrics")).await?;
             m.contains("tierlimit_config_reloads_total{result=\"refused\"} 1")
                 .then_some(m)
         },
@@ -633,7 +633,7 @@ plan = "p"
     let n = RegionNode::start(&cfg, "eu", "a").await;
     let mut admin = redis.client().await;
     let store_up = || async {
-        let m = harness::get_text(&n.http, &n.url("/metrics")).await;
+        let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
         m.lines()
             .find(|l| l.starts_with("tierlimit_store_up "))
             .unwrap()
@@ -715,7 +715,7 @@ plan = "p"
             "{body}"
         );
     }
-    let m = harness::get_text(&n.http, &n.url("/metrics")).await;
+    let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
     assert!(
         m.contains("tierlimit_store_up 0"),
         "a replica is not a store"
@@ -768,7 +768,7 @@ async fn an_evicting_redis_is_refused_unless_allowed() {
     );
     let n =
         RegionNode::start_with_env(&cfg, "eu", "a", &[("TIERLIMIT_ALLOW_EVICTION", "true")]).await;
-    let m = harness::get_text(&n.http, &n.url("/metrics")).await;
+    let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
     assert!(m.contains("tierlimit_redis_eviction_allowed 1"), "{m}");
 }
 
@@ -1040,8 +1040,8 @@ async fn a_flood_of_invented_tenants_is_bounded_per_region() {
         assert_eq!(check(&a, t, 1).await.0, 200, "{t} on a");
         assert_eq!(check(&b, t, 1).await.0, 200, "{t} on b");
     }
-    let ta = harness::get_text(&a.http, &a.url("/metrics")).await;
-    let tb = harness::get_text(&b.http, &b.url("/metrics")).await;
+    let ta = harness::get_text(&a.http, &a.admin_url("/metrics")).await;
+    let tb = harness::get_text(&b.http, &b.admin_url("/metrics")).await;
     let admitted_metric = |t: &str| {
         harness::metric_sample(t, "tierlimit_newcomers_total{outcome=\"admitted\"}").unwrap_or(0.0)
     };
@@ -1199,7 +1199,7 @@ async fn the_unused_part_of_a_lease_goes_back_to_the_days_count() {
         },
     )
     .await;
-    let text = harness::get_text(&n.http, &n.url("/metrics")).await;
+    let text = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
     let units = |e: &str| {
         harness::metric_sample(
             &text,

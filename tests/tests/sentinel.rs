@@ -207,7 +207,7 @@ async fn failover_under_traffic(fault: Fault) {
     let (status, body) = check(&n).await;
     assert_eq!(status, 429, "{body}");
     assert_eq!(body["violated-policy"], "region", "{body}");
-    let m = harness::get_text(&n.http, &n.url("/metrics")).await;
+    let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
     assert_eq!(metric(&m, "tierlimit_store_up"), 1.0);
     eprintln!(
         "sentinel {fault:?}: {} master look-ups after READONLY, breaker opened {} times",

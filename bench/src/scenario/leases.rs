@@ -112,7 +112,11 @@ async fn round(
     zipf: bool,
 ) -> anyhow::Result<Round> {
     let ticks = |p| testkit::cpu_ticks(p).unwrap_or(0);
-    let (n0, r0, c0) = (ticks(node.proc.pid()), ticks(redis_pid), conn.counts().await?);
+    let (n0, r0, c0) = (
+        ticks(node.proc.pid()),
+        ticks(redis_pid),
+        conn.counts().await?,
+    );
     let mut args = strings([
         "--url".to_string(),
         node.url("/v1/check"),
@@ -126,7 +130,9 @@ async fn round(
         WARMUP.to_string(),
     ]);
     if zipf {
-        args.extend(strings(["--dist", "zipf", "--zipf-s", "1.1", "--seed", "2"]));
+        args.extend(strings([
+            "--dist", "zipf", "--zipf-s", "1.1", "--seed", "2",
+        ]));
     }
     let summary = run.http(name, &args).await?;
     let (n1, r1) = (ticks(node.proc.pid()), ticks(redis_pid));

@@ -684,6 +684,7 @@ plan = "bench"
         ("LD_PRELOAD", preload.as_str()),
         ("RUST_LOG", k.rollover_log.as_str()),
         ("RUST_BACKTRACE", "1"),
+        crate::world::BENCH_OPEN_SCOPES,
     ];
     env.extend(fake.iter().map(|(a, b)| (a.as_str(), b.as_str())));
     let agg = testkit::Aggregator::start_with_env(&cfg, &env).await;
