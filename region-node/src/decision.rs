@@ -29,6 +29,7 @@ use tierlimit_shared::reload::Live;
 use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
+use crate::admission::{Admission, Limits};
 use crate::local::Local;
 use crate::metrics::Metrics;
 use crate::refund::{Handle, HandleError, Signer};
@@ -190,6 +191,9 @@ pub struct Decider {
     counters: [OnceLock<IntCounter>; 32],
     /// The refund-handle signer and the secret it was built from.
     signer: arc_swap::ArcSwapOption<(String, Signer)>,
+    /// The admission gate every front end takes a slot of before it
+    /// decides (`node.max_in_flight`, read at start).
+    admission: Arc<Admission>,
 }
 
 impl Decider {
@@ -202,7 +206,9 @@ impl Decider {
         node_id: String,
         metrics: Arc<Metrics>,
     ) -> Decider {
+        let admission = Admission::new(Limits::of(&live.load().config.node), Arc::clone(&metrics));
         Decider {
+            admission,
             live,
             store,
             view,
@@ -217,6 +223,13 @@ impl Decider {
 
     pub fn store(&self) -> &dyn CounterStore {
         self.store.as_ref()
+    }
+
+    /// The node's admission gate: the HTTP router's middleware
+    /// ([`crate::admission::middleware`]) and any other front end take a
+    /// slot of it ([`Admission::admit`]) before deciding.
+    pub fn admission(&self) -> Arc<Admission> {
+        Arc::clone(&self.admission)
     }
 
     /// May `tenant` spend `cost` units now? Charges every tier if allowed.
