@@ -11,6 +11,7 @@ pub mod kafka;
 pub mod latency;
 pub mod peer;
 pub mod rollover;
+pub mod saturation;
 pub mod scale;
 
 use std::time::Duration;
