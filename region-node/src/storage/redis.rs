@@ -908,6 +908,49 @@ mod tests {
         }
     }
 
+    /// Silence is measured from the first call that went unanswered, not
+    /// from each call: a stream of replies, however late each one is,
+    /// keeps it at zero; calls piling up without any reply make it grow.
+    #[test]
+    fn silence_grows_only_while_nothing_comes_back() {
+        let p = Progress::new();
+        assert_eq!(p.silence(), None, "nothing sent, nothing waited for");
+        p.sent();
+        let first = p.waiting_since.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(5));
+        p.sent();
+        assert_eq!(
+            p.waiting_since.load(Ordering::Relaxed),
+            first,
+            "a second call does not restart the silence"
+        );
+        assert!(p.silence().unwrap() >= Duration::from_millis(5));
+        p.replied();
+        assert_eq!(p.silence(), None, "any reply ends it");
+        p.sent();
+        assert!(p.silence().unwrap() < Duration::from_millis(5));
+    }
+
+    /// A reply, even an error reply or the script's refusal, proves Redis
+    /// is serving; a timeout or a broken connection does not.
+    #[test]
+    fn what_counts_as_a_reply() {
+        assert!(is_reply::<()>(&Ok(())));
+        assert!(is_reply::<()>(&Err(StoreError::Expired)));
+        assert!(is_reply::<()>(&Err(StoreError::NotMaster)));
+        let busy = redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading),
+            "LOADING",
+        ));
+        assert!(is_reply::<()>(&Err(StoreError::Redis(busy))));
+        assert!(!is_reply::<()>(&Err(StoreError::Timeout(
+            Duration::from_millis(1)
+        ))));
+        assert!(!is_reply::<()>(&Err(StoreError::Down)));
+        let io = redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(!is_reply::<()>(&Err(StoreError::Redis(io))));
+    }
+
     /// READONLY behind Sentinel asks for the master again and keeps the
     /// breaker closed; behind a fixed URL there is no other master to find,
     /// so it opens the breaker until `ROLE` says master.
