@@ -196,6 +196,12 @@ pub fn admits(path: &str) -> bool {
 
 /// The axum middleware: `.layer(axum::middleware::from_fn_with_state(
 /// admission, admission::middleware))`.
+///
+/// A body announced within [`crate::http::MAX_BODY`] is read *before* the
+/// slot is taken, so a client that sends its body slowly waits without
+/// holding one (a few slow clients must not take every slot). Other bodies
+/// (chunked, or too large: the handler answers 413) are left to the
+/// handler.
 pub async fn middleware(
     State(admission): State<Arc<Admission>>,
     req: Request,
@@ -204,6 +210,28 @@ pub async fn middleware(
     if !admits(req.uri().path()) {
         return next.run(req).await;
     }
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    let req = match announced {
+        Some(len) if len > 0 && len <= crate::http::MAX_BODY => {
+            let (parts, body) = req.into_parts();
+            match axum::body::to_bytes(body, len).await {
+                Ok(bytes) => Request::from_parts(parts, axum::body::Body::from(bytes)),
+                Err(e) => {
+                    return Problem::new(
+                        StatusCode::BAD_REQUEST,
+                        "unreadable-body",
+                        "Request body could not be read",
+                        format!("{e} (Content-Length {len})"),
+                    )
+                    .into_response()
+                }
+            }
+        }
+        _ => req,
+    };
     match admission.admit().await {
         Ok(slot) => {
             let resp = next.run(req).await;
