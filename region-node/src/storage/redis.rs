@@ -138,6 +138,63 @@ impl Progress {
     }
 }
 
+/// Redis' clock minus ours, estimated from replies. Each sample is Redis'
+/// time when the script ran minus ours when the reply was read, so it is
+/// below the true offset by the reply's delay, never above: the estimate is
+/// the *largest* recent sample (the least delayed). Taking the latest one
+/// instead made deadlines earlier and earlier under load (replies read
+/// late), and the script refused calls that were in time. Samples age out
+/// after one to two [`ClockOffset::WINDOW_MS`], so a clock that steps back
+/// is followed.
+struct ClockOffset {
+    origin: Instant,
+    /// Window number (`WINDOW_MS` since `origin`) of `current`.
+    window: AtomicU64,
+    current: AtomicI64,
+    previous: AtomicI64,
+}
+
+impl ClockOffset {
+    const WINDOW_MS: u64 = 5_000;
+
+    fn new() -> ClockOffset {
+        ClockOffset {
+            origin: Instant::now(),
+            window: AtomicU64::new(0),
+            current: AtomicI64::new(i64::MIN),
+            previous: AtomicI64::new(i64::MIN),
+        }
+    }
+
+    fn sample(&self, offset: i64) {
+        let w = self.origin.elapsed().as_millis() as u64 / Self::WINDOW_MS;
+        let seen = self.window.load(Ordering::Relaxed);
+        if w != seen
+            && self
+                .window
+                .compare_exchange(seen, w, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            // A window passed: what was current is the previous one now
+            // (or nothing, after a silence longer than a window).
+            let last = self.current.swap(offset, Ordering::Relaxed);
+            self.previous.store(
+                if w == seen + 1 { last } else { i64::MIN },
+                Ordering::Relaxed,
+            );
+            return;
+        }
+        self.current.fetch_max(offset, Ordering::Relaxed);
+    }
+
+    /// The estimate, `i64::MIN` until the first sample.
+    fn get(&self) -> i64 {
+        self.current
+            .load(Ordering::Relaxed)
+            .max(self.previous.load(Ordering::Relaxed))
+    }
+}
+
 /// Whether a call's outcome came from Redis (a reply, even an error reply)
 /// rather than from the connection or a timer.
 fn is_reply<T>(r: &Result<T, StoreError>) -> bool {
@@ -300,10 +357,8 @@ pub struct RedisStore {
     unavailable_after: Duration,
     /// This store, for the tasks that await late replies.
     this: Weak<RedisStore>,
-    /// Redis' clock minus ours, in ms, learnt from every decision reply
-    /// (`i64::MIN` until the first). Lets the node express a deadline in
-    /// Redis' clock without trusting the two clocks to agree.
-    clock_offset_ms: AtomicI64,
+    /// Redis' clock minus ours, in ms (see [`ClockOffset`]).
+    clock: ClockOffset,
     timeout: Duration,
     retry_interval: Duration,
     /// Wakes the probe task: the breaker opened, or the master must be
@@ -363,7 +418,7 @@ impl RedisStore {
             progress: Progress::new(),
             unavailable_after,
             this: this.clone(),
-            clock_offset_ms: AtomicI64::new(i64::MIN),
+            clock: ClockOffset::new(),
             timeout,
             retry_interval,
             wake_probe: Notify::new(),
@@ -499,10 +554,11 @@ impl RedisStore {
     /// whenever the master answers at start).
     ///
     /// The offset is learnt as Redis' time when it answered minus ours when
-    /// the reply was read, so it errs towards an earlier deadline, never a
+    /// the reply was read (the least delayed recent reply, see
+    /// [`ClockOffset`]), so it errs towards an earlier deadline, never a
     /// later one.
     pub fn deadline_ms(&self, now_ms: u64) -> i64 {
-        match self.clock_offset_ms.load(Ordering::Relaxed) {
+        match self.clock.get() {
             i64::MIN => 0,
             offset => now_ms as i64 + offset + (self.timeout.as_millis() as i64 / 2).max(1),
         }
@@ -511,15 +567,15 @@ impl RedisStore {
     /// Redis' clock now, estimated from ours and the offset learnt from the
     /// last decision reply (ours until one arrived).
     pub fn redis_now_ms(&self, now_ms: u64) -> i64 {
-        match self.clock_offset_ms.load(Ordering::Relaxed) {
+        match self.clock.get() {
             i64::MIN => now_ms as i64,
             offset => now_ms as i64 + offset,
         }
     }
 
     fn learn_offset(&self, redis_now_ms: i64) {
-        let offset = redis_now_ms - tierlimit_shared::messages::now_ms() as i64;
-        self.clock_offset_ms.store(offset, Ordering::Relaxed);
+        self.clock
+            .sample(redis_now_ms - tierlimit_shared::messages::now_ms() as i64);
     }
 
     /// Asks the master its clock (`TIME`), so that decisions carry a
@@ -906,6 +962,19 @@ mod tests {
             unavailable_after: Duration::from_millis(250),
             allow_eviction: false,
         }
+    }
+
+    /// The least delayed recent reply gives the offset; a clock that steps
+    /// back is followed within two windows.
+    #[test]
+    fn the_clock_offset_is_the_least_delayed_recent_sample() {
+        let c = ClockOffset::new();
+        assert_eq!(c.get(), i64::MIN);
+        c.sample(100);
+        c.sample(80); // a reply read 20 ms late
+        assert_eq!(c.get(), 100);
+        c.sample(101);
+        assert_eq!(c.get(), 101);
     }
 
     /// Silence is measured from the first call that went unanswered, not
