@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 pub const SCENARIOS: &[&str] = &[
     "ceiling",
     "latency",
+    "saturation",
     "fast_path",
     "kafka",
     "accuracy",
@@ -36,6 +37,8 @@ pub const SCENARIOS: &[&str] = &[
 ///   ceiling    1: redis-benchmark EVALSHA decide.lua (plain, pipelined) vs
 ///                 region-node checks over HTTP, same concurrency
 ///   latency    2: p50/p99/p99.9 at 50% of the saturated rate (runs ceiling)
+///   saturation 2b: open loop at 1.5x the saturated rate: fail-mode
+///                 decisions, shed requests, caller latency, admission off/on
 ///   fast_path  3: decisions/s for a tenant the broadcast marked over its limit
 ///   kafka      4: deltas produced per 1000 allowed decisions
 ///   accuracy   5: three regions push one tenant past its daily limit

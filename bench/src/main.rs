@@ -32,7 +32,8 @@ use crate::knobs::{Knobs, KAFKA_SIDE};
 use crate::report::{Machine, Results};
 use crate::run::Run;
 use crate::scenario::{
-    accuracy, ceiling, cluster, crossings, fast_path, kafka, latency, leases, rollover, scale,
+    accuracy, ceiling, cluster, crossings, fast_path, kafka, latency, leases, rollover, saturation,
+    scale,
 };
 use crate::world::{start_node, Region};
 
@@ -239,6 +240,14 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
             r.config = std::fs::read_to_string(&cfg).ok();
         }
         drop((eu, us, ap));
+    }
+
+    if k.runs("saturation") {
+        // Its own Redis and node; the main run's are stopped by now.
+        match saturation::run(&run, &k).await {
+            Ok(s) => r.saturation = Some(s),
+            Err(e) => run.say(&format!("the saturation run failed: {e:#}")),
+        }
     }
 
     if k.runs("cluster") {

@@ -15,7 +15,7 @@ use crate::knobs::Knobs;
 use crate::loadgen::Summary;
 use crate::scenario::{
     accuracy::Accuracy, ceiling::Ceiling, crossings::Crossings, fast_path::FastPath, kafka::Kafka,
-    latency::Latency, peer::Peer, rollover::Rollover, scale::Scale,
+    latency::Latency, peer::Peer, rollover::Rollover, saturation::Saturation, scale::Scale,
 };
 
 /// The template, compiled in (scripts/bench rebuilds the runner first).
@@ -34,6 +34,8 @@ pub struct Results {
     pub loads: Vec<(String, String)>,
     pub ceiling: Option<Ceiling>,
     pub latency: Option<Latency>,
+    #[serde(default)]
+    pub saturation: Option<Saturation>,
     pub fast_path: Option<FastPath>,
     pub kafka: Option<Kafka>,
     pub accuracy: Option<Accuracy>,
@@ -66,6 +68,7 @@ impl Results {
             loads: Vec::new(),
             ceiling: None,
             latency: None,
+            saturation: None,
             fast_path: None,
             kafka: None,
             accuracy: None,

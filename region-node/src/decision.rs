@@ -29,6 +29,7 @@ use tierlimit_shared::reload::Live;
 use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
+use crate::admission::{Admission, Limits};
 use crate::lease::{Leases, Leftover, Take};
 use crate::local::Local;
 use crate::metrics::Metrics;
@@ -207,6 +208,9 @@ pub struct Decider {
     /// leases left to give back.
     leases: Leases,
     leftovers: std::sync::Mutex<Vec<Leftover>>,
+    /// The admission gate every front end takes a slot of before it
+    /// decides (`node.max_in_flight`, read at start).
+    admission: Arc<Admission>,
 }
 
 impl Decider {
@@ -219,7 +223,9 @@ impl Decider {
         node_id: String,
         metrics: Arc<Metrics>,
     ) -> Decider {
+        let admission = Admission::new(Limits::of(&live.load().config.node), Arc::clone(&metrics));
         Decider {
+            admission,
             live,
             store,
             view,
@@ -261,6 +267,13 @@ impl Decider {
 
     pub fn store(&self) -> &dyn CounterStore {
         self.store.as_ref()
+    }
+
+    /// The node's admission gate: the HTTP router's middleware
+    /// ([`crate::admission::middleware`]) and any other front end take a
+    /// slot of it ([`Admission::admit`]) before deciding.
+    pub fn admission(&self) -> Arc<Admission> {
+        Arc::clone(&self.admission)
     }
 
     /// May `tenant` spend `cost` units now? Charges every tier if allowed.

@@ -65,9 +65,13 @@ pub fn router(state: Arc<AppState>, http: &tierlimit_shared::config::HttpSetting
             on_reject: state.on_reject(),
         },
     );
-    // Admission control (concurrency limit and load shedding of checks)
-    // belongs here, as the outermost layer of `api`: it is the hot path's
-    // own mechanism (region-node/src/admission.rs), not the listener's.
+    // Admission control (concurrency limit and load shedding of checks),
+    // the outermost layer of `api`: a shed request costs no key check, no
+    // parsing and no charge (region-node/src/admission.rs).
+    let api = api.layer(axum::middleware::from_fn_with_state(
+        state.decider.admission(),
+        crate::admission::middleware,
+    ));
     let router = api
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))

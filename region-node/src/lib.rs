@@ -2,6 +2,8 @@
 //! units now?".
 //!
 //! Module map:
+//! - [`admission`]: a bounded number of requests in flight, a bounded
+//!   queue, then 503 (saturation is shed, not taken for an outage);
 //! - [`decision`]: the hot path, top to bottom (validate → global fast path →
 //!   one store call → fail mode);
 //! - [`storage`]: the counter stores behind one trait: the region's Redis
@@ -15,6 +17,7 @@
 //! - [`publisher`]: dirty set → deltas topic;
 //! - [`http`]: the axum API; [`metrics`]: Prometheus.
 
+pub mod admission;
 pub mod decision;
 pub mod follower;
 pub mod http;
@@ -85,6 +88,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         storage::redis::Options {
             timeout: config.node.store_timeout,
             retry_interval: config.node.store_retry_interval,
+            unavailable_after: config.node.store_unavailable_after,
             allow_eviction: settings.allow_eviction,
         },
         Arc::clone(&metrics),

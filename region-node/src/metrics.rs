@@ -49,6 +49,25 @@ pub struct Metrics {
     pub broadcasts_received: IntCounter,
     pub broadcasts_undecodable: IntCounter,
     pub epoch_changes: IntCounter,
+    /// Requests refused by admission (queue full, or waited too long),
+    /// before anything was charged.
+    pub shed: IntCounterVec,
+    /// Requests holding an admission slot, and waiting for one.
+    pub admission_in_flight: IntGauge,
+    pub admission_queued: IntGauge,
+    /// Times the breaker opened, by why (`connection`, `stalled`,
+    /// `readonly`).
+    pub breaker_opens: IntCounterVec,
+    /// Replies to decisions the node had given up on (timed out), by what
+    /// they turned out to be: `compensated` (Redis charged; the charge was
+    /// refunded), `refused` (the script ran past its deadline and did
+    /// nothing), `not_charged` (denied, or not a check).
+    pub late_replies: IntCounterVec,
+    /// Decisions given up on whose charge could not be undone: `no_reply`
+    /// (the connection dropped or no reply came: Redis may have charged),
+    /// `refund_failed` (a late reply said charged and the refund never got
+    /// through).
+    pub uncompensated: IntCounterVec,
 }
 
 impl Metrics {
@@ -324,6 +343,66 @@ impl Metrics {
                 )
                 .unwrap(),
             ),
+            shed: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_shed_total",
+                        "Requests shed by admission control (503, nothing charged), by reason: queue_full, queue_timeout",
+                    ),
+                    &["reason"],
+                )
+                .unwrap(),
+            ),
+            admission_in_flight: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_admission_in_flight",
+                    "Requests holding an admission slot (at most node.max_in_flight)",
+                )
+                .unwrap(),
+            ),
+            admission_queued: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_admission_queued",
+                    "Requests waiting for an admission slot (at most node.max_queue)",
+                )
+                .unwrap(),
+            ),
+            breaker_opens: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_breaker_opens_total",
+                        "Times Redis was judged unavailable and decisions went to their fail mode, by reason: connection (an error of the connection), stalled (no reply for node.store_unavailable_after), readonly (a replica behind a fixed URL)",
+                    ),
+                    &["reason"],
+                )
+                .unwrap(),
+            ),
+            late_replies: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_late_replies_total",
+                        "Replies that arrived after the node gave up on the call, by outcome: compensated (charged, refunded), refused (past its deadline, did nothing), not_charged",
+                    ),
+                    &["outcome"],
+                )
+                .unwrap(),
+            ),
+            uncompensated: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_uncompensated_total",
+                        "Timed-out checks whose possible charge in Redis could not be undone, by reason: no_reply (outcome unknown), refund_failed",
+                    ),
+                    &["reason"],
+                )
+                .unwrap(),
+            ),
             registry: r,
         };
         m.init_labels();
@@ -352,6 +431,18 @@ impl Metrics {
         }
         for result in ["ok", "refused"] {
             self.config_reloads.with_label_values(&[result]);
+        }
+        for reason in ["queue_full", "queue_timeout"] {
+            self.shed.with_label_values(&[reason]);
+        }
+        for reason in ["connection", "stalled", "readonly"] {
+            self.breaker_opens.with_label_values(&[reason]);
+        }
+        for outcome in ["compensated", "refused", "not_charged"] {
+            self.late_replies.with_label_values(&[outcome]);
+        }
+        for reason in ["no_reply", "refund_failed"] {
+            self.uncompensated.with_label_values(&[reason]);
         }
     }
 

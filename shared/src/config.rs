@@ -238,6 +238,28 @@ pub struct NodeSettings {
     /// decision goes to Redis. Only plans whose windowed tiers are all
     /// fixed or sliding windows lease.
     pub lease_max: u64,
+    /// Most API requests (checks, refunds, usage reads: each one Redis call)
+    /// a node runs at once. A request beyond it waits in the admission
+    /// queue. Bounding what is in flight keeps every call's time in Redis
+    /// short under any load, so `store_timeout` measures Redis, not a
+    /// backlog the node built itself.
+    pub max_in_flight: usize,
+    /// Most requests waiting for an in-flight slot; one more is shed at once
+    /// (503 problem+json with `Retry-After`, `tierlimit_shed_total`), before
+    /// anything is charged.
+    pub max_queue: usize,
+    /// Longest a request waits in the admission queue before it is shed.
+    #[serde(with = "serde_human")]
+    pub queue_timeout: Duration,
+    /// Redis is judged unavailable (the breaker opens: every decision goes
+    /// to its plan's `on_store_error` without waiting) when calls are
+    /// outstanding and nothing has come back for this long, or on a
+    /// connection error. A Redis that is merely busy keeps answering, so
+    /// queueing cannot trip it; a single slow call takes its fail mode
+    /// alone. Checked when a call times out, so in effect at least
+    /// `store_timeout`.
+    #[serde(with = "serde_human")]
+    pub store_unavailable_after: Duration,
 }
 
 impl NodeSettings {
@@ -262,6 +284,10 @@ impl Default for NodeSettings {
             refund_secret: None,
             free_form_refunds: true,
             lease_max: 0,
+            max_in_flight: 64,
+            max_queue: 512,
+            queue_timeout: Duration::from_millis(50),
+            store_unavailable_after: Duration::from_millis(250),
         }
     }
 }
@@ -888,6 +914,25 @@ impl Config {
         if let Some(s) = n.max_staleness {
             range("node.max_staleness", s, ms(100), ms(86_400_000))?;
         }
+        if !(1..=65_536).contains(&n.max_in_flight) {
+            return Err(ConfigError::invalid(
+                "node.max_in_flight",
+                format!("must be within 1..65536, got {}", n.max_in_flight),
+            ));
+        }
+        if n.max_queue > 1_000_000 {
+            return Err(ConfigError::invalid(
+                "node.max_queue",
+                format!("must be within 0..1000000, got {}", n.max_queue),
+            ));
+        }
+        range("node.queue_timeout", n.queue_timeout, ms(0), ms(60_000))?;
+        range(
+            "node.store_unavailable_after",
+            n.store_unavailable_after,
+            ms(10),
+            ms(60_000),
+        )?;
         if n.publish_batch == 0 {
             return Err(ConfigError::invalid(
                 "node.publish_batch",

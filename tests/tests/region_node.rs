@@ -612,8 +612,8 @@ async fn sighup_reload_good_and_bad() {
 }
 
 /// One slow Redis call takes the fail mode for that request only; the
-/// breaker opens after consecutive timeouts
-/// (`storage::redis::TIMEOUTS_TO_OPEN`).
+/// breaker opens once Redis has answered nothing for
+/// `node.store_unavailable_after` (250 ms by default) while calls waited.
 #[tokio::test]
 async fn one_slow_call_does_not_open_the_breaker_three_do() {
     let redis = Redis::start();
@@ -658,7 +658,8 @@ plan = "p"
         check(&n, "t", 1).await.1["mode"] == "redis"
     })
     .await;
-    // A longer stall: three consecutive timeouts open the breaker.
+    // A longer stall: by the third timeout Redis has been silent for 300 ms,
+    // past the threshold, and the breaker opens.
     redis::cmd("CLIENT")
         .arg("PAUSE")
         .arg(3000)

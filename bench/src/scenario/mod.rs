@@ -12,6 +12,7 @@ pub mod latency;
 pub mod leases;
 pub mod peer;
 pub mod rollover;
+pub mod saturation;
 pub mod scale;
 
 use std::time::Duration;
