@@ -95,8 +95,8 @@ fn variant(rounds: Vec<Round>) -> Variant {
         node_cpu_us: med(|r| r.node_cpu_us),
         redis_cpu_us: med(|r| r.redis_cpu_us),
         calls_per_decision: med(|r| r.calls_per_decision),
-        p50_ms: pct(|r| r.summary.latency_us.as_ref().map_or(0.0, |p| p.p50 as f64)),
-        p99_ms: pct(|r| r.summary.latency_us.as_ref().map_or(0.0, |p| p.p99 as f64)),
+        p50_ms: pct(|r| r.summary.latency_us.as_ref().map_or(0.0, |p| p.p50)),
+        p99_ms: pct(|r| r.summary.latency_us.as_ref().map_or(0.0, |p| p.p99)),
         rounds,
     }
 }
