@@ -19,5 +19,6 @@ pub mod messages;
 pub mod problem;
 pub mod reload;
 pub mod validate;
+pub mod wire;
 
 pub use config::{Config, ConfigError};

@@ -1,0 +1,113 @@
+//! The wire protocol of both Kafka topics: formats, versions and message
+//! authentication.
+//!
+//! - [`codec`]: wire v2, a compact binary encoding (postcard: varints,
+//!   interned regions) with a leading version byte and room for a signature;
+//! - v1 is the previous release's JSON (`crate::messages`), still read for
+//!   one release so that a rolling upgrade works;
+//! - [`delta_auth`]: deltas carry an HMAC-SHA256 with their region's key;
+//! - [`broadcast_auth`]: broadcasts carry an Ed25519 signature per batch
+//!   ([`merkle`]);
+//! - [`keys`]: key material from the configuration; [`reject`]: why a
+//!   record was refused (a metric label) and rate-limited logging.
+//!
+//! The Kafka keys and partitioning are those of v1 (`crate::messages`), so a
+//! compacted topic keeps one record per key whatever version wrote it.
+
+pub mod broadcast_auth;
+pub mod codec;
+pub mod delta_auth;
+pub mod keys;
+pub mod merkle;
+pub mod reject;
+
+pub use broadcast_auth::{BroadcastSigner, BroadcastVerifier};
+pub use delta_auth::{DeltaSigner, DeltaVerifier};
+pub use reject::{LogThrottle, Reject};
+
+use crate::config::Config;
+use crate::messages::DecodeError;
+
+/// A wire format version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version {
+    /// JSON, unsigned (the previous release).
+    V1,
+    /// Binary, signed.
+    V2,
+}
+
+impl Version {
+    /// What producers write under `config` (`wire.version`, validated).
+    pub fn from_config(config: &Config) -> Version {
+        if config.wire.version == 1 {
+            Version::V1
+        } else {
+            Version::V2
+        }
+    }
+}
+
+/// The version of a record from its first byte: `{` is v1's JSON object,
+/// 2 is v2; anything else is a version this build does not read.
+pub fn read_version(bytes: &[u8]) -> Result<Version, DecodeError> {
+    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => Ok(Version::V1),
+        Some(&codec::V2) if bytes[0] == codec::V2 => Ok(Version::V2),
+        Some(b) => Err(DecodeError::Version(u32::from(*b))),
+        None => Err(DecodeError::Field("empty record".into())),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) const EU_SECRET: [u8; 32] = [1; 32];
+    pub(crate) const US_SECRET: [u8; 32] = [2; 32];
+    pub(crate) const AGG_SEED: [u8; 32] = [5; 32];
+
+    /// Two regions with their keys and a broadcast key pair.
+    pub(crate) fn config(accept_unsigned: bool) -> Config {
+        let (private, public) = keys::ed25519_pair_from_seed(AGG_SEED);
+        let text = format!(
+            r#"
+cluster = "t"
+[kafka]
+brokers = "127.0.0.1:1"
+[regions.eu]
+redis_url = "redis://127.0.0.1:1"
+[regions.us]
+redis_url = "redis://127.0.0.1:1"
+[plans.p]
+[wire]
+accept_unsigned = {accept_unsigned}
+broadcast_key = "agg-1"
+broadcast_private_key = "{private}"
+[wire.broadcast_public_keys]
+agg-1 = "{public}"
+[wire.delta_keys.eu]
+sign_with = "eu-1"
+keys = {{ eu-1 = "{eu}" }}
+[wire.delta_keys.us]
+sign_with = "us-1"
+keys = {{ us-1 = "{us}" }}
+"#,
+            eu = keys::encode(&EU_SECRET),
+            us = keys::encode(&US_SECRET),
+        );
+        Config::from_toml(&text)
+            .expect("test config is valid")
+            .config
+    }
+
+    #[test]
+    fn versions_by_first_byte() {
+        assert_eq!(read_version(b"{\"v\":1}").unwrap(), Version::V1);
+        assert_eq!(read_version(b" \n{").unwrap(), Version::V1);
+        assert_eq!(read_version(&[2, 1]).unwrap(), Version::V2);
+        assert!(matches!(read_version(&[3]), Err(DecodeError::Version(3))));
+        assert!(read_version(b"").is_err());
+        assert!(read_version(b"  ").is_err());
+    }
+}
