@@ -15,6 +15,7 @@
 //! is marked dirty again and goes out, with the then-current value, at the
 //! next interval. Nothing is lost, nothing older overwrites anything newer.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -139,19 +140,40 @@ impl Broadcaster {
             return;
         }
         let config = self.state.live().load();
-        let mut pending = Vec::with_capacity(taken.len());
+        let signer = match self.state.broadcast_signer() {
+            Ok(s) => s,
+            Err(e) => {
+                for (key, _) in &taken {
+                    self.failed(key, &e);
+                }
+                return;
+            }
+        };
+        // One signed batch per partition: a batch's records stay together
+        // on the topic, so a follower verifies each root once.
+        let mut by_partition: BTreeMap<i32, Vec<(TenantDay, GlobalUpdate)>> = BTreeMap::new();
         for (key, counter) in taken {
             let limit = config.policy(&key.tenant).and_then(|p| p.global);
             let update = update(&key, &counter, limit);
-            let record_key = update.key();
-            let payload = update.encode();
-            let record = FutureRecord::to(&self.topic)
-                .partition(partition_of(&key.tenant, self.partitions))
-                .key(&record_key)
-                .payload(&payload);
-            match self.producer.send_result(record) {
-                Ok(delivery) => pending.push((key, delivery)),
-                Err((e, _)) => self.failed(&key, &e.to_string()),
+            by_partition
+                .entry(partition_of(&key.tenant, self.partitions))
+                .or_default()
+                .push((key, update));
+        }
+        let mut pending = Vec::new();
+        for (partition, items) in by_partition {
+            let updates: Vec<GlobalUpdate> = items.iter().map(|(_, u)| u.clone()).collect();
+            let records = signer.encode(&updates);
+            for ((key, update), payload) in items.into_iter().zip(records) {
+                let record_key = update.key();
+                let record = FutureRecord::to(&self.topic)
+                    .partition(partition)
+                    .key(&record_key)
+                    .payload(&payload);
+                match self.producer.send_result(record) {
+                    Ok(delivery) => pending.push((key, delivery)),
+                    Err((e, _)) => self.failed(&key, &e.to_string()),
+                }
             }
         }
         if pending.is_empty() {

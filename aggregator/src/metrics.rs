@@ -22,6 +22,8 @@ pub struct Metrics {
     pub deltas_ignored: IntCounterVec,
     /// Messages that could not be decoded (skipped).
     pub undecodable: IntCounter,
+    /// Records refused by the wire layer, by `Reject::reason`.
+    pub deltas_rejected: IntCounterVec,
     /// Deltas found on a partition other than `partition_of(tenant)`: the
     /// producers' `kafka.partitions` does not match the topic's.
     pub misrouted: IntCounter,
@@ -101,6 +103,15 @@ impl Metrics {
             "undecodable_messages_total",
             "Messages on the deltas topic that could not be decoded and were skipped.",
         );
+        let deltas_rejected = counter_vec(
+            "deltas_rejected_total",
+            "Records on the deltas topic refused and skipped, by reason: corrupt, version, unsigned, unknown_key, \
+             bad_signature, wrong_region (a region's key signing another region's actor), unknown_region.",
+            &["reason"],
+        );
+        for reason in tierlimit_shared::wire::Reject::REASONS {
+            deltas_rejected.with_label_values(&[reason]);
+        }
         let misrouted = counter(
             "misrouted_deltas_total",
             "Deltas on a partition other than the tenant's: producers and topic disagree on the partition count.",
@@ -177,6 +188,7 @@ impl Metrics {
             merges_applied,
             deltas_ignored,
             undecodable,
+            deltas_rejected,
             misrouted,
             stale_deltas,
             broadcasts_produced,

@@ -15,6 +15,7 @@ use tierlimit_shared::config::{ConfigError, KafkaConfig};
 use tierlimit_shared::day;
 use tierlimit_shared::messages::{now_ms, partition_of, Delta};
 use tierlimit_shared::reload::Live;
+use tierlimit_shared::wire::{BroadcastSigner, DeltaVerifier, PerConfig, Reject};
 use tokio::sync::Notify;
 
 use crate::merge::{Applied, Merged, TenantDay};
@@ -44,6 +45,10 @@ pub struct State {
     /// Set on a configuration reload: limits may have changed, so today's
     /// counters are broadcast again with the new limit and flag.
     limits_changed: AtomicBool,
+    /// Delta keys and broadcast key of the current configuration (a SIGHUP
+    /// rotates them).
+    delta_verifier: PerConfig<DeltaVerifier>,
+    broadcast_signer: PerConfig<BroadcastSigner>,
 }
 
 impl State {
@@ -61,7 +66,19 @@ impl State {
             }),
             urgent: Notify::new(),
             limits_changed: AtomicBool::new(false),
+            delta_verifier: PerConfig::new(DeltaVerifier::new),
+            broadcast_signer: PerConfig::new(BroadcastSigner::new),
         })
+    }
+
+    /// What deltas are decoded and authenticated with.
+    pub fn delta_verifier(&self) -> Result<Arc<DeltaVerifier>, String> {
+        self.delta_verifier.get(&self.live)
+    }
+
+    /// What broadcasts are encoded and signed with.
+    pub fn broadcast_signer(&self) -> Result<Arc<BroadcastSigner>, String> {
+        self.broadcast_signer.get(&self.live)
     }
 
     /// Locks the merged state. A panic while holding the lock cannot leave
@@ -193,6 +210,19 @@ impl State {
         if core.progress.consumed(partition, offset) {
             self.caught_up(&mut core, partition);
         }
+    }
+
+    /// A record was refused (forged, of an unknown region, corrupt):
+    /// counted by reason and skipped; it still counts as read.
+    pub fn on_rejected(&self, partition: i32, offset: i64, reject: &Reject) {
+        self.metrics
+            .deltas_rejected
+            .with_label_values(&[reject.reason()])
+            .inc();
+        if matches!(reject, Reject::Corrupt(_)) {
+            self.metrics.undecodable.inc();
+        }
+        self.on_skipped(partition, offset);
     }
 
     /// Merges a delta read at (`partition`, `offset`).
@@ -342,6 +372,8 @@ plan = "unlimited"
 [unknown_tenants]
 policy = "plan"
 plan = "small"
+[wire]
+accept_unsigned = true
 "#;
 
     pub(crate) fn state() -> Arc<State> {

@@ -16,7 +16,8 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 
 use tierlimit_shared::config::Config;
 use tierlimit_shared::day;
-use tierlimit_shared::messages::{now_ms, GlobalUpdate};
+use tierlimit_shared::messages::now_ms;
+use tierlimit_shared::wire::{BroadcastVerifier, LogThrottle, Reject};
 
 use crate::metrics::Metrics;
 use crate::view::View;
@@ -42,6 +43,9 @@ async fn follow(
     metrics: &Arc<Metrics>,
 ) -> Result<(), String> {
     let topic = config.kafka.global_topic.clone();
+    // Only records an aggregator signed reach the view.
+    let mut verifier = BroadcastVerifier::new(&config)?;
+    let mut log = LogThrottle::default();
     let mut cc = tierlimit_shared::kafka::client_config(&config.kafka);
     // A group id is required by the client, but with manual assignment the
     // consumer never joins the group and never commits.
@@ -101,18 +105,35 @@ async fn follow(
         if let Some(i) = partitions.iter().position(|p| *p == msg.partition()) {
             positions[i].store(msg.offset() + 1, Ordering::Relaxed);
         }
-        match msg.payload().map(GlobalUpdate::decode) {
-            Some(Ok(u)) => {
+        let decoded = match msg.payload() {
+            Some(bytes) => verifier.decode(bytes),
+            None => Err(Reject::Corrupt(
+                tierlimit_shared::messages::DecodeError::Field("empty payload".into()),
+            )),
+        };
+        match decoded {
+            Ok(u) => {
                 view.apply(&u);
                 metrics.broadcasts_received.inc();
             }
-            _ => {
-                metrics.broadcasts_undecodable.inc();
-                tracing::warn!(
-                    partition = msg.partition(),
-                    offset = msg.offset(),
-                    "skipping undecodable broadcast"
-                );
+            Err(reject) => {
+                metrics
+                    .broadcasts_rejected
+                    .with_label_values(&[reject.reason()])
+                    .inc();
+                if matches!(reject, Reject::Corrupt(_)) {
+                    metrics.broadcasts_undecodable.inc();
+                }
+                if let Some(suppressed) = log.allow(reject.reason()) {
+                    tracing::warn!(
+                        partition = msg.partition(),
+                        offset = msg.offset(),
+                        error = %reject,
+                        reason = reject.reason(),
+                        suppressed,
+                        "skipping a refused broadcast record"
+                    );
+                }
             }
         }
     };

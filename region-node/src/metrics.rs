@@ -40,6 +40,8 @@ pub struct Metrics {
     pub view_caught_up: IntGauge,
     pub broadcasts_received: IntCounter,
     pub broadcasts_undecodable: IntCounter,
+    /// Global-topic records refused by the wire layer, by reason.
+    pub broadcasts_rejected: IntCounterVec,
     pub epoch_changes: IntCounter,
 }
 
@@ -262,6 +264,23 @@ impl Metrics {
                 )
                 .unwrap(),
             ),
+            broadcasts_rejected: {
+                let c = reg(
+                    &r,
+                    IntCounterVec::new(
+                        prometheus::Opts::new(
+                            "tierlimit_broadcasts_rejected_total",
+                            "Global-topic records refused and skipped, by reason: corrupt, version, unsigned, unknown_key, bad_signature",
+                        ),
+                        &["reason"],
+                    )
+                    .unwrap(),
+                );
+                for reason in tierlimit_shared::wire::Reject::REASONS {
+                    c.with_label_values(&[reason]);
+                }
+                c
+            },
             broadcasts_undecodable: reg(
                 &r,
                 IntCounter::new(

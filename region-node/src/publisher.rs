@@ -36,6 +36,7 @@ use rdkafka::util::Timeout;
 use tierlimit_shared::config::Config;
 use tierlimit_shared::messages::{actor, now_ms, partition_of, Delta};
 use tierlimit_shared::reload::Live;
+use tierlimit_shared::wire::DeltaSigner;
 use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
@@ -245,6 +246,7 @@ impl Publisher {
     async fn flush_redis(&mut self) -> Result<usize, PublishError> {
         // Read at every flush, so a SIGHUP reload applies to the next one.
         let cfg = self.live.load_full();
+        let signer = self.signer(&cfg.config);
         let relaxed = cfg.config.node.relaxed_flush_interval();
         let redis_now = self.store.redis_now_ms(now_ms());
         // Due: urgent (score 0), or due by now (see decide.lua).
@@ -357,7 +359,7 @@ impl Publisher {
         let mut deliveries = Vec::with_capacity(pending.len());
         for p in pending {
             let key = p.delta.key();
-            let payload = p.delta.encode();
+            let payload = signer.encode(&p.delta);
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&p.delta.tenant, self.partitions))
                 .key(&key)
@@ -406,12 +408,25 @@ impl Publisher {
         Ok(ok)
     }
 
+    /// What deltas are written with under `config`: the format of
+    /// `wire.version`, signed with the region's key (made at every flush,
+    /// so a SIGHUP rotates the key). The configuration was validated, so
+    /// this fails only on a region without keys under
+    /// `wire.accept_unsigned = true`, which then writes unsigned records.
+    fn signer(&self, config: &Config) -> DeltaSigner {
+        DeltaSigner::new(config, &self.region).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "cannot sign deltas; writing them unsigned");
+            DeltaSigner::with_key(tierlimit_shared::wire::Version::from_config(config), None)
+        })
+    }
+
     /// Publishes key scheme 1's dirty entries (see [`crate::legacy`]).
     async fn flush_legacy(&mut self) -> Result<usize, PublishError> {
         let entries = self.legacy.read(&self.store, self.batch).await?;
         if entries.is_empty() {
             return Ok(0);
         }
+        let signer = self.signer(&self.live.load().config);
         let now = now_ms();
         let mut acks = Vec::new();
         let mut deliveries = Vec::new();
@@ -422,7 +437,7 @@ impl Publisher {
             }
             let delta = Delta::new(&tenant, day, actor(&self.region, &epoch), p, n, now)
                 .from_node(&self.node_id);
-            let (key, payload) = (delta.key(), delta.encode());
+            let (key, payload) = (delta.key(), signer.encode(&delta));
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&tenant, self.partitions))
                 .key(&key)
@@ -484,6 +499,7 @@ impl Publisher {
     /// Kafka has them; publish every one that changed.
     async fn flush_local(&mut self) -> usize {
         let now = now_ms();
+        let signer = self.signer(&self.live.load().config);
         let mut ok = 0;
         for (tenant, d, p, n) in self.local.counts() {
             let k = (tenant.clone(), d);
@@ -492,7 +508,7 @@ impl Publisher {
             }
             let delta = Delta::new(&tenant, d, self.local.actor.clone(), p, n, now);
             let key = delta.key();
-            let payload = delta.encode();
+            let payload = signer.encode(&delta);
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&tenant, self.partitions))
                 .key(&key)

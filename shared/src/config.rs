@@ -620,7 +620,6 @@ impl Config {
             .map_err(|e| ConfigError::invalid("cluster", e.to_string()))?;
         self.validate_kafka()?;
         self.validate_settings()?;
-        self.validate_wire()?;
         if self.regions.is_empty() {
             return Err(ConfigError::invalid(
                 "regions",
@@ -730,6 +729,7 @@ impl Config {
                     .clone(),
             )),
         };
+        self.validate_wire()?;
         Ok(Loaded {
             config: self,
             plans,

@@ -59,6 +59,15 @@ pub fn ed25519_pair_from_seed(seed: [u8; 32]) -> (String, String) {
     )
 }
 
+/// A new random broadcast key pair `(private, public)` from the operating
+/// system's random source (`aggregator keygen`).
+pub fn ed25519_generate() -> std::io::Result<(String, String)> {
+    use std::io::Read;
+    let mut seed = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut seed)?;
+    Ok(ed25519_pair_from_seed(seed))
+}
+
 /// Base64 of bytes, for secrets made by tools and tests.
 pub fn encode(bytes: &[u8]) -> String {
     STANDARD.encode(bytes)

@@ -25,8 +25,54 @@ pub use broadcast_auth::{BroadcastSigner, BroadcastVerifier};
 pub use delta_auth::{DeltaSigner, DeltaVerifier};
 pub use reject::{LogThrottle, Reject};
 
-use crate::config::Config;
+use std::sync::{Arc, Mutex};
+
+use crate::config::{Config, Loaded};
 use crate::messages::DecodeError;
+use crate::reload::Live;
+
+/// A value made from the live configuration (a signer, a verifier), made
+/// again when a SIGHUP reload swapped the configuration, so a key rotation
+/// needs no restart. One pointer comparison per use otherwise.
+pub struct PerConfig<T> {
+    make: fn(&Config) -> Result<T, String>,
+    cached: Mutex<Option<(Arc<Loaded>, Arc<T>)>>,
+}
+
+impl<T> PerConfig<T> {
+    pub fn new(make: fn(&Config) -> Result<T, String>) -> Self {
+        PerConfig {
+            make,
+            cached: Mutex::new(None),
+        }
+    }
+
+    /// The value for the current configuration. If it cannot be made from
+    /// a reloaded configuration, the previous one stays (and the error is
+    /// returned only when there is none).
+    pub fn get(&self, live: &Live) -> Result<Arc<T>, String> {
+        let current = live.load_full();
+        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+        match &*cached {
+            Some((at, value)) if Arc::ptr_eq(at, &current) => return Ok(Arc::clone(value)),
+            _ => {}
+        }
+        match (self.make)(&current.config) {
+            Ok(value) => {
+                let value = Arc::new(value);
+                *cached = Some((current, Arc::clone(&value)));
+                Ok(value)
+            }
+            Err(e) => match &*cached {
+                Some((_, old)) => {
+                    tracing::warn!(error = %e, "wire keys of the reloaded configuration unusable; keeping the previous ones");
+                    Ok(Arc::clone(old))
+                }
+                None => Err(e),
+            },
+        }
+    }
+}
 
 /// A wire format version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
