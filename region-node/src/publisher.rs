@@ -377,7 +377,7 @@ impl Publisher {
             match f.await {
                 Ok(Ok(_)) => {
                     ok += 1;
-                    let pn = p.delta.p + p.delta.n;
+                    let pn = p.delta.p.saturating_add(p.delta.n);
                     acks.entry(p.bucket)
                         .or_default()
                         .push((p.tenant, p.day, pn));
@@ -443,7 +443,7 @@ impl Publisher {
                 .key(&key)
                 .payload(&payload);
             match self.producer.send_result(record) {
-                Ok(f) => deliveries.push(((tenant, day, p + n), f)),
+                Ok(f) => deliveries.push(((tenant, day, p.saturating_add(n)), f)),
                 Err(_) => self.metrics.deltas_failed.inc(),
             }
         }
@@ -587,7 +587,8 @@ pub fn urgent_at(
     if gap <= 0.0 {
         return Some(0);
     }
-    Some(mine + (gap / regions.max(1) as f64).ceil() as u64)
+    // A float-to-int cast saturates; the sum must too.
+    Some(mine.saturating_add((gap / regions.max(1) as f64).ceil() as u64))
 }
 
 #[cfg(test)]
@@ -642,5 +643,11 @@ mod tests {
         assert!(urgent(Some(1 << 40), 0, 0, 3, 0.0));
         // This region's own broadcast part counts towards the threshold.
         assert_eq!(urgent_at(Some(100), 40, 30, 2, 0.5), Some(35));
+        // Absurd parts saturate rather than wrap.
+        assert_eq!(
+            urgent_at(Some(u64::MAX), 0, u64::MAX, 1, 1.0),
+            Some(u64::MAX)
+        );
+        assert_eq!(urgent_at(Some(u64::MAX), 0, 0, 1, 1.0), Some(u64::MAX));
     }
 }
