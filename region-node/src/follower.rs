@@ -44,7 +44,7 @@ async fn follow(
 ) -> Result<(), String> {
     let topic = config.kafka.global_topic.clone();
     // Only records an aggregator signed reach the view.
-    let mut verifier = BroadcastVerifier::new(&config)?;
+    let mut verifier = BroadcastVerifier::new(config)?;
     let mut log = LogThrottle::default();
     let mut cc = tierlimit_shared::kafka::client_config(&config.kafka);
     // A group id is required by the client, but with manual assignment the

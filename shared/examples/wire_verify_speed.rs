@@ -45,9 +45,15 @@ fn main() {
         .collect();
     let key = keys::ed25519_private(&private).unwrap();
     for (label, batch) in [("per batch", MAX_BATCH), ("per record", 1)] {
-        let signer = BroadcastSigner::with_key(Version::V2, Some(("k", SigningKey::from_bytes(&key.to_bytes()))));
+        let signer = BroadcastSigner::with_key(
+            Version::V2,
+            Some(("k", SigningKey::from_bytes(&key.to_bytes()))),
+        );
         let t = Instant::now();
-        let records: Vec<Vec<u8>> = updates.chunks(batch).flat_map(|c| signer.encode(c)).collect();
+        let records: Vec<Vec<u8>> = updates
+            .chunks(batch)
+            .flat_map(|c| signer.encode(c))
+            .collect();
         let sign = t.elapsed();
         let bytes: usize = records.iter().map(Vec::len).sum();
         let mut verifier = BroadcastVerifier::new(&config).unwrap();
@@ -65,5 +71,8 @@ fn main() {
         );
     }
     let json: usize = updates.iter().map(|u| u.encode().len()).sum();
-    println!("  v1 JSON: {:.0} B/record (unsigned)", json as f64 / n as f64);
+    println!(
+        "  v1 JSON: {:.0} B/record (unsigned)",
+        json as f64 / n as f64
+    );
 }

@@ -125,10 +125,8 @@ plan = "g"
         while eof.len() < PARTITIONS as usize {
             assert!(start.elapsed() < DEADLINE, "reading {topic} back");
             match reader.poll(Duration::from_millis(100)) {
-                Some(Ok(m)) => {
-                    if m.key().is_some_and(|k| k.starts_with(prefix.as_bytes())) {
-                        firsts.insert(m.payload().unwrap()[0]);
-                    }
+                Some(Ok(m)) if m.key().is_some_and(|k| k.starts_with(prefix.as_bytes())) => {
+                    firsts.insert(m.payload().unwrap()[0]);
                 }
                 Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
                     eof.insert(p);
