@@ -24,6 +24,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tierlimit_shared::config::KafkaConfig;
 use tierlimit_shared::day;
 use tierlimit_shared::messages::{now_ms, partition_of, GlobalUpdate, VERSION};
+use tierlimit_shared::wire::Heartbeat;
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
@@ -128,14 +129,29 @@ impl Broadcaster {
     /// outage never stalls the next interval.
     fn flush(&self, scope: Scope) {
         let today = day::today();
-        let taken = {
+        let (taken, heartbeats) = {
             let mut core = self.state.lock();
             if scope == Scope::All && self.state.take_limits_changed() {
                 core.merged.mark_day_dirty(today, None);
             }
             let Core { merged, progress } = &mut *core;
-            merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p))
+            let taken = merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p));
+            // Under the same lock as the take: every delta a heartbeat says
+            // is merged has its change in `taken` or broadcast earlier, and
+            // the heartbeat is produced after `taken` on its partition.
+            let heartbeats = if scope == Scope::All {
+                self.state.heartbeats(progress)
+            } else {
+                Vec::new()
+            };
+            (taken, heartbeats)
         };
+        self.produce_updates(taken);
+        self.produce_heartbeats(heartbeats);
+    }
+
+    /// Hands `taken` to the producer, one signed batch per partition.
+    fn produce_updates(&self, taken: Vec<(TenantDay, Counter)>) {
         if taken.is_empty() {
             return;
         }
@@ -192,6 +208,44 @@ impl Broadcaster {
                     Err(_) => "producer dropped the message".to_owned(),
                 };
                 failed(&state, &throttle, &key, &error);
+            }
+        });
+    }
+
+    /// Produces the heartbeats of one flush, after its updates (the
+    /// producer keeps one request in flight, so on each partition they land
+    /// after the updates). Not retried: the next flush writes fresher ones.
+    fn produce_heartbeats(&self, heartbeats: Vec<Heartbeat>) {
+        if heartbeats.is_empty() {
+            return;
+        }
+        let signer = match self.state.broadcast_signer() {
+            Ok(s) => s,
+            Err(_) => return,
+        };
+        let records = signer.encode_heartbeats(&heartbeats);
+        let mut pending = Vec::with_capacity(records.len());
+        for (h, payload) in heartbeats.iter().zip(&records) {
+            let key = h.key();
+            let record = FutureRecord::to(&self.topic)
+                .partition(h.partition as i32)
+                .key(&key)
+                .payload(payload);
+            match self.producer.send_result(record) {
+                Ok(delivery) => pending.push(delivery),
+                Err((e, _)) => {
+                    if let Some(suppressed) = self.throttle.allow("heartbeat") {
+                        tracing::warn!(error = %e, suppressed, "heartbeat not produced");
+                    }
+                }
+            }
+        }
+        let state = self.state.clone();
+        tokio::spawn(async move {
+            for delivery in pending {
+                if let Ok(Ok(_)) = delivery.await {
+                    state.metrics.heartbeats_produced.inc();
+                }
             }
         });
     }

@@ -24,6 +24,7 @@ pub struct Metrics {
     pub undecodable: IntCounter,
     /// Records refused by the wire layer, by `Reject::reason`.
     pub deltas_rejected: IntCounterVec,
+    pub heartbeats_produced: IntCounter,
     /// Deltas found on a partition other than `partition_of(tenant)`: the
     /// producers' `kafka.partitions` does not match the topic's.
     pub misrouted: IntCounter,
@@ -102,6 +103,10 @@ impl Metrics {
         let undecodable = counter(
             "undecodable_messages_total",
             "Messages on the deltas topic that could not be decoded and were skipped.",
+        );
+        let heartbeats_produced = counter(
+            "heartbeats_produced_total",
+            "Signed heartbeats (\"partition caught up, merged through offset X\") acknowledged by the broker.",
         );
         let deltas_rejected = counter_vec(
             "deltas_rejected_total",
@@ -189,6 +194,7 @@ impl Metrics {
             deltas_ignored,
             undecodable,
             deltas_rejected,
+            heartbeats_produced,
             misrouted,
             stale_deltas,
             broadcasts_produced,

@@ -3,11 +3,19 @@
 //!
 //! It uses manual assignment from the beginning (no consumer group), so each
 //! node rebuilds the whole view of today on start and no rebalance can ever
-//! pause it. It is "caught up" when its position on every partition has
-//! reached the high watermark; the view's age is the time since that was
-//! last confirmed, which also makes a node cut off from Kafka visible.
+//! pause it. It is "caught up" (ready) when its position on every partition
+//! has reached the high watermark.
+//!
+//! The view's age comes from the aggregators' signed heartbeats (wire v2):
+//! every broadcast interval, the owner of each rebuilt partition writes
+//! "merged through offset X" after that interval's updates, so the view is
+//! current as of the oldest partition's latest heartbeat read. A partition
+//! whose aggregator is down or rebuilding stops sending them, and the age
+//! grows (reading to the watermark would have called such a view fresh). A
+//! follower that never read a heartbeat (aggregators of the JSON release)
+//! falls back to "read to the watermark".
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +25,7 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 use tierlimit_shared::config::Config;
 use tierlimit_shared::day;
 use tierlimit_shared::messages::now_ms;
-use tierlimit_shared::wire::{BroadcastVerifier, LogThrottle, Reject};
+use tierlimit_shared::wire::{Broadcast, BroadcastVerifier, LogThrottle, Reject};
 
 use crate::metrics::Metrics;
 use crate::view::View;
@@ -89,11 +97,16 @@ async fn follow(
     // holds back consumption.
     let positions: Arc<Vec<AtomicI64>> =
         Arc::new(partitions.iter().map(|_| AtomicI64::new(0)).collect());
+    // The aggregator's time of the latest heartbeat read per partition (0:
+    // none yet).
+    let heartbeats: Arc<Vec<AtomicU64>> =
+        Arc::new(partitions.iter().map(|_| AtomicU64::new(0)).collect());
     let checker = tokio::spawn(freshness_loop(
         Arc::clone(&consumer),
         topic.clone(),
         partitions.clone(),
         Arc::clone(&positions),
+        Arc::clone(&heartbeats),
         Arc::clone(view),
         Arc::clone(metrics),
     ));
@@ -102,19 +115,28 @@ async fn follow(
             Ok(m) => m,
             Err(e) => break Err(e.to_string()),
         };
-        if let Some(i) = partitions.iter().position(|p| *p == msg.partition()) {
+        let index = partitions.iter().position(|p| *p == msg.partition());
+        if let Some(i) = index {
             positions[i].store(msg.offset() + 1, Ordering::Relaxed);
         }
         let decoded = match msg.payload() {
-            Some(bytes) => verifier.decode(bytes),
+            Some(bytes) => verifier.decode_any(bytes),
             None => Err(Reject::Corrupt(
                 tierlimit_shared::messages::DecodeError::Field("empty payload".into()),
             )),
         };
         match decoded {
-            Ok(u) => {
+            Ok(Broadcast::Update(u)) => {
                 view.apply(&u);
                 metrics.broadcasts_received.inc();
+            }
+            Ok(Broadcast::Heartbeat(h)) => {
+                if let Some(i) = index {
+                    // Max: a replayed older heartbeat never makes the view
+                    // look fresher than it is.
+                    heartbeats[i].fetch_max(h.ts_ms, Ordering::Relaxed);
+                }
+                metrics.heartbeats_received.inc();
             }
             Err(reject) => {
                 metrics
@@ -149,6 +171,7 @@ async fn freshness_loop(
     topic: String,
     partitions: Vec<i32>,
     positions: Arc<Vec<AtomicI64>>,
+    heartbeats: Arc<Vec<AtomicU64>>,
     view: Arc<View>,
     metrics: Arc<Metrics>,
 ) {
@@ -175,14 +198,48 @@ async fn freshness_loop(
             caught_up &= check.await.unwrap_or(false);
         }
         let now = now_ms();
+        let floor = heartbeat_floor(&heartbeats);
         if caught_up {
-            view.mark_fresh(started);
+            // Ready; fresh as of now only without heartbeats.
+            view.mark_fresh(floor.unwrap_or(Some(started)).unwrap_or(0));
             metrics.view_caught_up.set(1);
+        }
+        if let Some(Some(as_of)) = floor {
+            view.set_fresh_as_of(as_of);
         }
         if let Some(age) = view.age_ms(now) {
             metrics.view_age_seconds.set(age as f64 / 1000.0);
         }
         view.prune(day::today().saturating_sub(1));
         metrics.view_entries.set(view.len() as i64);
+    }
+}
+
+/// How current the view is by the heartbeats: `None` if no partition ever
+/// had one (aggregators that write none: judge by the watermark instead),
+/// `Some(None)` if some partition has none yet (not current), otherwise
+/// `Some(Some(t))` with `t` the oldest partition's latest heartbeat time.
+fn heartbeat_floor(heartbeats: &[AtomicU64]) -> Option<Option<u64>> {
+    let times: Vec<u64> = heartbeats
+        .iter()
+        .map(|h| h.load(Ordering::Relaxed))
+        .collect();
+    if times.iter().all(|t| *t == 0) {
+        return None;
+    }
+    let oldest = times.iter().copied().min().unwrap_or(0);
+    Some((oldest > 0).then_some(oldest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freshness_is_the_oldest_partitions_heartbeat() {
+        let hb = |ts: &[u64]| -> Vec<AtomicU64> { ts.iter().map(|t| AtomicU64::new(*t)).collect() };
+        assert_eq!(heartbeat_floor(&hb(&[0, 0, 0])), None);
+        assert_eq!(heartbeat_floor(&hb(&[5, 0, 7])), Some(None));
+        assert_eq!(heartbeat_floor(&hb(&[5, 9, 7])), Some(Some(5)));
     }
 }

@@ -42,6 +42,8 @@ pub struct Metrics {
     pub broadcasts_undecodable: IntCounter,
     /// Global-topic records refused by the wire layer, by reason.
     pub broadcasts_rejected: IntCounterVec,
+    /// Signed aggregator heartbeats read.
+    pub heartbeats_received: IntCounter,
     pub epoch_changes: IntCounter,
 }
 
@@ -261,6 +263,14 @@ impl Metrics {
                 IntCounter::new(
                     "tierlimit_broadcasts_received_total",
                     "Global updates applied to the view",
+                )
+                .unwrap(),
+            ),
+            heartbeats_received: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_heartbeats_received_total",
+                    "Signed aggregator heartbeats read from the global topic (they date the view)",
                 )
                 .unwrap(),
             ),

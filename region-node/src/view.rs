@@ -127,6 +127,12 @@ impl View {
         self.caught_up.store(true, Ordering::Relaxed);
     }
 
+    /// Records that the view was current as of `ms` (the oldest of the
+    /// partitions' latest heartbeats), without touching readiness.
+    pub fn set_fresh_as_of(&self, ms: u64) {
+        self.fresh_at_ms.store(ms, Ordering::Relaxed);
+    }
+
     pub fn caught_up(&self) -> bool {
         self.caught_up.load(Ordering::Relaxed)
     }

@@ -322,6 +322,48 @@ async fn forged_deltas_and_broadcasts_are_refused_counted_and_never_applied() {
     // And the pipeline goes on past them (5 + the two checks above + 3).
     allow(&w.us, "t", 3).await;
     wait_totals(&w, "t", 10).await;
+
+    // Heartbeats date the views: fresh while the aggregator writes them,
+    // growing old when it stops (hung here; the broker stays up, so reading
+    // to the watermark alone would still call the views fresh), fresh
+    // again when it resumes.
+    for node in [&w.eu, &w.us] {
+        let url = node.url("/metrics");
+        assert!(
+            harness::scrape_metric(&node.http, &url, "tierlimit_heartbeats_received_total").await
+                > 0.0
+        );
+        wait_until(
+            &format!("{} view fresh by heartbeats", node.region),
+            DEADLINE,
+            || async { view_age_ms(node).await.is_some_and(|a| a < 2_000) },
+        )
+        .await;
+    }
+    w.agg.proc.stop();
+    for node in [&w.eu, &w.us] {
+        wait_until(
+            &format!("{} sees the heartbeats stop", node.region),
+            DEADLINE,
+            || async { view_age_ms(node).await.is_some_and(|a| a > 3_000) },
+        )
+        .await;
+    }
+    w.agg.proc.cont();
+    for node in [&w.eu, &w.us] {
+        wait_until(
+            &format!("{} fresh again", node.region),
+            DEADLINE,
+            || async { view_age_ms(node).await.is_some_and(|a| a < 2_000) },
+        )
+        .await;
+    }
+}
+
+/// The age of a node's view (ms), as its API reports it.
+async fn view_age_ms(n: &RegionNode) -> Option<u64> {
+    let v: Value = harness::try_json(&n.http, &n.url("/v1/tenants/t")).await?;
+    v["view_age_ms"].as_u64()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -3,7 +3,7 @@
 //! ```text
 //! byte 0      version (2). JSON v1 records start with `{`, so one byte
 //!             tells the formats apart.
-//! byte 1      kind: 1 delta, 2 global update (3 reserved: heartbeat)
+//! byte 1      kind: 1 delta, 2 global update, 3 heartbeat
 //! body        postcard of the kind's body (varints, length-prefixed UTF-8)
 //! auth        postcard of [`Auth`]: none, an HMAC tag, or a batch proof
 //! ```
@@ -31,6 +31,42 @@ pub const V2: u8 = 2;
 pub enum Kind {
     Delta = 1,
     Global = 2,
+    Heartbeat = 3,
+}
+
+/// An aggregator's periodic word on one partition of the global topic:
+/// "caught up; every delta of this partition up to `deltas_offset` is
+/// merged and its changes broadcast before this record; limits as of
+/// `limits_version`". Written only by an aggregator that owns the deltas
+/// partition and has rebuilt it, so a follower that keeps reading fresh
+/// heartbeats knows its view is current, and one that stops (an aggregator
+/// down or rebuilding) knows it is not: freshness no longer means merely
+/// "read to the watermark".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub partition: u32,
+    /// Offset of the next delta to merge (every earlier one is merged).
+    pub deltas_offset: u64,
+    /// Bumped by every configuration reload of the aggregator that wrote it.
+    pub limits_version: u64,
+    /// The aggregator's wall clock when it wrote the record.
+    pub ts_ms: u64,
+}
+
+impl Heartbeat {
+    /// Kafka key: one per partition, so compaction keeps the latest. `~`
+    /// cannot start a tenant id, so it never collides with `tenant|day`.
+    pub fn key(&self) -> String {
+        format!("~heartbeat|{}", self.partition)
+    }
+}
+
+/// The kind of a v2 record (its second byte), if it is one.
+pub fn kind_of(bytes: &[u8]) -> Option<u8> {
+    match bytes {
+        [V2, k, ..] => Some(*k),
+        _ => None,
+    }
 }
 
 /// How a v2 record is authenticated.
@@ -162,6 +198,21 @@ pub fn global_body(u: &GlobalUpdate) -> Vec<u8> {
         ts_ms: u.ts_ms,
     };
     postcard::to_extend(&body, header(Kind::Global)).expect("a Vec never runs out of room")
+}
+
+/// The signed part of a heartbeat (header and body, no auth yet).
+pub fn heartbeat_body(h: &Heartbeat) -> Vec<u8> {
+    postcard::to_extend(h, header(Kind::Heartbeat)).expect("a Vec never runs out of room")
+}
+
+/// Decodes a heartbeat (the signature is checked by the caller).
+pub fn decode_heartbeat(bytes: &[u8]) -> Result<Frame<'_, Heartbeat>, DecodeError> {
+    let (message, signed, auth) = frame::<Heartbeat>(bytes, Kind::Heartbeat)?;
+    Ok(Frame {
+        message,
+        signed,
+        auth,
+    })
 }
 
 /// Appends the authentication to a signed part: the whole record.
@@ -348,6 +399,22 @@ mod tests {
     }
 
     #[test]
+    fn heartbeat_round_trip() {
+        let h = Heartbeat {
+            partition: 3,
+            deltas_offset: 1_234_567,
+            limits_version: 2,
+            ts_ms: 1_700_000_000_000,
+        };
+        let bytes = seal(heartbeat_body(&h), &Auth::None);
+        assert_eq!(kind_of(&bytes), Some(Kind::Heartbeat as u8));
+        assert_eq!(decode_heartbeat(&bytes).unwrap().message, h);
+        assert!(decode_global(&bytes).is_err());
+        assert_eq!(h.key(), "~heartbeat|3");
+        assert!(crate::validate::tenant("~heartbeat").is_err());
+    }
+
+    #[test]
     fn refuses_what_is_not_a_v2_record_of_the_kind() {
         let d = seal(delta_body(&delta()), &Auth::None);
         assert!(matches!(decode_global(&d), Err(DecodeError::Field(_))));
@@ -380,6 +447,8 @@ mod tests {
             let _ = decode_delta(&v2);
             v2[1] = 2;
             let _ = decode_global(&v2);
+            v2[1] = 3;
+            let _ = decode_heartbeat(&v2);
         }
 
         /// A valid record with any byte changed or cut: never a panic, and a

@@ -21,7 +21,8 @@ pub mod keys;
 pub mod merkle;
 pub mod reject;
 
-pub use broadcast_auth::{BroadcastSigner, BroadcastVerifier};
+pub use broadcast_auth::{Broadcast, BroadcastSigner, BroadcastVerifier};
+pub use codec::Heartbeat;
 pub use delta_auth::{DeltaSigner, DeltaVerifier};
 pub use reject::{LogThrottle, Reject};
 
