@@ -148,6 +148,26 @@ keys = {{ us-1 = "{us}" }}
             .config
     }
 
+    proptest::proptest! {
+        /// The verifiers, which read whatever is on the topics, never panic
+        /// and never accept garbage (random bytes carry no valid signature).
+        #[test]
+        fn verifiers_refuse_garbage_without_panicking(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300),
+            kind in 1u8..4,
+        ) {
+            let cfg = config(false);
+            let deltas = DeltaVerifier::new(&cfg).unwrap();
+            let mut broadcasts = BroadcastVerifier::new(&cfg).unwrap();
+            let mut v2 = vec![codec::V2, kind];
+            v2.extend_from_slice(&bytes);
+            for b in [&bytes, &v2] {
+                proptest::prop_assert!(deltas.decode(b).is_err());
+                proptest::prop_assert!(broadcasts.decode_any(b).is_err());
+            }
+        }
+    }
+
     #[test]
     fn versions_by_first_byte() {
         assert_eq!(read_version(b"{\"v\":1}").unwrap(), Version::V1);
