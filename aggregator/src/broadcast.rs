@@ -16,6 +16,7 @@
 //! next interval. Nothing is lost, nothing older overwrites anything newer.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,6 +66,22 @@ pub struct Broadcaster {
     topic: String,
     partitions: i32,
     throttle: Arc<Throttle>,
+    /// Wall-clock ms of the last heartbeats written.
+    last_heartbeat_ms: AtomicU64,
+}
+
+/// How often heartbeats are written: a quarter of the nodes'
+/// `max_staleness` (so a node never reads its view as stale between two
+/// heartbeats), at most once a second, at least once per broadcast
+/// interval. Each is one small record per partition.
+pub fn heartbeat_interval(config: &tierlimit_shared::Config) -> Duration {
+    let per_staleness = config
+        .node
+        .max_staleness
+        .map_or(Duration::from_secs(1), |s| s / 4);
+    per_staleness
+        .min(Duration::from_secs(1))
+        .max(config.aggregator.broadcast_interval)
 }
 
 impl Broadcaster {
@@ -79,6 +96,7 @@ impl Broadcaster {
             topic: kafka.global_topic.clone(),
             partitions: kafka.partitions,
             throttle: Arc::new(Throttle::default()),
+            last_heartbeat_ms: AtomicU64::new(0),
         })
     }
 
@@ -115,6 +133,18 @@ impl Broadcaster {
         }
     }
 
+    /// Whether this flush writes heartbeats: every [`heartbeat_interval`].
+    fn heartbeat_due(&self) -> bool {
+        let every = heartbeat_interval(&self.state.live().load().config);
+        let now = now_ms();
+        let last = self.last_heartbeat_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) + 5 < every.as_millis() as u64 {
+            return false;
+        }
+        self.last_heartbeat_ms.store(now, Ordering::Relaxed);
+        true
+    }
+
     fn interval(&self) -> Duration {
         self.state
             .live()
@@ -139,7 +169,7 @@ impl Broadcaster {
             // Under the same lock as the take: every delta a heartbeat says
             // is merged has its change in `taken` or broadcast earlier, and
             // the heartbeat is produced after `taken` on its partition.
-            let heartbeats = if scope == Scope::All {
+            let heartbeats = if scope == Scope::All && self.heartbeat_due() {
                 self.state.heartbeats(progress)
             } else {
                 Vec::new()
@@ -269,6 +299,24 @@ mod tests {
     use super::*;
     use crate::merge::{Applied, Merged};
     use tierlimit_shared::messages::{actor, Delta};
+
+    #[test]
+    fn heartbeats_come_well_within_max_staleness() {
+        let config = |extra: &str| {
+            let text = format!("{}\n{extra}", crate::state::tests::CONFIG)
+                .replace("[kafka]", "[node]\nmax_staleness = \"1s\"\n[kafka]");
+            tierlimit_shared::Config::from_toml(&text).unwrap().config
+        };
+        let mut c = config("");
+        assert_eq!(heartbeat_interval(&c), Duration::from_millis(250));
+        c.node.max_staleness = None;
+        assert_eq!(heartbeat_interval(&c), Duration::from_secs(1));
+        c.node.max_staleness = Some(Duration::from_secs(30));
+        assert_eq!(heartbeat_interval(&c), Duration::from_secs(1));
+        c.node.max_staleness = Some(Duration::from_millis(200));
+        c.aggregator.broadcast_interval = Duration::from_millis(100);
+        assert_eq!(heartbeat_interval(&c), Duration::from_millis(100));
+    }
 
     #[test]
     fn update_carries_total_parts_and_flag() {
