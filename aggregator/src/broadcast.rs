@@ -25,7 +25,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tierlimit_shared::config::KafkaConfig;
 use tierlimit_shared::day;
 use tierlimit_shared::messages::{now_ms, partition_of, GlobalUpdate, VERSION};
-use tierlimit_shared::wire::Heartbeat;
+use tierlimit_shared::wire::{heartbeat_interval, Heartbeat};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
@@ -68,20 +68,6 @@ pub struct Broadcaster {
     throttle: Arc<Throttle>,
     /// Wall-clock ms of the last heartbeats written.
     last_heartbeat_ms: AtomicU64,
-}
-
-/// How often heartbeats are written: a quarter of the nodes'
-/// `max_staleness` (so a node never reads its view as stale between two
-/// heartbeats), at most once a second, at least once per broadcast
-/// interval. Each is one small record per partition.
-pub fn heartbeat_interval(config: &tierlimit_shared::Config) -> Duration {
-    let per_staleness = config
-        .node
-        .max_staleness
-        .map_or(Duration::from_secs(1), |s| s / 4);
-    per_staleness
-        .min(Duration::from_secs(1))
-        .max(config.aggregator.broadcast_interval)
 }
 
 impl Broadcaster {

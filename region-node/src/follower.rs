@@ -6,14 +6,18 @@
 //! pause it. It is "caught up" (ready) when its position on every partition
 //! has reached the high watermark.
 //!
-//! The view's age comes from the aggregators' signed heartbeats (wire v2):
-//! every broadcast interval, the owner of each rebuilt partition writes
-//! "merged through offset X" after that interval's updates, so the view is
-//! current as of the oldest partition's latest heartbeat read. A partition
-//! whose aggregator is down or rebuilding stops sending them, and the age
-//! grows (reading to the watermark would have called such a view fresh). A
-//! follower that never read a heartbeat (aggregators of the JSON release)
-//! falls back to "read to the watermark".
+//! The view's age also listens to the aggregators' signed heartbeats (wire
+//! v2): every heartbeat interval (a quarter of `max_staleness`, at most
+//! 1 s), the owner of each rebuilt partition writes "merged through offset
+//! X" after a flush's updates. The view is confirmed fresh when the
+//! follower has read to the watermark *and* every partition's latest
+//! heartbeat is recent (within `wire::heartbeat_liveness`); otherwise it is
+//! current only as of the oldest partition's latest heartbeat, and ages
+//! from there. So an aggregator that is down, hung or rebuilding (it
+//! writes no heartbeat for a partition it has not rebuilt) ages every
+//! node's view, where reading to the watermark alone would have called it
+//! fresh. A follower that never read a heartbeat (aggregators of the JSON
+//! release) keeps the watermark rule.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -107,6 +111,7 @@ async fn follow(
         partitions.clone(),
         Arc::clone(&positions),
         Arc::clone(&heartbeats),
+        tierlimit_shared::wire::heartbeat_liveness(config),
         Arc::clone(view),
         Arc::clone(metrics),
     ));
@@ -172,6 +177,7 @@ async fn freshness_loop(
     partitions: Vec<i32>,
     positions: Arc<Vec<AtomicI64>>,
     heartbeats: Arc<Vec<AtomicU64>>,
+    liveness: Duration,
     view: Arc<View>,
     metrics: Arc<Metrics>,
 ) {
@@ -198,14 +204,29 @@ async fn freshness_loop(
             caught_up &= check.await.unwrap_or(false);
         }
         let now = now_ms();
-        let floor = heartbeat_floor(&heartbeats);
-        if caught_up {
-            // Ready; fresh as of now only without heartbeats.
-            view.mark_fresh(floor.unwrap_or(Some(started)).unwrap_or(0));
-            metrics.view_caught_up.set(1);
+        match heartbeat_floor(&heartbeats) {
+            // No heartbeats at all: the watermark alone.
+            None if caught_up => view.mark_fresh(started),
+            None => {}
+            // Every partition's aggregator alive and caught up.
+            Some(Some(oldest))
+                if caught_up && started.saturating_sub(oldest) <= liveness.as_millis() as u64 =>
+            {
+                view.mark_fresh(started)
+            }
+            // Some aggregator silent (or never heard from): current only as
+            // of its last word.
+            Some(as_of) => {
+                if caught_up {
+                    metrics.view_caught_up.set(1);
+                    view.mark_fresh(as_of.unwrap_or(0));
+                } else if let Some(t) = as_of {
+                    view.set_fresh_as_of(t.min(view.fresh_at_ms()));
+                }
+            }
         }
-        if let Some(Some(as_of)) = floor {
-            view.set_fresh_as_of(as_of);
+        if caught_up {
+            metrics.view_caught_up.set(1);
         }
         if let Some(age) = view.age_ms(now) {
             metrics.view_age_seconds.set(age as f64 / 1000.0);

@@ -133,6 +133,11 @@ impl View {
         self.fresh_at_ms.store(ms, Ordering::Relaxed);
     }
 
+    /// Wall-clock ms the view was last known current as of (0 = never).
+    pub fn fresh_at_ms(&self) -> u64 {
+        self.fresh_at_ms.load(Ordering::Relaxed)
+    }
+
     pub fn caught_up(&self) -> bool {
         self.caught_up.load(Ordering::Relaxed)
     }

@@ -75,6 +75,27 @@ impl<T> PerConfig<T> {
     }
 }
 
+/// How often aggregators write heartbeats: a quarter of the nodes'
+/// `max_staleness`, at most once a second, at least one broadcast interval
+/// apart. Each is one small record per partition.
+pub fn heartbeat_interval(config: &Config) -> std::time::Duration {
+    use std::time::Duration;
+    let per_staleness = config
+        .node
+        .max_staleness
+        .map_or(Duration::from_secs(1), |s| s / 4);
+    per_staleness
+        .min(Duration::from_secs(1))
+        .max(config.aggregator.broadcast_interval)
+}
+
+/// How long a follower waits for the next heartbeat of a partition before
+/// it stops calling its view fresh: two heartbeat intervals and a second
+/// for the pipeline (produce, broker, fetch) under load.
+pub fn heartbeat_liveness(config: &Config) -> std::time::Duration {
+    heartbeat_interval(config) * 2 + std::time::Duration::from_secs(1)
+}
+
 /// A wire format version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Version {
