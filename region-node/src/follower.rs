@@ -171,6 +171,7 @@ async fn follow(
 /// Every [`FRESHNESS_CHECK`], asks the broker for every partition's high
 /// watermark (concurrently, off the async threads) and marks the view fresh
 /// when the follower's positions have reached all of them.
+#[allow(clippy::too_many_arguments)] // one task's whole context, passed once
 async fn freshness_loop(
     consumer: Arc<StreamConsumer>,
     topic: String,
