@@ -12,8 +12,7 @@
 //! X" after a flush's updates. The view is confirmed fresh when the
 //! follower has read to the watermark *and* every partition's latest
 //! heartbeat is recent (within `wire::heartbeat_liveness`); otherwise it is
-//! current only as of the oldest partition's latest heartbeat, and ages
-//! from there. So an aggregator that is down, hung or rebuilding (it
+//! not confirmed, and ages from its last confirmation. So an aggregator that is down, hung or rebuilding (it
 //! writes no heartbeat for a partition it has not rebuilt) ages every
 //! node's view, where reading to the watermark alone would have called it
 //! fresh. A follower that never read a heartbeat (aggregators of the JSON
@@ -205,26 +204,22 @@ async fn freshness_loop(
             caught_up &= check.await.unwrap_or(false);
         }
         let now = now_ms();
-        match heartbeat_floor(&heartbeats) {
-            // No heartbeats at all: the watermark alone.
-            None if caught_up => view.mark_fresh(started),
-            None => {}
-            // Every partition's aggregator alive and caught up.
-            Some(Some(oldest))
-                if caught_up && started.saturating_sub(oldest) <= liveness.as_millis() as u64 =>
-            {
-                view.mark_fresh(started)
-            }
-            // Some aggregator silent (or never heard from): current only as
-            // of its last word.
-            Some(as_of) => {
-                if caught_up {
-                    metrics.view_caught_up.set(1);
-                    view.mark_fresh(as_of.unwrap_or(0));
-                } else if let Some(t) = as_of {
-                    view.set_fresh_as_of(t.min(view.fresh_at_ms()));
-                }
-            }
+        // Heartbeats only ever withhold a confirmation: with every
+        // partition's aggregator heard from within the liveness bound (or
+        // no heartbeat at all, from aggregators that write none), reading
+        // to the watermark confirms the view as before; otherwise it is not
+        // confirmed and ages from its last confirmation.
+        let alive = match heartbeat_floor(&heartbeats) {
+            None => true,
+            Some(None) => false,
+            Some(Some(oldest)) => started.saturating_sub(oldest) <= liveness.as_millis() as u64,
+        };
+        if caught_up && alive {
+            view.mark_fresh(started);
+        } else if caught_up {
+            // Ready (read to the end) all the same: readiness is about the
+            // view being complete, staleness about it being current.
+            view.mark_caught_up();
         }
         if caught_up {
             metrics.view_caught_up.set(1);

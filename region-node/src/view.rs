@@ -127,15 +127,9 @@ impl View {
         self.caught_up.store(true, Ordering::Relaxed);
     }
 
-    /// Records that the view was current as of `ms` (the oldest of the
-    /// partitions' latest heartbeats), without touching readiness.
-    pub fn set_fresh_as_of(&self, ms: u64) {
-        self.fresh_at_ms.store(ms, Ordering::Relaxed);
-    }
-
-    /// Wall-clock ms the view was last known current as of (0 = never).
-    pub fn fresh_at_ms(&self) -> u64 {
-        self.fresh_at_ms.load(Ordering::Relaxed)
+    /// Read to the end once (readiness), without confirming freshness.
+    pub fn mark_caught_up(&self) {
+        self.caught_up.store(true, Ordering::Relaxed);
     }
 
     pub fn caught_up(&self) -> bool {
