@@ -15,6 +15,8 @@
 //! is marked dirty again and goes out, with the then-current value, at the
 //! next interval. Nothing is lost, nothing older overwrites anything newer.
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +25,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tierlimit_shared::config::KafkaConfig;
 use tierlimit_shared::day;
 use tierlimit_shared::messages::{now_ms, partition_of, GlobalUpdate, VERSION};
+use tierlimit_shared::wire::{heartbeat_interval, Heartbeat};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
@@ -63,6 +66,8 @@ pub struct Broadcaster {
     topic: String,
     partitions: i32,
     throttle: Arc<Throttle>,
+    /// Wall-clock ms of the last heartbeats written.
+    last_heartbeat_ms: AtomicU64,
 }
 
 impl Broadcaster {
@@ -77,6 +82,7 @@ impl Broadcaster {
             topic: kafka.global_topic.clone(),
             partitions: kafka.partitions,
             throttle: Arc::new(Throttle::default()),
+            last_heartbeat_ms: AtomicU64::new(0),
         })
     }
 
@@ -113,6 +119,18 @@ impl Broadcaster {
         }
     }
 
+    /// Whether this flush writes heartbeats: every [`heartbeat_interval`].
+    fn heartbeat_due(&self) -> bool {
+        let every = heartbeat_interval(&self.state.live().load().config);
+        let now = now_ms();
+        let last = self.last_heartbeat_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) + 5 < every.as_millis() as u64 {
+            return false;
+        }
+        self.last_heartbeat_ms.store(now, Ordering::Relaxed);
+        true
+    }
+
     fn interval(&self) -> Duration {
         self.state
             .live()
@@ -127,31 +145,67 @@ impl Broadcaster {
     /// outage never stalls the next interval.
     fn flush(&self, scope: Scope) {
         let today = day::today();
-        let taken = {
+        let (taken, heartbeats) = {
             let mut core = self.state.lock();
             if scope == Scope::All && self.state.take_limits_changed() {
                 core.merged.mark_day_dirty(today, None);
             }
             let Core { merged, progress } = &mut *core;
-            merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p))
+            let taken = merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p));
+            // Under the same lock as the take: every delta a heartbeat says
+            // is merged has its change in `taken` or broadcast earlier, and
+            // the heartbeat is produced after `taken` on its partition.
+            let heartbeats = if scope == Scope::All && self.heartbeat_due() {
+                self.state.heartbeats(progress)
+            } else {
+                Vec::new()
+            };
+            (taken, heartbeats)
         };
+        self.produce_updates(taken);
+        self.produce_heartbeats(heartbeats);
+    }
+
+    /// Hands `taken` to the producer, one signed batch per partition.
+    fn produce_updates(&self, taken: Vec<(TenantDay, Counter)>) {
         if taken.is_empty() {
             return;
         }
         let config = self.state.live().load();
-        let mut pending = Vec::with_capacity(taken.len());
+        let signer = match self.state.broadcast_signer() {
+            Ok(s) => s,
+            Err(e) => {
+                for (key, _) in &taken {
+                    self.failed(key, &e);
+                }
+                return;
+            }
+        };
+        // One signed batch per partition: a batch's records stay together
+        // on the topic, so a follower verifies each root once.
+        let mut by_partition: BTreeMap<i32, Vec<(TenantDay, GlobalUpdate)>> = BTreeMap::new();
         for (key, counter) in taken {
             let limit = config.policy(&key.tenant).and_then(|p| p.global);
             let update = update(&key, &counter, limit);
-            let record_key = update.key();
-            let payload = update.encode();
-            let record = FutureRecord::to(&self.topic)
-                .partition(partition_of(&key.tenant, self.partitions))
-                .key(&record_key)
-                .payload(&payload);
-            match self.producer.send_result(record) {
-                Ok(delivery) => pending.push((key, delivery)),
-                Err((e, _)) => self.failed(&key, &e.to_string()),
+            by_partition
+                .entry(partition_of(&key.tenant, self.partitions))
+                .or_default()
+                .push((key, update));
+        }
+        let mut pending = Vec::new();
+        for (partition, items) in by_partition {
+            let updates: Vec<GlobalUpdate> = items.iter().map(|(_, u)| u.clone()).collect();
+            let records = signer.encode(&updates);
+            for ((key, update), payload) in items.into_iter().zip(records) {
+                let record_key = update.key();
+                let record = FutureRecord::to(&self.topic)
+                    .partition(partition)
+                    .key(&record_key)
+                    .payload(&payload);
+                match self.producer.send_result(record) {
+                    Ok(delivery) => pending.push((key, delivery)),
+                    Err((e, _)) => self.failed(&key, &e.to_string()),
+                }
             }
         }
         if pending.is_empty() {
@@ -170,6 +224,44 @@ impl Broadcaster {
                     Err(_) => "producer dropped the message".to_owned(),
                 };
                 failed(&state, &throttle, &key, &error);
+            }
+        });
+    }
+
+    /// Produces the heartbeats of one flush, after its updates (the
+    /// producer keeps one request in flight, so on each partition they land
+    /// after the updates). Not retried: the next flush writes fresher ones.
+    fn produce_heartbeats(&self, heartbeats: Vec<Heartbeat>) {
+        if heartbeats.is_empty() {
+            return;
+        }
+        let signer = match self.state.broadcast_signer() {
+            Ok(s) => s,
+            Err(_) => return,
+        };
+        let records = signer.encode_heartbeats(&heartbeats);
+        let mut pending = Vec::with_capacity(records.len());
+        for (h, payload) in heartbeats.iter().zip(&records) {
+            let key = h.key();
+            let record = FutureRecord::to(&self.topic)
+                .partition(h.partition as i32)
+                .key(&key)
+                .payload(payload);
+            match self.producer.send_result(record) {
+                Ok(delivery) => pending.push(delivery),
+                Err((e, _)) => {
+                    if let Some(suppressed) = self.throttle.allow("heartbeat") {
+                        tracing::warn!(error = %e, suppressed, "heartbeat not produced");
+                    }
+                }
+            }
+        }
+        let state = self.state.clone();
+        tokio::spawn(async move {
+            for delivery in pending {
+                if let Ok(Ok(_)) = delivery.await {
+                    state.metrics.heartbeats_produced.inc();
+                }
             }
         });
     }
@@ -193,6 +285,24 @@ mod tests {
     use super::*;
     use crate::merge::{Applied, Merged};
     use tierlimit_shared::messages::{actor, Delta};
+
+    #[test]
+    fn heartbeats_come_well_within_max_staleness() {
+        let config = |extra: &str| {
+            let text = format!("{}\n{extra}", crate::state::tests::CONFIG)
+                .replace("[kafka]", "[node]\nmax_staleness = \"1s\"\n[kafka]");
+            tierlimit_shared::Config::from_toml(&text).unwrap().config
+        };
+        let mut c = config("");
+        assert_eq!(heartbeat_interval(&c), Duration::from_millis(250));
+        c.node.max_staleness = None;
+        assert_eq!(heartbeat_interval(&c), Duration::from_secs(1));
+        c.node.max_staleness = Some(Duration::from_secs(30));
+        assert_eq!(heartbeat_interval(&c), Duration::from_secs(1));
+        c.node.max_staleness = Some(Duration::from_millis(200));
+        c.aggregator.broadcast_interval = Duration::from_millis(100);
+        assert_eq!(heartbeat_interval(&c), Duration::from_millis(100));
+    }
 
     #[test]
     fn update_carries_total_parts_and_flag() {

@@ -31,7 +31,8 @@ use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 use tierlimit_shared::config::{AggregatorSettings, KafkaConfig};
-use tierlimit_shared::messages::Delta;
+use tierlimit_shared::messages::DecodeError;
+use tierlimit_shared::wire::Reject;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -251,16 +252,26 @@ impl DeltaConsumer {
 
     fn handle(&self, msg: &BorrowedMessage<'_>) {
         let (partition, offset) = (msg.partition(), msg.offset());
-        let decoded = match msg.payload() {
-            Some(bytes) => Delta::decode(bytes).map_err(|e| e.to_string()),
-            None => Err("empty payload (tombstone)".to_owned()),
+        let decoded = match (msg.payload(), self.state.delta_verifier()) {
+            (Some(bytes), Ok(verifier)) => verifier.decode(bytes),
+            (None, _) => Err(Reject::Corrupt(DecodeError::Field(
+                "empty payload (tombstone)".into(),
+            ))),
+            (_, Err(e)) => Err(Reject::Corrupt(DecodeError::Field(format!(
+                "no delta keys: {e}"
+            )))),
         };
         match decoded {
             Ok(delta) => self.state.on_delta(partition, offset, &delta),
-            Err(error) => {
-                self.state.metrics.undecodable.inc();
-                tracing::warn!(topic = msg.topic(), partition, offset, %error, "skipping a message that is not a valid delta");
-                self.state.on_skipped(partition, offset);
+            Err(reject) => {
+                self.state.on_rejected(partition, offset, &reject);
+                // Logged once per reason and interval; the metric counts all.
+                if let Some(suppressed) = self
+                    .throttle
+                    .allow(&format!("rejected {}", reject.reason()))
+                {
+                    tracing::warn!(topic = msg.topic(), partition, offset, error = %reject, reason = reject.reason(), suppressed, "skipping a refused delta record");
+                }
             }
         }
     }

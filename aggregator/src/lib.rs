@@ -70,6 +70,9 @@ pub enum Error {
     Tls(#[from] tierlimit_shared::tls::TlsError),
     #[error("{0}")]
     Topics(String),
+    /// Keys missing or unusable for the wire format in force.
+    #[error("wire keys: {0}")]
+    Wire(String),
 }
 
 /// Where the aggregator listens: the API (`listen`) and the admin
@@ -124,6 +127,10 @@ pub async fn run_until(
     );
     let live = tierlimit_shared::reload::live(loaded);
     let state = State::new(live.clone(), Metrics::new());
+    // An aggregator that could not sign its broadcasts or verify deltas
+    // would run but apply nothing: refuse to start instead.
+    state.delta_verifier().map_err(Error::Wire)?;
+    state.broadcast_signer().map_err(Error::Wire)?;
 
     let reloaded = state.clone();
     tierlimit_shared::reload::spawn_sighup_reloader(PathBuf::from(config_path), live, move |r| {

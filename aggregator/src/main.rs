@@ -67,6 +67,9 @@ enum Command {
         #[arg(long, env = "TIERLIMIT_NO_COMPACT")]
         no_compact: bool,
     },
+    /// Prints a new Ed25519 key pair for signing broadcasts (see `[wire]`
+    /// in regions.example.toml).
+    Keygen,
 }
 
 fn init_logging(json: bool) {
@@ -83,6 +86,18 @@ fn init_logging(json: bool) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Keygen) = cli.command {
+        return match tierlimit_shared::wire::keys::ed25519_generate() {
+            Ok((private, public)) => {
+                println!("# aggregators only, e.g. TIERLIMIT__WIRE__BROADCAST_PRIVATE_KEY:\nbroadcast_private_key = \"{private}\"\n# every node and aggregator, under [wire.broadcast_public_keys]:\n<key id> = \"{public}\"");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("cannot read /dev/urandom: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     init_logging(cli.log_json);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -107,6 +122,7 @@ fn main() -> ExitCode {
                         }
                     })
             }
+            Some(Command::Keygen) => unreachable!("handled before the runtime starts"),
             None => {
                 let config = cli
                     .config

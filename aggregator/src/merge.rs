@@ -590,6 +590,11 @@ mod tests {
         m.apply(0, &delta("a", TODAY, &actor("eu", "1"), u64::MAX, 0), TODAY);
         m.apply(0, &delta("a", TODAY, &actor("us", "1"), u64::MAX, 0), TODAY);
         assert_eq!(m.get("a", TODAY).unwrap().total(), u64::MAX);
+        // Two parts summing to 2^64 + 1: wrapping would say 1.
+        m.apply(0, &delta("b", TODAY, &actor("eu", "1"), u64::MAX, 0), TODAY);
+        m.apply(0, &delta("b", TODAY, &actor("us", "1"), 2, 0), TODAY);
+        assert_eq!(m.get("b", TODAY).unwrap().total(), u64::MAX);
+        assert_eq!(m.get("b", TODAY).unwrap().regions()["eu"], u64::MAX);
     }
 
     /// One actor's history: cumulative (p, n) pairs, monotone in both.
@@ -640,6 +645,24 @@ mod tests {
     }
 
     proptest! {
+        /// Whatever the parts (forged ones included), the total is the
+        /// exact Σ (p − n) when it fits in u64 and u64::MAX when it does
+        /// not: never wrapped to a small number. So is each region's sum.
+        #[test]
+        fn totals_saturate_never_wrap(parts in prop::collection::vec((any::<u64>(), any::<u64>()), 1..6)) {
+            let mut m = Merged::new(2);
+            let mut exact = 0u128;
+            for (i, &(a, b)) in parts.iter().enumerate() {
+                let (p, n) = (a.max(b), a.min(b));
+                exact += u128::from(p - n);
+                m.apply(0, &delta("acme", TODAY, &actor("eu", &format!("e{i}")), p, n), TODAY);
+            }
+            let c = m.get("acme", TODAY).unwrap();
+            let expected = exact.min(u128::from(u64::MAX)) as u64;
+            prop_assert_eq!(c.total(), expected);
+            prop_assert_eq!(c.regions().get("eu").copied().unwrap_or(0), expected);
+        }
+
         /// Any interleaving, duplication and reordering of the deltas of any
         /// set of actors merges to exactly Σ final(p) − Σ final(n), with each
         /// actor's part at its final (p, n).

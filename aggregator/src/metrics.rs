@@ -22,6 +22,9 @@ pub struct Metrics {
     pub deltas_ignored: IntCounterVec,
     /// Messages that could not be decoded (skipped).
     pub undecodable: IntCounter,
+    /// Records refused by the wire layer, by `Reject::reason`.
+    pub deltas_rejected: IntCounterVec,
+    pub heartbeats_produced: IntCounter,
     /// Deltas found on a partition other than `partition_of(tenant)`: the
     /// producers' `kafka.partitions` does not match the topic's.
     pub misrouted: IntCounter,
@@ -103,6 +106,19 @@ impl Metrics {
             "undecodable_messages_total",
             "Messages on the deltas topic that could not be decoded and were skipped.",
         );
+        let heartbeats_produced = counter(
+            "heartbeats_produced_total",
+            "Signed heartbeats (\"partition caught up, merged through offset X\") acknowledged by the broker.",
+        );
+        let deltas_rejected = counter_vec(
+            "deltas_rejected_total",
+            "Records on the deltas topic refused and skipped, by reason: corrupt, version, unsigned, unknown_key, \
+             bad_signature, wrong_region (a region's key signing another region's actor), unknown_region.",
+            &["reason"],
+        );
+        for reason in tierlimit_shared::wire::Reject::REASONS {
+            deltas_rejected.with_label_values(&[reason]);
+        }
         let misrouted = counter(
             "misrouted_deltas_total",
             "Deltas on a partition other than the tenant's: producers and topic disagree on the partition count.",
@@ -184,6 +200,8 @@ impl Metrics {
             merges_applied,
             deltas_ignored,
             undecodable,
+            deltas_rejected,
+            heartbeats_produced,
             misrouted,
             stale_deltas,
             broadcasts_produced,

@@ -8,13 +8,14 @@
 //! its partition is caught up *at that instant*, so a half-rebuilt counter can
 //! never be published. Critical sections are short (no I/O under the lock).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tierlimit_shared::config::{ConfigError, KafkaConfig};
 use tierlimit_shared::day;
 use tierlimit_shared::messages::{now_ms, partition_of, Delta};
 use tierlimit_shared::reload::Live;
+use tierlimit_shared::wire::{BroadcastSigner, DeltaVerifier, Heartbeat, PerConfig, Reject};
 use tokio::sync::Notify;
 
 use crate::merge::{Applied, Merged, TenantDay};
@@ -44,6 +45,12 @@ pub struct State {
     /// Set on a configuration reload: limits may have changed, so today's
     /// counters are broadcast again with the new limit and flag.
     limits_changed: AtomicBool,
+    /// Bumped by every successful reload; carried by heartbeats.
+    limits_version: AtomicU64,
+    /// Delta keys and broadcast key of the current configuration (a SIGHUP
+    /// rotates them).
+    delta_verifier: PerConfig<DeltaVerifier>,
+    broadcast_signer: PerConfig<BroadcastSigner>,
 }
 
 impl State {
@@ -61,7 +68,20 @@ impl State {
             }),
             urgent: Notify::new(),
             limits_changed: AtomicBool::new(false),
+            limits_version: AtomicU64::new(0),
+            delta_verifier: PerConfig::new(DeltaVerifier::new),
+            broadcast_signer: PerConfig::new(BroadcastSigner::new),
         })
+    }
+
+    /// What deltas are decoded and authenticated with.
+    pub fn delta_verifier(&self) -> Result<Arc<DeltaVerifier>, String> {
+        self.delta_verifier.get(&self.live)
+    }
+
+    /// What broadcasts are encoded and signed with.
+    pub fn broadcast_signer(&self) -> Result<Arc<BroadcastSigner>, String> {
+        self.broadcast_signer.get(&self.live)
     }
 
     /// Locks the merged state. A panic while holding the lock cannot leave
@@ -96,6 +116,7 @@ impl State {
             Ok(()) => {
                 self.metrics.config_reloads.with_label_values(&["ok"]).inc();
                 self.limits_changed.store(true, Ordering::Release);
+                self.limits_version.fetch_add(1, Ordering::AcqRel);
                 let now = self.live.load();
                 let same_kafka = serde_json::to_value(&now.config.kafka).ok()
                     == serde_json::to_value(&self.kafka).ok();
@@ -193,6 +214,36 @@ impl State {
         if core.progress.consumed(partition, offset) {
             self.caught_up(&mut core, partition);
         }
+    }
+
+    /// The heartbeats of every rebuilt partition: "merged through this
+    /// offset, limits of this version". A partition still rebuilding has
+    /// none, so followers see its broadcasts as not current.
+    pub fn heartbeats(&self, progress: &Progress) -> Vec<Heartbeat> {
+        let (version, ts_ms) = (self.limits_version.load(Ordering::Acquire), now_ms());
+        progress
+            .partitions()
+            .filter(|p| p.caught_up)
+            .map(|p| Heartbeat {
+                partition: p.partition as u32,
+                deltas_offset: p.position.unwrap_or(0).max(0) as u64,
+                limits_version: version,
+                ts_ms,
+            })
+            .collect()
+    }
+
+    /// A record was refused (forged, of an unknown region, corrupt):
+    /// counted by reason and skipped; it still counts as read.
+    pub fn on_rejected(&self, partition: i32, offset: i64, reject: &Reject) {
+        self.metrics
+            .deltas_rejected
+            .with_label_values(&[reject.reason()])
+            .inc();
+        if matches!(reject, Reject::Corrupt(_)) {
+            self.metrics.undecodable.inc();
+        }
+        self.on_skipped(partition, offset);
     }
 
     /// Merges a delta read at (`partition`, `offset`).
@@ -342,6 +393,8 @@ plan = "unlimited"
 [unknown_tenants]
 policy = "plan"
 plan = "small"
+[wire]
+accept_unsigned = true
 "#;
 
     pub(crate) fn state() -> Arc<State> {

@@ -138,7 +138,9 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
         .iter()
         .map(|&(n, p)| (n, format!("redis://127.0.0.1:{p}/")))
         .collect();
-    let text = config_text(tansu_port, &redis_urls);
+    // Deltas and broadcasts are signed: every region's HMAC key and the
+    // aggregator's Ed25519 key pair (testkit's fixed demo keys).
+    let text = testkit::port::with_wire_keys(&config_text(tansu_port, &redis_urls));
     let loaded =
         tierlimit_shared::Config::from_toml(&text).map_err(|e| anyhow!("demo config: {e}"))?;
     let config = state.join("tierlimit.toml");

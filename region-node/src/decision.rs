@@ -610,7 +610,7 @@ impl Decider {
         let global = match (policy.global, global) {
             (Some(limit), seen) => {
                 let (total, own_parts) = seen.unwrap_or_default();
-                let own: u64 = own_parts.iter().map(|(_, p, n)| p.saturating_sub(*n)).sum();
+                let own = crate::view::net_sum(own_parts.iter().map(|(_, p, n)| (*p, *n)));
                 Some(GlobalArgs {
                     limit,
                     broadcast_total: total,
@@ -687,7 +687,7 @@ impl Decider {
             return None;
         }
         let regions = cfg.config.regions.len().max(1) as u64;
-        Some(own + glimit.saturating_sub(total) / regions)
+        Some(own.saturating_add(glimit.saturating_sub(total) / regions))
     }
 
     /// The decision a store's reply makes. In `local` mode the region tier

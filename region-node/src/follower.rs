@@ -3,11 +3,22 @@
 //!
 //! It uses manual assignment from the beginning (no consumer group), so each
 //! node rebuilds the whole view of today on start and no rebalance can ever
-//! pause it. It is "caught up" when its position on every partition has
-//! reached the high watermark; the view's age is the time since that was
-//! last confirmed, which also makes a node cut off from Kafka visible.
+//! pause it. It is "caught up" (ready) when its position on every partition
+//! has reached the high watermark.
+//!
+//! The view's age also listens to the aggregators' signed heartbeats (wire
+//! v2): every heartbeat interval (a quarter of `max_staleness`, at most
+//! 1 s), the owner of each rebuilt partition writes "merged through offset
+//! X" after a flush's updates. The view is confirmed fresh when the
+//! follower has read to the watermark *and* every partition's latest
+//! heartbeat is recent (within `wire::heartbeat_liveness`); otherwise it is
+//! not confirmed, and ages from its last confirmation. So an aggregator that is down, hung or rebuilding (it
+//! writes no heartbeat for a partition it has not rebuilt) ages every
+//! node's view, where reading to the watermark alone would have called it
+//! fresh. A follower that never read a heartbeat (aggregators of the JSON
+//! release) keeps the watermark rule.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +27,8 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 
 use tierlimit_shared::config::Config;
 use tierlimit_shared::day;
-use tierlimit_shared::messages::{now_ms, GlobalUpdate};
+use tierlimit_shared::messages::now_ms;
+use tierlimit_shared::wire::{Broadcast, BroadcastVerifier, LogThrottle, Reject};
 
 use crate::metrics::Metrics;
 use crate::view::View;
@@ -42,6 +54,9 @@ async fn follow(
     metrics: &Arc<Metrics>,
 ) -> Result<(), String> {
     let topic = config.kafka.global_topic.clone();
+    // Only records an aggregator signed reach the view.
+    let mut verifier = BroadcastVerifier::new(config)?;
+    let mut log = LogThrottle::default();
     let mut cc = tierlimit_shared::kafka::client_config(&config.kafka);
     // A group id is required by the client, but with manual assignment the
     // consumer never joins the group and never commits.
@@ -85,11 +100,17 @@ async fn follow(
     // holds back consumption.
     let positions: Arc<Vec<AtomicI64>> =
         Arc::new(partitions.iter().map(|_| AtomicI64::new(0)).collect());
+    // The aggregator's time of the latest heartbeat read per partition (0:
+    // none yet).
+    let heartbeats: Arc<Vec<AtomicU64>> =
+        Arc::new(partitions.iter().map(|_| AtomicU64::new(0)).collect());
     let checker = tokio::spawn(freshness_loop(
         Arc::clone(&consumer),
         topic.clone(),
         partitions.clone(),
         Arc::clone(&positions),
+        Arc::clone(&heartbeats),
+        tierlimit_shared::wire::heartbeat_liveness(config),
         Arc::clone(view),
         Arc::clone(metrics),
     ));
@@ -98,21 +119,47 @@ async fn follow(
             Ok(m) => m,
             Err(e) => break Err(e.to_string()),
         };
-        if let Some(i) = partitions.iter().position(|p| *p == msg.partition()) {
+        let index = partitions.iter().position(|p| *p == msg.partition());
+        if let Some(i) = index {
             positions[i].store(msg.offset() + 1, Ordering::Relaxed);
         }
-        match msg.payload().map(GlobalUpdate::decode) {
-            Some(Ok(u)) => {
+        let decoded = match msg.payload() {
+            Some(bytes) => verifier.decode_any(bytes),
+            None => Err(Reject::Corrupt(
+                tierlimit_shared::messages::DecodeError::Field("empty payload".into()),
+            )),
+        };
+        match decoded {
+            Ok(Broadcast::Update(u)) => {
                 view.apply(&u);
                 metrics.broadcasts_received.inc();
             }
-            _ => {
-                metrics.broadcasts_undecodable.inc();
-                tracing::warn!(
-                    partition = msg.partition(),
-                    offset = msg.offset(),
-                    "skipping undecodable broadcast"
-                );
+            Ok(Broadcast::Heartbeat(h)) => {
+                if let Some(i) = index {
+                    // Max: a replayed older heartbeat never makes the view
+                    // look fresher than it is.
+                    heartbeats[i].fetch_max(h.ts_ms, Ordering::Relaxed);
+                }
+                metrics.heartbeats_received.inc();
+            }
+            Err(reject) => {
+                metrics
+                    .broadcasts_rejected
+                    .with_label_values(&[reject.reason()])
+                    .inc();
+                if matches!(reject, Reject::Corrupt(_)) {
+                    metrics.broadcasts_undecodable.inc();
+                }
+                if let Some(suppressed) = log.allow(reject.reason()) {
+                    tracing::warn!(
+                        partition = msg.partition(),
+                        offset = msg.offset(),
+                        error = %reject,
+                        reason = reject.reason(),
+                        suppressed,
+                        "skipping a refused broadcast record"
+                    );
+                }
             }
         }
     };
@@ -123,11 +170,14 @@ async fn follow(
 /// Every [`FRESHNESS_CHECK`], asks the broker for every partition's high
 /// watermark (concurrently, off the async threads) and marks the view fresh
 /// when the follower's positions have reached all of them.
+#[allow(clippy::too_many_arguments)] // one task's whole context, passed once
 async fn freshness_loop(
     consumer: Arc<StreamConsumer>,
     topic: String,
     partitions: Vec<i32>,
     positions: Arc<Vec<AtomicI64>>,
+    heartbeats: Arc<Vec<AtomicU64>>,
+    liveness: Duration,
     view: Arc<View>,
     metrics: Arc<Metrics>,
 ) {
@@ -154,8 +204,24 @@ async fn freshness_loop(
             caught_up &= check.await.unwrap_or(false);
         }
         let now = now_ms();
-        if caught_up {
+        // Heartbeats only ever withhold a confirmation: with every
+        // partition's aggregator heard from within the liveness bound (or
+        // no heartbeat at all, from aggregators that write none), reading
+        // to the watermark confirms the view as before; otherwise it is not
+        // confirmed and ages from its last confirmation.
+        let alive = match heartbeat_floor(&heartbeats) {
+            None => true,
+            Some(None) => false,
+            Some(Some(oldest)) => started.saturating_sub(oldest) <= liveness.as_millis() as u64,
+        };
+        if caught_up && alive {
             view.mark_fresh(started);
+        } else if caught_up {
+            // Ready (read to the end) all the same: readiness is about the
+            // view being complete, staleness about it being current.
+            view.mark_caught_up();
+        }
+        if caught_up {
             metrics.view_caught_up.set(1);
         }
         if let Some(age) = view.age_ms(now) {
@@ -163,5 +229,34 @@ async fn freshness_loop(
         }
         view.prune(day::today().saturating_sub(1));
         metrics.view_entries.set(view.len() as i64);
+    }
+}
+
+/// How current the view is by the heartbeats: `None` if no partition ever
+/// had one (aggregators that write none: judge by the watermark instead),
+/// `Some(None)` if some partition has none yet (not current), otherwise
+/// `Some(Some(t))` with `t` the oldest partition's latest heartbeat time.
+fn heartbeat_floor(heartbeats: &[AtomicU64]) -> Option<Option<u64>> {
+    let times: Vec<u64> = heartbeats
+        .iter()
+        .map(|h| h.load(Ordering::Relaxed))
+        .collect();
+    if times.iter().all(|t| *t == 0) {
+        return None;
+    }
+    let oldest = times.iter().copied().min().unwrap_or(0);
+    Some((oldest > 0).then_some(oldest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freshness_is_the_oldest_partitions_heartbeat() {
+        let hb = |ts: &[u64]| -> Vec<AtomicU64> { ts.iter().map(|t| AtomicU64::new(*t)).collect() };
+        assert_eq!(heartbeat_floor(&hb(&[0, 0, 0])), None);
+        assert_eq!(heartbeat_floor(&hb(&[5, 0, 7])), Some(None));
+        assert_eq!(heartbeat_floor(&hb(&[5, 9, 7])), Some(Some(5)));
     }
 }

@@ -72,6 +72,12 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         );
     };
     let config = loaded.config.clone();
+    // A node that cannot sign its deltas or check broadcasts would run but
+    // count for nothing globally: refuse to start.
+    tierlimit_shared::wire::DeltaSigner::new(&config, &settings.region)
+        .map_err(|e| anyhow::anyhow!("wire keys: {e}"))?;
+    tierlimit_shared::wire::BroadcastVerifier::new(&config)
+        .map_err(|e| anyhow::anyhow!("wire keys: {e}"))?;
     let metrics = Arc::new(metrics::Metrics::new());
     let live = reload::live(loaded);
     {

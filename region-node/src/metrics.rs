@@ -48,6 +48,10 @@ pub struct Metrics {
     pub view_caught_up: IntGauge,
     pub broadcasts_received: IntCounter,
     pub broadcasts_undecodable: IntCounter,
+    /// Global-topic records refused by the wire layer, by reason.
+    pub broadcasts_rejected: IntCounterVec,
+    /// Signed aggregator heartbeats read.
+    pub heartbeats_received: IntCounter,
     pub epoch_changes: IntCounter,
     /// Requests refused by admission (queue full, or waited too long),
     /// before anything was charged.
@@ -327,6 +331,31 @@ impl Metrics {
                 )
                 .unwrap(),
             ),
+            heartbeats_received: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_heartbeats_received_total",
+                    "Signed aggregator heartbeats read from the global topic (they date the view)",
+                )
+                .unwrap(),
+            ),
+            broadcasts_rejected: {
+                let c = reg(
+                    &r,
+                    IntCounterVec::new(
+                        prometheus::Opts::new(
+                            "tierlimit_broadcasts_rejected_total",
+                            "Global-topic records refused and skipped, by reason: corrupt, version, unsigned, unknown_key, bad_signature",
+                        ),
+                        &["reason"],
+                    )
+                    .unwrap(),
+                );
+                for reason in tierlimit_shared::wire::Reject::REASONS {
+                    c.with_label_values(&[reason]);
+                }
+                c
+            },
             broadcasts_undecodable: reg(
                 &r,
                 IntCounter::new(

@@ -36,6 +36,7 @@ use rdkafka::util::Timeout;
 use tierlimit_shared::config::Config;
 use tierlimit_shared::messages::{actor, now_ms, partition_of, Delta};
 use tierlimit_shared::reload::Live;
+use tierlimit_shared::wire::DeltaSigner;
 use tierlimit_shared::{day, keys};
 
 use crate::local::Local;
@@ -245,6 +246,7 @@ impl Publisher {
     async fn flush_redis(&mut self) -> Result<usize, PublishError> {
         // Read at every flush, so a SIGHUP reload applies to the next one.
         let cfg = self.live.load_full();
+        let signer = self.signer(&cfg.config);
         let relaxed = cfg.config.node.relaxed_flush_interval();
         let redis_now = self.store.redis_now_ms(now_ms());
         // Due: urgent (score 0), or due by now (see decide.lua).
@@ -357,7 +359,7 @@ impl Publisher {
         let mut deliveries = Vec::with_capacity(pending.len());
         for p in pending {
             let key = p.delta.key();
-            let payload = p.delta.encode();
+            let payload = signer.encode(&p.delta);
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&p.delta.tenant, self.partitions))
                 .key(&key)
@@ -375,7 +377,7 @@ impl Publisher {
             match f.await {
                 Ok(Ok(_)) => {
                     ok += 1;
-                    let pn = p.delta.p + p.delta.n;
+                    let pn = p.delta.p.saturating_add(p.delta.n);
                     acks.entry(p.bucket)
                         .or_default()
                         .push((p.tenant, p.day, pn));
@@ -406,12 +408,25 @@ impl Publisher {
         Ok(ok)
     }
 
+    /// What deltas are written with under `config`: the format of
+    /// `wire.version`, signed with the region's key (made at every flush,
+    /// so a SIGHUP rotates the key). The configuration was validated, so
+    /// this fails only on a region without keys under
+    /// `wire.accept_unsigned = true`, which then writes unsigned records.
+    fn signer(&self, config: &Config) -> DeltaSigner {
+        DeltaSigner::new(config, &self.region).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "cannot sign deltas; writing them unsigned");
+            DeltaSigner::with_key(tierlimit_shared::wire::Version::from_config(config), None)
+        })
+    }
+
     /// Publishes key scheme 1's dirty entries (see [`crate::legacy`]).
     async fn flush_legacy(&mut self) -> Result<usize, PublishError> {
         let entries = self.legacy.read(&self.store, self.batch).await?;
         if entries.is_empty() {
             return Ok(0);
         }
+        let signer = self.signer(&self.live.load().config);
         let now = now_ms();
         let mut acks = Vec::new();
         let mut deliveries = Vec::new();
@@ -422,13 +437,13 @@ impl Publisher {
             }
             let delta = Delta::new(&tenant, day, actor(&self.region, &epoch), p, n, now)
                 .from_node(&self.node_id);
-            let (key, payload) = (delta.key(), delta.encode());
+            let (key, payload) = (delta.key(), signer.encode(&delta));
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&tenant, self.partitions))
                 .key(&key)
                 .payload(&payload);
             match self.producer.send_result(record) {
-                Ok(f) => deliveries.push(((tenant, day, p + n), f)),
+                Ok(f) => deliveries.push(((tenant, day, p.saturating_add(n)), f)),
                 Err(_) => self.metrics.deltas_failed.inc(),
             }
         }
@@ -485,6 +500,7 @@ impl Publisher {
     /// Kafka has them; publish every one that changed.
     async fn flush_local(&mut self) -> usize {
         let now = now_ms();
+        let signer = self.signer(&self.live.load().config);
         let mut ok = 0;
         for (tenant, d, p, n) in self.local.counts() {
             let k = (tenant.clone(), d);
@@ -493,7 +509,7 @@ impl Publisher {
             }
             let delta = Delta::new(&tenant, d, self.local.actor.clone(), p, n, now);
             let key = delta.key();
-            let payload = delta.encode();
+            let payload = signer.encode(&delta);
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&tenant, self.partitions))
                 .key(&key)
@@ -572,7 +588,8 @@ pub fn urgent_at(
     if gap <= 0.0 {
         return Some(0);
     }
-    Some(mine + (gap / regions.max(1) as f64).ceil() as u64)
+    // A float-to-int cast saturates; the sum must too.
+    Some(mine.saturating_add((gap / regions.max(1) as f64).ceil() as u64))
 }
 
 #[cfg(test)]
@@ -627,5 +644,11 @@ mod tests {
         assert!(urgent(Some(1 << 40), 0, 0, 3, 0.0));
         // This region's own broadcast part counts towards the threshold.
         assert_eq!(urgent_at(Some(100), 40, 30, 2, 0.5), Some(35));
+        // Absurd parts saturate rather than wrap.
+        assert_eq!(
+            urgent_at(Some(u64::MAX), 0, u64::MAX, 1, 1.0),
+            Some(u64::MAX)
+        );
+        assert_eq!(urgent_at(Some(u64::MAX), 0, 0, 1, 1.0), Some(u64::MAX));
     }
 }

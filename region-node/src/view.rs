@@ -19,9 +19,22 @@ pub struct Entry {
     pub ts_ms: u64,
 }
 
+/// Σ (p − n) over `parts`, saturating at `u64::MAX`.
+///
+/// Never wrapping: two forged or absurd parts summing past 2^64 must read
+/// as "over any limit", not as a small total that admits the tenant.
+/// (Signed broadcasts keep forged parts out; this keeps a bug or a
+/// compromised aggregator from turning a huge count into a small one.)
+pub fn net_sum(parts: impl IntoIterator<Item = (u64, u64)>) -> u64 {
+    parts
+        .into_iter()
+        .fold(0u64, |sum, (p, n)| sum.saturating_add(p.saturating_sub(n)))
+}
+
 impl Entry {
+    /// The global total: Σ (p − n), saturating.
     pub fn total(&self) -> u64 {
-        self.parts.values().map(|(p, n)| p.saturating_sub(*n)).sum()
+        net_sum(self.parts.values().copied())
     }
 
     /// `(epoch, p − n)` of the given region's actors.
@@ -114,6 +127,11 @@ impl View {
         self.caught_up.store(true, Ordering::Relaxed);
     }
 
+    /// Read to the end once (readiness), without confirming freshness.
+    pub fn mark_caught_up(&self) {
+        self.caught_up.store(true, Ordering::Relaxed);
+    }
+
     pub fn caught_up(&self) -> bool {
         self.caught_up.load(Ordering::Relaxed)
     }
@@ -149,6 +167,26 @@ mod tests {
             limit: Some(100),
             over_limit: false,
             ts_ms: ts,
+        }
+    }
+
+    #[test]
+    fn forged_parts_past_2_pow_64_saturate_instead_of_wrapping() {
+        let v = View::new();
+        // Wrapping, these would sum to 1 and admit the tenant.
+        v.apply(&update(&[("eu/a", u64::MAX, 0), ("us/b", 2, 0)], 1));
+        assert_eq!(v.get("t", 1).unwrap().total(), u64::MAX);
+        assert_eq!(net_sum([(u64::MAX, 0), (u64::MAX, 0), (5, 1)]), u64::MAX);
+        assert_eq!(net_sum([(10, 3), (7, 7), (1, 5)]), 7);
+    }
+
+    proptest::proptest! {
+        /// The saturating sum is the exact sum whenever that fits in u64,
+        /// and u64::MAX otherwise.
+        #[test]
+        fn net_sum_is_exact_or_saturated(parts in proptest::collection::vec((proptest::prelude::any::<u64>(), proptest::prelude::any::<u64>()), 0..8)) {
+            let exact: u128 = parts.iter().map(|&(p, n)| u128::from(p.saturating_sub(n))).sum();
+            proptest::prop_assert_eq!(u128::from(net_sum(parts)), exact.min(u128::from(u64::MAX)));
         }
     }
 

@@ -76,6 +76,9 @@ pub struct Config {
     pub tenants: BTreeMap<String, TenantConfig>,
     #[serde(default)]
     pub unknown_tenants: UnknownTenants,
+    /// Wire format and message authentication of both topics.
+    #[serde(default)]
+    pub wire: WireSettings,
     /// API keys, client certificates and open scopes (see [`crate::auth`]).
     #[serde(default)]
     pub auth: crate::auth::AuthConfig,
@@ -309,6 +312,63 @@ mod opt_human {
             None => s.serialize_none(),
         }
     }
+}
+
+/// Wire format and message authentication of both Kafka topics (see
+/// `crate::wire`).
+///
+/// Safe by default: records are written as signed v2 and unsigned records
+/// are refused, so a configuration must name every region's delta key and
+/// the aggregator's broadcast public key(s), or opt out explicitly with
+/// `accept_unsigned = true` (only for a rolling upgrade from the JSON
+/// release, whose nodes and aggregators cannot sign).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WireSettings {
+    /// What producers write: 2 (binary, signed) or 1 (the previous
+    /// release's JSON, unsigned). Decoders read both.
+    pub version: u8,
+    /// Accept records without a signature (v1 JSON, unsigned v2). A record
+    /// whose signature is wrong is refused whatever this says.
+    pub accept_unsigned: bool,
+    /// Delta HMAC keys per region: the region's nodes sign with
+    /// `sign_with`, the aggregator accepts any listed key of the region.
+    pub delta_keys: BTreeMap<String, RegionKeys>,
+    /// Ed25519 public keys of the aggregators by key id (base64, 32 bytes):
+    /// region-nodes accept broadcasts signed by any of them.
+    pub broadcast_public_keys: BTreeMap<String, String>,
+    /// Key id the aggregator signs broadcasts with (in
+    /// `broadcast_public_keys`).
+    pub broadcast_key: Option<String>,
+    /// The aggregator's Ed25519 private key (base64 of the 32-byte seed).
+    /// Only aggregators need it: set it with
+    /// `TIERLIMIT__WIRE__BROADCAST_PRIVATE_KEY`, not in a file the nodes
+    /// share.
+    pub broadcast_private_key: Option<String>,
+}
+
+impl Default for WireSettings {
+    fn default() -> Self {
+        WireSettings {
+            version: 2,
+            accept_unsigned: false,
+            delta_keys: BTreeMap::new(),
+            broadcast_public_keys: BTreeMap::new(),
+            broadcast_key: None,
+            broadcast_private_key: None,
+        }
+    }
+}
+
+/// One region's delta HMAC-SHA256 keys.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionKeys {
+    /// The key id this region's nodes sign with.
+    pub sign_with: String,
+    /// Secrets by key id (base64, at least 32 bytes). Two during a
+    /// rotation. Key ids are unique across regions.
+    pub keys: BTreeMap<String, String>,
 }
 
 /// Settings of the aggregator.
@@ -816,6 +876,7 @@ impl Config {
                     .clone(),
             )),
         };
+        self.validate_wire()?;
         Ok(Loaded {
             config: self,
             plans,
@@ -873,6 +934,119 @@ impl Config {
                 return Err(ConfigError::invalid(
                     format!("kafka.client.{reserved}"),
                     "is set by tierlimit itself and cannot be overridden",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_wire(&self) -> Result<(), ConfigError> {
+        use crate::wire::keys;
+        let w = &self.wire;
+        match w.version {
+            1 if !w.accept_unsigned => {
+                return Err(ConfigError::invalid(
+                    "wire.version",
+                    "version 1 (JSON) cannot be signed: it needs wire.accept_unsigned = true (only during an upgrade from the JSON release)",
+                ))
+            }
+            1 | 2 => {}
+            v => {
+                return Err(ConfigError::invalid(
+                    "wire.version",
+                    format!("must be 1 or 2, got {v}"),
+                ))
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for (region, rk) in &w.delta_keys {
+            let at = format!("wire.delta_keys.{region}");
+            if !self.regions.contains_key(region) {
+                return Err(ConfigError::invalid(
+                    &at,
+                    format!(
+                        "no region named {region:?} (regions: {})",
+                        names(&self.regions)
+                    ),
+                ));
+            }
+            if rk.keys.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("{at}.keys"),
+                    "at least one key is required",
+                ));
+            }
+            for (id, secret) in &rk.keys {
+                let key = format!("{at}.keys.{id}");
+                validate::name("key id", id)
+                    .map_err(|e| ConfigError::invalid(&key, e.to_string()))?;
+                if !seen.insert(id.as_str()) {
+                    return Err(ConfigError::invalid(
+                        &key,
+                        "key ids must be unique across regions (a key id names its region)",
+                    ));
+                }
+                keys::hmac_secret(secret).map_err(|e| ConfigError::invalid(&key, e))?;
+            }
+            if !rk.keys.contains_key(&rk.sign_with) {
+                return Err(ConfigError::invalid(
+                    format!("{at}.sign_with"),
+                    format!(
+                        "no key {:?} in {at}.keys (keys: {})",
+                        rk.sign_with,
+                        names(&rk.keys)
+                    ),
+                ));
+            }
+        }
+        for (id, public) in &w.broadcast_public_keys {
+            let key = format!("wire.broadcast_public_keys.{id}");
+            validate::name("key id", id).map_err(|e| ConfigError::invalid(&key, e.to_string()))?;
+            keys::ed25519_public(public).map_err(|e| ConfigError::invalid(&key, e))?;
+        }
+        if let Some(id) = &w.broadcast_key {
+            if !w.broadcast_public_keys.contains_key(id) {
+                return Err(ConfigError::invalid(
+                    "wire.broadcast_key",
+                    format!("no key {id:?} in wire.broadcast_public_keys"),
+                ));
+            }
+        }
+        if let Some(private) = &w.broadcast_private_key {
+            let signing = keys::ed25519_private(private)
+                .map_err(|e| ConfigError::invalid("wire.broadcast_private_key", e))?;
+            let Some(id) = &w.broadcast_key else {
+                return Err(ConfigError::invalid(
+                    "wire.broadcast_key",
+                    "required with wire.broadcast_private_key (the key id it signs as)",
+                ));
+            };
+            let public = keys::ed25519_public(&w.broadcast_public_keys[id])
+                .map_err(|e| ConfigError::invalid(format!("wire.broadcast_public_keys.{id}"), e))?;
+            if signing.verifying_key() != public {
+                return Err(ConfigError::invalid(
+                    "wire.broadcast_private_key",
+                    format!("does not match wire.broadcast_public_keys.{id}"),
+                ));
+            }
+        }
+        if !w.accept_unsigned {
+            if let Some(region) = self.regions.keys().find(|r| !w.delta_keys.contains_key(*r)) {
+                return Err(ConfigError::invalid(
+                    format!("wire.delta_keys.{region}"),
+                    "required: deltas are signed (or set wire.accept_unsigned = true during an upgrade from the JSON release)",
+                ));
+            }
+            if w.broadcast_public_keys.is_empty() {
+                return Err(ConfigError::invalid(
+                    "wire.broadcast_public_keys",
+                    "at least one key is required: broadcasts are signed (or set wire.accept_unsigned = true during an upgrade from the JSON release)",
+                ));
+            }
+            if w.broadcast_key.is_none() {
+                return Err(ConfigError::invalid(
+                    "wire.broadcast_key",
+                    "required: the key id aggregators sign broadcasts with",
                 ));
             }
         }

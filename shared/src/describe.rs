@@ -122,6 +122,8 @@ global = { limit = 100000 }
 [tenants.acme]
 plan = "free"
 region = { limit = 1000 }
+[wire]
+accept_unsigned = true
 "#,
         )
         .unwrap();

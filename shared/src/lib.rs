@@ -24,5 +24,6 @@ pub mod serve;
 #[cfg(feature = "http")]
 pub mod tls;
 pub mod validate;
+pub mod wire;
 
 pub use config::{Config, ConfigError};

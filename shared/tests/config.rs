@@ -33,7 +33,23 @@ limit = 10
 window = "1s"
 algorithm = "token_bucket"
 burst = 30
+
+[wire]
+broadcast_key = "agg-1"
+
+[wire.broadcast_public_keys]
+agg-1 = "6kpsY+KcUgq+9VB7Ey7F+ZVHdq6+vnuSQh7qaRRG0iw="
+
+[wire.delta_keys.eu-west]
+sign_with = "eu-1"
+keys = { eu-1 = "yjSvs3/DXCopz9CRhvi6yCiWGD8jfHtGu3HHkHYkOG8=" }
 "#;
+
+/// The private key of BASE's `agg-1` (seed 0x07 × 32).
+const AGG_1_PRIVATE: &str = "BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwc=";
+/// Another key pair's private key (seed 0x08 × 32) and public key.
+const AGG_2_PRIVATE: &str = "CAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAg=";
+const AGG_2_PUBLIC: &str = "E5j2LG0aRXxRumpLXz29L2n8qTIWIY3ImX5Ba9F9k8o=";
 
 type Table = toml::Table;
 
@@ -1069,6 +1085,102 @@ fn load_reports_an_unreadable_file() {
     assert!(e
         .to_string()
         .starts_with("cannot read config file /nonexistent/tierlimit.toml: "));
+}
+
+// ----- wire keys ------------------------------------------------------------
+
+#[test]
+fn wire_defaults_are_signed_v2() {
+    let l = ok(&base());
+    let w = &l.config.wire;
+    assert_eq!(w.version, 2);
+    assert!(!w.accept_unsigned);
+    assert_eq!(w.delta_keys["eu-west"].sign_with, "eu-1");
+}
+
+#[test]
+fn signing_is_required_unless_explicitly_unsigned() {
+    let t = without(&["wire", "delta_keys", "eu-west"]);
+    refused(&t, "wire.delta_keys.eu-west", "required: deltas are signed");
+    let mut t = without(&["wire", "broadcast_public_keys", "agg-1"]);
+    set(&mut t, &["wire", "broadcast_key"], v("\"x\""));
+    refused(&t, "wire.broadcast_key", "no key \"x\"");
+    let t = without(&["wire", "broadcast_key"]);
+    refused(&t, "wire.broadcast_key", "required");
+    let mut t = base();
+    t.remove("wire");
+    refused(&t, "wire.delta_keys.eu-west", "accept_unsigned");
+    set(&mut t, &["wire", "accept_unsigned"], v("true"));
+    ok(&t);
+    // JSON cannot be signed.
+    set(&mut t, &["wire", "version"], v("1"));
+    ok(&t);
+    refused(
+        &with(&["wire", "version"], v("1")),
+        "wire.version",
+        "cannot be signed",
+    );
+    refused(
+        &with(&["wire", "version"], v("3")),
+        "wire.version",
+        "must be 1 or 2",
+    );
+}
+
+#[test]
+fn wire_key_material_is_checked() {
+    refused(
+        &with(
+            &["wire", "delta_keys", "eu-west", "keys", "eu-1"],
+            s("c2hvcnQ="),
+        ),
+        "wire.delta_keys.eu-west.keys.eu-1",
+        "at least 32 are required",
+    );
+    refused(
+        &with(&["wire", "delta_keys", "eu-west", "sign_with"], s("eu-2")),
+        "wire.delta_keys.eu-west.sign_with",
+        "no key \"eu-2\"",
+    );
+    refused(
+        &with(&["wire", "delta_keys", "mars"], v("{ sign_with = \"m\", keys = { m = \"yjSvs3/DXCopz9CRhvi6yCiWGD8jfHtGu3HHkHYkOG8=\" } }")),
+        "wire.delta_keys.mars",
+        "no region named \"mars\"",
+    );
+    refused(
+        &with(&["wire", "broadcast_public_keys", "agg-1"], s("not base64")),
+        "wire.broadcast_public_keys.agg-1",
+        "not base64",
+    );
+    // The private key must match the public key of broadcast_key.
+    ok(&with(&["wire", "broadcast_private_key"], s(AGG_1_PRIVATE)));
+    refused(
+        &with(&["wire", "broadcast_private_key"], s(AGG_2_PRIVATE)),
+        "wire.broadcast_private_key",
+        "does not match wire.broadcast_public_keys.agg-1",
+    );
+    // Rotation: two public keys, the new one signing.
+    let mut t = with(&["wire", "broadcast_public_keys", "agg-2"], s(AGG_2_PUBLIC));
+    set(&mut t, &["wire", "broadcast_key"], s("agg-2"));
+    set(&mut t, &["wire", "broadcast_private_key"], s(AGG_2_PRIVATE));
+    ok(&t);
+    // Key ids name one region.
+    let mut t = with(&["regions", "us"], v("{ redis_url = \"redis://h\" }"));
+    set(
+        &mut t,
+        &["wire", "delta_keys", "us"],
+        v("{ sign_with = \"eu-1\", keys = { eu-1 = \"X5Jz8lDRgOOgFVEUIGZo4N7JNtIo9eDjWwH22pSd2tw=\" } }"),
+    );
+    refused(&t, "wire.delta_keys.us.keys.eu-1", "unique across regions");
+}
+
+#[test]
+fn the_private_key_comes_from_the_environment() {
+    let l = load_env(&[("TIERLIMIT__WIRE__BROADCAST_PRIVATE_KEY", AGG_1_PRIVATE)]).unwrap();
+    assert_eq!(
+        l.config.wire.broadcast_private_key.as_deref(),
+        Some(AGG_1_PRIVATE)
+    );
 }
 
 // ----- the documented example -----------------------------------------------------

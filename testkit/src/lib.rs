@@ -21,6 +21,7 @@
 //! | [`scrape`]         | HTTP JSON and Prometheus text helpers                       |
 //! | [`start`]          | any server on a free port, ready when a probe says so       |
 //! | [`procfs`]         | RSS and CPU time of a pid, the load average, from /proc     |
+//! | [`wire_keys`]      | the `[wire]` keys section of a test configuration           |
 //!
 //! The rules it is built on, and why:
 //!
@@ -58,6 +59,7 @@ pub mod server;
 pub mod start;
 pub mod tansu;
 pub mod wait;
+pub mod wire_keys;
 
 pub use tempfile;
 

@@ -55,10 +55,31 @@ pub fn sub_dir(root: &Path, name: &str) -> PathBuf {
 /// SIGHUP never reads a half-written file; calling it again on the same `dir`
 /// replaces the config, which is how reload tests change it. The text is not
 /// validated here: tests of invalid configuration need to write one.
+///
+/// Signed wire records are required by default, so a configuration with
+/// regions and no `[wire]` section gets the test keys of its regions
+/// ([`crate::wire_keys::toml`]); one that has a `[wire]` section is written
+/// as it is.
 pub fn write_config(dir: &Path, toml: &str) -> PathBuf {
     let path = dir.join("tierlimit.toml");
     let tmp = dir.join(".tierlimit.toml.tmp");
-    std::fs::write(&tmp, toml).unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
+    let text = with_wire_keys(toml);
+    std::fs::write(&tmp, text).unwrap_or_else(|e| panic!("write {}: {e}", tmp.display()));
     std::fs::rename(&tmp, &path).unwrap_or_else(|e| panic!("rename to {}: {e}", path.display()));
     path
+}
+
+/// `toml` plus the `[wire]` test keys of its regions, if it has regions and
+/// no `[wire]` section (see [`write_config`]).
+pub fn with_wire_keys(toml: &str) -> String {
+    let Ok(tree) = toml.parse::<toml::Table>() else {
+        return toml.to_owned();
+    };
+    match tree.get("regions").and_then(|r| r.as_table()) {
+        Some(regions) if !tree.contains_key("wire") => {
+            let names: Vec<&str> = regions.keys().map(String::as_str).collect();
+            format!("{toml}\n{}", crate::wire_keys::toml(&names))
+        }
+        _ => toml.to_owned(),
+    }
 }

@@ -899,7 +899,15 @@ plan = "p"
         0,
         tierlimit_shared::messages::now_ms(),
     );
-    let (key, payload) = (delta.key(), delta.encode());
+    // Signed with eu's test key (harness::write_config added the keys).
+    let signer = tierlimit_shared::wire::DeltaSigner::with_key(
+        tierlimit_shared::wire::Version::V2,
+        Some((
+            &harness::wire_keys::delta_key_id("eu"),
+            &harness::wire_keys::delta_secret("eu"),
+        )),
+    );
+    let (key, payload) = (delta.key(), signer.encode(&delta));
     producer
         .send(
             FutureRecord::to("tierlimit.deltas")
