@@ -10,7 +10,8 @@
 //! - [`local`]: the in-process `local` fail mode (a store too);
 //! - [`view`] and [`follower`]: the broadcast view of global totals;
 //! - [`publisher`]: dirty set → deltas topic;
-//! - [`http`]: the axum API; [`metrics`]: Prometheus.
+//! - [`http`]: the axum API; [`metrics`]: Prometheus;
+//! - [`rls`]: Envoy's rate limit service over gRPC (`--grpc-listen`).
 
 pub mod decision;
 pub mod follower;
@@ -20,6 +21,7 @@ pub mod local;
 pub mod metrics;
 pub mod publisher;
 pub mod refund;
+pub mod rls;
 pub mod storage;
 pub mod view;
 
@@ -41,6 +43,8 @@ pub struct Settings {
     pub listen: SocketAddr,
     /// Accept a Redis whose maxmemory-policy can evict counters.
     pub allow_eviction: bool,
+    /// Address of Envoy's rate limit service (gRPC); `None`: not served.
+    pub grpc_listen: Option<SocketAddr>,
 }
 
 /// Runs a region-node until SIGINT/SIGTERM.
@@ -118,14 +122,27 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         settings.node_id.clone(),
         Arc::clone(&metrics),
     );
-    let app = http::router(Arc::new(http::AppState {
+    let state = Arc::new(http::AppState {
         decider,
         metrics,
         view,
-    }));
+    });
+    let grpc = match settings.grpc_listen {
+        Some(addr) => Some(rls::Listener::bind(addr, &config.grpc).await?),
+        None => None,
+    };
+    let app = http::router(Arc::clone(&state));
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
         .with_context(|| format!("binding {}", settings.listen))?;
+    if let Some(grpc) = grpc {
+        tracing::info!(grpc_listen = %grpc.local_addr()?, "Envoy rate limit service serving");
+        tokio::spawn(async move {
+            if let Err(e) = grpc.serve(state, shutdown_signal()).await {
+                tracing::error!("gRPC listener: {e:#}");
+            }
+        });
+    }
     tracing::info!(
         listen = %settings.listen,
         region = %settings.region,

@@ -18,6 +18,7 @@ pub mod messages;
 #[cfg(feature = "http")]
 pub mod problem;
 pub mod reload;
+pub mod rls;
 pub mod validate;
 
 pub use config::{Config, ConfigError};
