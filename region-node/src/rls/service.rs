@@ -363,10 +363,19 @@ impl Service {
                     .and_then(|j| g.in_call.get(j).copied()),
                 _ => None,
             };
-            for &i in &g.items {
-                let it = &mut items[i];
-                if by_descriptor.is_none_or(|b| b == i) && it.outcome == Outcome::Ok {
-                    it.outcome = Outcome::OverLimit;
+            match by_descriptor {
+                // A descriptor's own rule denied: that descriptor is over.
+                Some(b) => {
+                    if items[b].outcome == Outcome::Ok {
+                        items[b].outcome = Outcome::OverLimit;
+                    }
+                }
+                // The plan's tiers or the global tier denied: every
+                // descriptor of the tenant is.
+                None => {
+                    for &i in &g.items {
+                        items[i].outcome = Outcome::OverLimit;
+                    }
                 }
             }
             if !g.shadow {
