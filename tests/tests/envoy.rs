@@ -501,3 +501,82 @@ async fn envoy_ratelimit_fixture_loaded_directly_and_imported_decides_identicall
     // /login 2, /api/* 4 a week shared by both /api requests, partner 2.
     assert!(over >= 6, "only {over} denials");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_listener_with_tls_serves_the_rls_and_health() {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let tls = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tls");
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            &format!(
+                "{MULTI}\n[grpc]\ntls_cert = {:?}\ntls_key = {:?}\n",
+                tls.join("grpc.crt").display().to_string(),
+                tls.join("grpc.key").display().to_string()
+            ),
+        ),
+    );
+    let (_node, port) = node(&cfg).await;
+    let ca = Certificate::from_pem(std::fs::read(tls.join("ca.crt")).unwrap());
+    let channel = Channel::from_shared(format!("https://127.0.0.1:{port}"))
+        .unwrap()
+        .tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(ca)
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connection to the RLS");
+    let mut health = HealthClient::new(channel.clone());
+    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+        let r = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("health of {service:?}: {e}"))
+            .into_inner();
+        assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
+    }
+    let mut c = RateLimitServiceClient::new(channel);
+    let r = ask(
+        &mut c,
+        "multi",
+        0,
+        vec![desc(&[("tenant", "t"), ("kind", "a")])],
+    )
+    .await;
+    assert_eq!(codes(&r), vec![Code::Ok]);
+    let r = ask(
+        &mut c,
+        "multi",
+        0,
+        vec![desc(&[("tenant", "t"), ("kind", "a")])],
+    )
+    .await;
+    assert_eq!(codes(&r), vec![Code::OverLimit]);
+
+    // Plaintext is refused on a TLS listener.
+    let plain = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}")).await;
+    let refused = match plain {
+        Err(_) => true,
+        Ok(mut p) => p
+            .should_rate_limit(RateLimitRequest {
+                domain: "multi".into(),
+                descriptors: vec![desc(&[("tenant", "t"), ("kind", "a")])],
+                hits_addend: 0,
+            })
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a plaintext call on the TLS listener must fail");
+}
