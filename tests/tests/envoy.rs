@@ -580,3 +580,114 @@ async fn grpc_listener_with_tls_serves_the_rls_and_health() {
     };
     assert!(refused, "a plaintext call on the TLS listener must fail");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_regions_behind_two_envoys_share_a_global_limit() {
+    let tansu = harness::Tansu::start();
+    tansu
+        .create_topics(&["tierlimit.deltas", "tierlimit.global"], 2)
+        .await;
+    let (eu_redis, us_redis) = (Redis::start(), Redis::start());
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &format!(
+            r#"
+cluster = "test"
+[kafka]
+brokers = "{}"
+partitions = 2
+[node]
+flush_interval = "100ms"
+relaxed_flush_interval = "100ms"
+store_timeout = "2s"
+[aggregator]
+broadcast_interval = "100ms"
+group_id = "agg-envoy"
+[regions.eu]
+redis_url = "{}"
+[regions.us]
+redis_url = "{}"
+[plans.gateway]
+global = {{ limit = 10 }}
+# Listed, so the aggregator and /v1/tenants know its global limit too.
+[tenants.acme]
+plan = "gateway"
+[unknown_tenants]
+policy = "deny"
+[rls]
+plan = "gateway"
+[[rls.domains]]
+domain = "edge"
+tenant_entry = "tenant"
+"#,
+            tansu.brokers(),
+            eu_redis.url(),
+            us_redis.url()
+        ),
+    );
+    let agg = harness::Aggregator::start(&cfg).await;
+    let mut nodes = Vec::new();
+    for region in ["eu", "us"] {
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let n =
+            RegionNode::start_with_env(&cfg, region, "a", &[("TIERLIMIT_GRPC_LISTEN", &listen)])
+                .await;
+        let envoy = Envoy::start(dir.path(), &EnvoyOptions::new("edge", port));
+        nodes.push((n, envoy));
+    }
+    let http = harness::http_client();
+    for (n, _) in &nodes {
+        let url = n.url("/readyz");
+        wait_until("region-node ready", Duration::from_secs(30), || async {
+            http.get(&url).send().await.is_ok_and(|r| r.status() == 200)
+        })
+        .await;
+    }
+    let ((eu, eu_envoy), (us, us_envoy)) = (&nodes[0], &nodes[1]);
+
+    // 6 of the tenant's 10 daily units through the eu gateway.
+    for i in 0..6 {
+        assert_eq!(
+            get(&http, &eu_envoy.url("/"), Some("acme")).await.status(),
+            200,
+            "eu request {i}"
+        );
+    }
+    // Once the us region's view has them, us has 4 left, then 429.
+    wait_until(
+        "the us view holds eu's 6",
+        Duration::from_secs(30),
+        || async {
+            let v = harness::try_json(&us.http, &us.url("/v1/tenants/acme")).await;
+            v.is_some_and(|v| v["global_total"].as_u64() == Some(6))
+        },
+    )
+    .await;
+    for i in 0..4 {
+        let r = get(&http, &us_envoy.url("/"), Some("acme")).await;
+        assert_eq!(r.status(), 200, "us request {i}");
+    }
+    let r = get(&http, &us_envoy.url("/"), Some("acme")).await;
+    assert_eq!(r.status(), 429);
+    let state = r.headers()["ratelimit"].to_str().unwrap().to_string();
+    assert!(state.contains("\"global\";r=0"), "{state}");
+    // And eu, once it sees us's 4, refuses too.
+    wait_until(
+        "the aggregator counts 10",
+        Duration::from_secs(30),
+        || async {
+            let v = harness::try_json(&agg.http, &agg.url("/v1/global/acme")).await;
+            v.is_some_and(|v| v["today"]["total"].as_u64() == Some(10))
+        },
+    )
+    .await;
+    wait_until(
+        "eu denies through its envoy",
+        Duration::from_secs(30),
+        || async { get(&http, &eu_envoy.url("/"), Some("acme")).await.status() == 429 },
+    )
+    .await;
+    let _ = eu;
+}
