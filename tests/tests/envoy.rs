@@ -397,6 +397,11 @@ async fn descriptors_all_or_nothing_compensation_across_tenants_and_hits() {
     assert_eq!(codes(&r), vec![Code::OverLimit]);
     assert_eq!(r.statuses[0].limit_remaining, 2);
 
+    // The same descriptor twice in one request counts twice.
+    let r = ask(&mut c, "multi", 0, vec![b("t5"), b("t5")]).await;
+    assert_eq!(codes(&r), vec![Code::Ok, Code::Ok]);
+    assert_eq!(r.statuses[1].limit_remaining, 3);
+
     // Unknown domain: nothing limited. Bad input: a gRPC status.
     let r = ask(&mut c, "nowhere", 0, vec![a("t1")]).await;
     assert_eq!(r.overall_code, Code::Ok as i32);

@@ -98,6 +98,10 @@ struct Group {
     /// Items whose tier takes part in the call (shadow ones that denied are
     /// taken out).
     in_call: Vec<usize>,
+    /// (item, the item of the same rule and key it was merged into): one
+    /// tier per counter, charged the sum, or the script would read the
+    /// counter once per tier and the last write would win.
+    merged: Vec<(usize, usize)>,
     cost: u64,
     decided: Option<TiersDecision>,
 }
@@ -239,6 +243,7 @@ impl Service {
                 shadow,
                 items: vec![i],
                 in_call: Vec::new(),
+                merged: Vec::new(),
                 cost: 0,
                 decided: None,
             });
@@ -257,6 +262,24 @@ impl Service {
             // The plan's tiers and the global tier are charged once per
             // request: the largest hits of the tenant's descriptors.
             g.cost = g.items.iter().map(|&i| items[i].cost).max().unwrap_or(1);
+            // The same descriptor twice in one request: one tier, charged
+            // both hits.
+            let mut kept: Vec<usize> = Vec::with_capacity(g.in_call.len());
+            for &i in &g.in_call {
+                let same = kept.iter().copied().find(|&k| {
+                    items[k].key == items[i].key
+                        && items[k].rule.as_ref().map(|r| &r.id)
+                            == items[i].rule.as_ref().map(|r| &r.id)
+                });
+                match same {
+                    Some(k) => {
+                        items[k].cost = items[k].cost.saturating_add(items[i].cost);
+                        g.merged.push((i, k));
+                    }
+                    None => kept.push(i),
+                }
+            }
+            g.in_call = kept;
         }
         groups.retain(|g| {
             // A tenant with no limited descriptor and a plan without tiers
@@ -302,6 +325,9 @@ impl Service {
             }
             for (j, &i) in g.in_call.iter().enumerate() {
                 items[i].status = d.decision.tiers.get(d.plan_tiers + j).cloned();
+            }
+            for &(i, k) in &g.merged {
+                items[i].status = items[k].status.clone();
             }
             g.decided = Some(d);
             return Ok(());
@@ -366,8 +392,10 @@ impl Service {
             match by_descriptor {
                 // A descriptor's own rule denied: that descriptor is over.
                 Some(b) => {
-                    if items[b].outcome == Outcome::Ok {
-                        items[b].outcome = Outcome::OverLimit;
+                    for &(i, k) in g.merged.iter().chain([(b, b)].iter()) {
+                        if k == b && items[i].outcome == Outcome::Ok {
+                            items[i].outcome = Outcome::OverLimit;
+                        }
                     }
                 }
                 // The plan's tiers or the global tier denied: every
