@@ -175,6 +175,29 @@ pub enum DecideError {
     Newcomer(Refused),
 }
 
+/// What [`Decider::check_tiers`] decided.
+#[derive(Debug, Clone)]
+pub struct TiersDecision {
+    /// Tier statuses in call order: the plan's node and region tiers
+    /// (`plan_tiers` of them), then the extra tiers, then the global tier.
+    pub decision: Decision,
+    pub plan_tiers: usize,
+    /// Which tier of the call denied, when the store said so.
+    pub denied: Option<Denied>,
+    /// An allowed charge that [`Decider::compensate`] can give back.
+    pub charged: Option<Charged>,
+}
+
+/// An allowed charge of [`Decider::check_tiers`].
+#[derive(Debug, Clone)]
+pub struct Charged {
+    /// Unique per charge (the call's epoch candidate).
+    pub id: String,
+    /// Redis' clock at the charge (the node's for `local`).
+    pub at_ms: u64,
+    pub mode: Mode,
+}
+
 /// A parsed check or refund request.
 #[derive(Debug, Clone)]
 pub struct Request<'a> {
@@ -276,6 +299,11 @@ impl Decider {
         Arc::clone(&self.admission)
     }
 
+    /// The live configuration (the RLS reads its descriptor rules here).
+    pub fn config(&self) -> arc_swap::Guard<Arc<Loaded>> {
+        self.live.load()
+    }
+
     /// May `tenant` spend `cost` units now? Charges every tier if allowed.
     pub async fn check(&self, req: Request<'_>) -> Result<Decision, DecideError> {
         let started = Instant::now();
@@ -351,6 +379,111 @@ impl Decider {
             Err(e) => self.fail_mode(&req, &policy, key, &call, e)?,
         };
         Ok(self.record(decision, started))
+    }
+
+    /// A check whose store call carries `extra` windowed tiers beside the
+    /// plan's (a gateway's descriptors, see [`crate::rls`]): all of them and
+    /// the global tier decided together in one round trip, all-or-nothing,
+    /// under `policy` (the tenant's, or the plan its RLS domain names). The
+    /// plan's tiers and the global tier are charged `req.cost`.
+    pub async fn check_tiers(
+        &self,
+        req: Request<'_>,
+        policy: Arc<Policy>,
+        extra: &[TierCall<'_>],
+    ) -> Result<TiersDecision, DecideError> {
+        let started = Instant::now();
+        validate::tenant(req.tenant)?;
+        if req.cost == 0 || req.cost > MAX_LIMIT {
+            return Err(DecideError::Cost(req.cost));
+        }
+        let cfg = self.live.load();
+        let key = keys::WHOLE_TENANT;
+        let now = now_ms();
+        let today = day::of_unix_secs(now / 1000);
+        self.admit_newcomer(&cfg, req.tenant, today, now).await?;
+        let plan_tiers = usize::from(policy.node.is_some()) + usize::from(policy.region.is_some());
+        if let Some(limit) = policy.global {
+            let total = self.view.with(req.tenant, today, |e| e.map(|e| e.total()));
+            if total.is_some_and(|t| t >= limit) {
+                let d = self.view_denial(&req, &policy, key, limit, now);
+                return Ok(TiersDecision {
+                    decision: self.record(d, started),
+                    plan_tiers,
+                    denied: Some(Denied::Global),
+                    charged: None,
+                });
+            }
+        }
+        let epoch = new_epoch();
+        let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
+        call.tiers.extend(extra.iter().cloned());
+        let (decision, denied, charged) = match self.store.decide(&call).await {
+            Ok(r) => {
+                let denied = r.denied;
+                let charged = r.allowed.then(|| Charged {
+                    id: call.epoch_candidate.to_string(),
+                    at_ms: r.now_ms.max(0) as u64,
+                    mode: Mode::Redis,
+                });
+                let d = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
+                (d, denied, charged)
+            }
+            Err(e) => {
+                let d = self.fail_mode(&req, &policy, key, &call, e)?;
+                let charged = (d.allowed && d.mode == Mode::Local).then(|| Charged {
+                    id: call.epoch_candidate.to_string(),
+                    at_ms: now,
+                    mode: Mode::Local,
+                });
+                // The local store reports which tier denied only through
+                // `denied_by`; the caller reads the tier statuses.
+                (d, None, charged)
+            }
+        };
+        Ok(TiersDecision {
+            decision: self.record(decision, started),
+            plan_tiers,
+            denied,
+            charged,
+        })
+    }
+
+    /// Gives back exactly what an allowed [`Decider::check_tiers`] charged
+    /// (only to the windows and the day the charge was in, once: the same
+    /// mechanism as a refund by handle). Used when another tenant of the
+    /// same gateway request denied.
+    pub async fn compensate(
+        &self,
+        req: Request<'_>,
+        policy: Arc<Policy>,
+        extra: &[TierCall<'_>],
+        charged: &Charged,
+    ) -> Result<(), DecideError> {
+        let cfg = self.live.load();
+        let now = now_ms();
+        let today = day::of_unix_secs(now / 1000);
+        let epoch = new_epoch();
+        let key = keys::WHOLE_TENANT;
+        let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
+        call.tiers.extend(extra.iter().cloned());
+        match charged.mode {
+            Mode::Local => {
+                self.local.decide_now(&call);
+                Ok(())
+            }
+            _ => {
+                call.refund = Some(crate::storage::script::RefundOf {
+                    id: charged.id.clone(),
+                    charged_at_ms: charged.at_ms,
+                });
+                self.store
+                    .decide(&call)
+                    .await
+                    .map(|_| ())
+                    .map_err(|_| DecideError::Unavailable)
+            }
+        }
     }
 
     /// A free-form refund: gives `cost` units back to every tier's current

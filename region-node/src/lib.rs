@@ -15,7 +15,8 @@
 //! - [`newcomers`]: the region's gate for tenants the configuration does
 //!   not name (how many new ones a second and a day);
 //! - [`publisher`]: dirty set → deltas topic;
-//! - [`http`]: the axum API; [`metrics`]: Prometheus.
+//! - [`http`]: the axum API; [`metrics`]: Prometheus;
+//! - [`rls`]: Envoy's rate limit service over gRPC (`--grpc-listen`).
 
 pub mod admission;
 pub mod decision;
@@ -28,6 +29,7 @@ pub mod metrics;
 pub mod newcomers;
 pub mod publisher;
 pub mod refund;
+pub mod rls;
 pub mod storage;
 pub mod view;
 
@@ -51,6 +53,8 @@ pub struct Settings {
     pub admin_listen: SocketAddr,
     /// Accept a Redis whose maxmemory-policy can evict counters.
     pub allow_eviction: bool,
+    /// Address of Envoy's rate limit service (gRPC); `None`: not served.
+    pub grpc_listen: Option<SocketAddr>,
 }
 
 /// Runs a region-node until SIGINT/SIGTERM.
@@ -174,6 +178,19 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
             open_scopes = ?config.auth.open_scopes,
             "no API keys configured ([auth.keys]): only auth.open_scopes are usable"
         );
+    }
+    let grpc = match settings.grpc_listen {
+        Some(addr) => Some(rls::Listener::bind(addr, &config.grpc).await?),
+        None => None,
+    };
+    if let Some(grpc) = grpc {
+        tracing::info!(grpc_listen = %grpc.local_addr()?, "Envoy rate limit service serving");
+        let state = Arc::clone(&state);
+        tokio::spawn(async move {
+            if let Err(e) = grpc.serve(state, shutdown_signal()).await {
+                tracing::error!("gRPC listener: {e:#}");
+            }
+        });
     }
     tracing::info!(
         listen = %settings.listen,

@@ -48,6 +48,11 @@ struct Cli {
     /// tenants' spend; tierlimit_redis_eviction_allowed reports the choice.
     #[arg(long, env = "TIERLIMIT_ALLOW_EVICTION")]
     allow_eviction: bool,
+    /// Address of Envoy's rate limit service (RLS v3 over gRPC, with the
+    /// gRPC health service); TLS when [grpc] tls_cert and tls_key are set.
+    /// Unset: not served.
+    #[arg(long, env = "TIERLIMIT_GRPC_LISTEN")]
+    grpc_listen: Option<SocketAddr>,
 }
 
 const AFTER_HELP: &str = "\
@@ -63,7 +68,8 @@ and node.* need a restart; an invalid file is refused and the old configuration 
 SIGTERM and SIGINT stop gracefully.
 
 HTTP (--listen, keys from [auth]): POST|GET /v1/check, POST /v1/refund, GET /v1/tenants/{tenant},
-/healthz, /readyz. Admin (--admin-listen): /metrics, /healthz, /readyz.";
+/healthz, /readyz. Admin (--admin-listen): /metrics, /healthz, /readyz.
+gRPC (--grpc-listen): envoy.service.ratelimit.v3.RateLimitService, grpc.health.v1.Health";
 
 #[derive(Debug, Subcommand)]
 enum Command {
@@ -73,10 +79,28 @@ enum Command {
         /// The configuration file.
         file: PathBuf,
     },
+    /// Print the tierlimit TOML ([[rls.domains]]) equivalent to an
+    /// envoyproxy/ratelimit YAML configuration file, with comments.
+    ImportEnvoyConfig {
+        /// The envoyproxy/ratelimit YAML file.
+        file: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::ImportEnvoyConfig { file }) = &cli.command {
+        return match tierlimit_shared::rls::EnvoyFile::read(file) {
+            Ok(f) => {
+                print!("{}", f.to_toml(&file.display().to_string()));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Some(Command::CheckConfig { file }) = &cli.command {
         return match tierlimit_shared::Config::load(file) {
             Ok(loaded) => {
@@ -113,6 +137,7 @@ fn main() -> ExitCode {
         listen: cli.listen,
         admin_listen: cli.admin_listen,
         allow_eviction: cli.allow_eviction,
+        grpc_listen: cli.grpc_listen,
     })) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

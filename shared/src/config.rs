@@ -76,6 +76,13 @@ pub struct Config {
     pub tenants: BTreeMap<String, TenantConfig>,
     #[serde(default)]
     pub unknown_tenants: UnknownTenants,
+    /// Envoy's rate limit service: descriptor rules per domain (see
+    /// [`crate::rls`]).
+    #[serde(default)]
+    pub rls: crate::rls::RlsConfig,
+    /// The gRPC listener (`--grpc-listen`): TLS.
+    #[serde(default)]
+    pub grpc: GrpcSettings,
     /// Wire format and message authentication of both topics.
     #[serde(default)]
     pub wire: WireSettings,
@@ -148,6 +155,19 @@ impl Default for HttpSettings {
             max_concurrent_requests: 256,
         }
     }
+}
+
+/// `[grpc]`: the RLS listener's TLS. Both or neither: with both, the
+/// listener speaks only TLS.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrpcSettings {
+    /// PEM certificate chain.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<String>,
+    /// PEM private key. Never serialised back.
+    #[serde(skip_serializing)]
+    pub tls_key: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -539,6 +559,10 @@ pub struct PlanConfig {
     /// The global tier is always per tenant.
     #[serde(default)]
     pub key_scoped: bool,
+    /// Through Envoy's rate limit service: decide and count, but answer OK
+    /// (metrics carry `shadow="true"`).
+    #[serde(default)]
+    pub shadow_mode: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -672,6 +696,10 @@ pub struct Loaded {
     plans: BTreeMap<String, Policy>,
     tenants: BTreeMap<String, Arc<Policy>>,
     unknown: Option<Arc<Policy>>,
+    /// `[rls]`, compiled (descriptor trees, rule ids).
+    pub rls: crate::rls::Compiled,
+    /// Plans as shared policies, for tenants an RLS domain assigns a plan.
+    plan_arcs: BTreeMap<String, Arc<Policy>>,
 }
 
 impl Loaded {
@@ -702,6 +730,22 @@ impl Loaded {
     /// The resolved policy of a plan (before any tenant override).
     pub fn plan_policy(&self, plan: &str) -> Option<&Policy> {
         self.plans.get(plan)
+    }
+
+    /// The policy of `tenant` when an RLS domain names `plan` for tenants
+    /// that `[tenants]` does not list: the tenant's own, else the plan's,
+    /// else the unknown-tenant policy.
+    pub fn policy_with_plan(&self, tenant: &str, plan: Option<&str>) -> Option<Arc<Policy>> {
+        if let Some(p) = self.tenants.get(tenant) {
+            return Some(Arc::clone(p));
+        }
+        plan.and_then(|p| self.plan_arcs.get(p).cloned())
+            .or_else(|| self.unknown.clone())
+    }
+
+    /// Whether the plan `name` is in shadow mode for the RLS.
+    pub fn plan_shadow(&self, name: &str) -> bool {
+        self.config.plans.get(name).is_some_and(|p| p.shadow_mode)
     }
 }
 
@@ -877,11 +921,28 @@ impl Config {
             )),
         };
         self.validate_wire()?;
+        let rls = crate::rls::compile(&self.rls, |p| plans.contains_key(p))?;
+        if self.grpc.tls_cert.is_some() != self.grpc.tls_key.is_some() {
+            return Err(ConfigError::invalid(
+                if self.grpc.tls_cert.is_some() {
+                    "grpc.tls_key"
+                } else {
+                    "grpc.tls_cert"
+                },
+                "grpc.tls_cert and grpc.tls_key go together",
+            ));
+        }
+        let plan_arcs = plans
+            .iter()
+            .map(|(k, v)| (k.clone(), Arc::new(v.clone())))
+            .collect();
         Ok(Loaded {
             config: self,
             plans,
             tenants,
             unknown,
+            rls,
+            plan_arcs,
         })
     }
 

