@@ -94,10 +94,14 @@ impl Broadcaster {
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         tracing::info!(topic = %self.topic, interval = ?every, "broadcasting global counts");
         loop {
+            // The tick before urgent flushes: it is ready once per interval,
+            // so it cannot starve them, while a steady stream of urgent
+            // notifications (a tenant at its limit under load) would
+            // otherwise starve the full flush and with it the heartbeats,
+            // and every node's view would age without any fault.
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => break,
-                _ = self.state.urgent().notified() => self.flush(Scope::Urgent),
                 _ = ticker.tick() => {
                     self.flush(Scope::All);
                     // A reload may have changed the interval.
@@ -109,6 +113,7 @@ impl Broadcaster {
                         tracing::info!(interval = ?every, "broadcast interval changed");
                     }
                 }
+                _ = self.state.urgent().notified() => self.flush(Scope::Urgent),
             }
         }
         self.flush(Scope::All);

@@ -856,9 +856,11 @@ mod tests {
         );
         assert_eq!(&args[5..9], ["check", "0", "acme", "20000"]);
         assert_eq!(args[10], "259200");
-        // Two tiers of seven values after the sixteen fixed arguments.
-        assert_eq!(args[20], "2");
-        assert_eq!(args.len(), 5 + 16 + 2 * 7);
+        // No lease asked (max 0, share 1); then two tiers of seven values
+        // after the eighteen fixed arguments.
+        assert_eq!(&args[20..22], ["0", "1"]);
+        assert_eq!(args[22], "2");
+        assert_eq!(args.len(), 5 + 18 + 2 * 7);
     }
 
     #[test]

@@ -168,8 +168,13 @@ async fn follow(
 }
 
 /// Every [`FRESHNESS_CHECK`], asks the broker for every partition's high
-/// watermark (concurrently, off the async threads) and marks the view fresh
-/// when the follower's positions have reached all of them.
+/// watermark (concurrently, off the async threads). A partition is current
+/// as of the moment a watermark was asked once the follower's position has
+/// reached that watermark, at this check or a later one; the view is fresh
+/// as of the oldest partition's such moment. Requiring every partition to
+/// be read to the watermark *of the same instant* would call a view stale
+/// whenever any partition had a record in flight (heartbeats land on every
+/// partition every second), which under load happened for seconds on end.
 #[allow(clippy::too_many_arguments)] // one task's whole context, passed once
 async fn freshness_loop(
     consumer: Arc<StreamConsumer>,
@@ -183,39 +188,61 @@ async fn freshness_loop(
 ) {
     let mut tick = tokio::time::interval(FRESHNESS_CHECK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // Per partition: the watermark still to reach and when it was asked,
+    // and the latest moment the partition was confirmed current (0: never).
+    let mut pending: Vec<Option<(i64, u64)>> = vec![None; partitions.len()];
+    let mut current_as_of: Vec<u64> = vec![0; partitions.len()];
     loop {
         tick.tick().await;
-        // Fresh as of when the check started: the watermarks can only be
+        // Current as of when the check started: the watermarks can only be
         // that new. The query timeout is generous so that a slow (not cut)
         // link still confirms freshness; a cut fails it and the age grows.
         let started = now_ms();
-        let checks = partitions.iter().enumerate().map(|(i, p)| {
+        let checks = partitions.iter().map(|p| {
             let (c, t, p) = (Arc::clone(&consumer), topic.clone(), *p);
-            let positions = Arc::clone(&positions);
-            tokio::task::spawn_blocking(move || {
-                match c.fetch_watermarks(&t, p, WATERMARK_TIMEOUT) {
-                    Ok((low, high)) => high <= low || positions[i].load(Ordering::Relaxed) >= high,
-                    Err(_) => false,
-                }
-            })
+            tokio::task::spawn_blocking(move || c.fetch_watermarks(&t, p, WATERMARK_TIMEOUT).ok())
         });
-        let mut caught_up = true;
-        for check in checks.collect::<Vec<_>>() {
-            caught_up &= check.await.unwrap_or(false);
+        let mut answered = true;
+        for (i, check) in checks.collect::<Vec<_>>().into_iter().enumerate() {
+            let position = positions[i].load(Ordering::Relaxed);
+            // A watermark asked earlier and reached since: current as of then.
+            if let Some((high, at)) = pending[i] {
+                if position >= high {
+                    current_as_of[i] = current_as_of[i].max(at);
+                    pending[i] = None;
+                }
+            }
+            match check.await.ok().flatten() {
+                Some((low, high)) if high <= low || position >= high => {
+                    current_as_of[i] = started;
+                    pending[i] = None;
+                }
+                // Not read that far yet: keep the oldest unreached target,
+                // so a partition that always has a record in flight is still
+                // confirmed, as of the older moment, once it gets there.
+                Some((_, high)) => {
+                    if pending[i].is_none() {
+                        pending[i] = Some((high, started));
+                    }
+                }
+                None => answered = false,
+            }
         }
         let now = now_ms();
+        let fresh_as_of = current_as_of.iter().copied().min().unwrap_or(0);
+        let caught_up = fresh_as_of > 0;
         // Heartbeats only ever withhold a confirmation: with every
         // partition's aggregator heard from within the liveness bound (or
-        // no heartbeat at all, from aggregators that write none), reading
-        // to the watermark confirms the view as before; otherwise it is not
-        // confirmed and ages from its last confirmation.
+        // no heartbeat at all, from aggregators that write none), the
+        // watermark rule confirms the view; otherwise it is not confirmed
+        // and ages from its last confirmation.
         let alive = match heartbeat_floor(&heartbeats) {
             None => true,
             Some(None) => false,
             Some(Some(oldest)) => started.saturating_sub(oldest) <= liveness.as_millis() as u64,
         };
-        if caught_up && alive {
-            view.mark_fresh(started);
+        if caught_up && alive && answered {
+            view.mark_fresh(fresh_as_of);
         } else if caught_up {
             // Ready (read to the end) all the same: readiness is about the
             // view being complete, staleness about it being current.

@@ -123,7 +123,9 @@ impl View {
     }
 
     pub fn mark_fresh(&self, now_ms: u64) {
-        self.fresh_at_ms.store(now_ms, Ordering::Relaxed);
+        // Never backwards: a confirmation as of an older moment (a
+        // partition that reached an older watermark) says nothing newer.
+        self.fresh_at_ms.fetch_max(now_ms, Ordering::Relaxed);
         self.caught_up.store(true, Ordering::Relaxed);
     }
 
