@@ -78,6 +78,19 @@ struct Seen {
     full_at: Option<u64>,
 }
 
+impl Seen {
+    /// Moves to `today`: yesterday's admissions do not carry over (the
+    /// region's set for today starts empty too).
+    fn start(&mut self, today: u32) {
+        if self.day != today {
+            *self = Seen {
+                day: today,
+                ..Seen::default()
+            };
+        }
+    }
+}
+
 /// The newcomer gate of one node.
 pub struct Newcomers {
     store: Arc<RedisStore>,
@@ -156,14 +169,7 @@ impl Newcomers {
 
     fn remember(&self, tenant: &str, today: u32, cap: u64) {
         let mut seen = self.seen.write().expect("newcomer set lock");
-        if seen.day != today {
-            // A new day: yesterday's admissions do not carry over (the
-            // region's set for today starts empty too).
-            *seen = Seen {
-                day: today,
-                ..Seen::default()
-            };
-        }
+        seen.start(today);
         // The region admits at most `cap` a day, so this never grows past
         // it; the check guards a lowered cap after a reload.
         if (seen.tenants.len() as u64) < cap {
@@ -187,12 +193,7 @@ impl Newcomers {
             return;
         };
         let mut seen = self.seen.write().expect("newcomer set lock");
-        if seen.day != today {
-            *seen = Seen {
-                day: today,
-                ..Seen::default()
-            };
-        }
+        seen.start(today);
         for m in members.into_iter().take(cap as usize) {
             seen.tenants.insert(m.into());
         }
