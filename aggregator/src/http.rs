@@ -46,9 +46,19 @@ pub fn router(state: Arc<State>, http: &HttpSettings) -> Router {
             on_reject: on_reject(&state),
         },
     );
-    // Shedding covers the API only: the probes below still answer when
-    // the API is saturated.
-    let api = tierlimit_shared::serve::shed(api, http.max_concurrent_requests, on_reject(&state));
+    // The shared admission gate (shared/src/admission.rs), with no queue:
+    // reads are served from memory, so past `max_concurrent_requests` a
+    // request is refused at once. It covers the API only: the probes below
+    // still answer when the API is saturated.
+    let gate = tierlimit_shared::admission::Admission::new(
+        tierlimit_shared::admission::Limits {
+            max_in_flight: http.max_concurrent_requests,
+            max_queue: 0,
+            queue_timeout: std::time::Duration::ZERO,
+        },
+        Arc::new(Rejections(Arc::clone(&state))),
+    );
+    let api = tierlimit_shared::admission::layer(api, gate);
     let router = api
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz));
@@ -73,6 +83,19 @@ pub fn admin_router(state: Arc<State>, http: &HttpSettings) -> Router {
         router,
         tierlimit_shared::serve::Limits::new(http, on_reject(&state)),
     )
+}
+
+/// The admission gate's shed requests, counted as `overloaded` refusals.
+struct Rejections(Arc<State>);
+
+impl tierlimit_shared::admission::Meter for Rejections {
+    fn shed(&self, _reason: &'static str) {
+        self.0
+            .metrics
+            .http_rejections
+            .with_label_values(&["overloaded"])
+            .inc();
+    }
 }
 
 /// Counts a refusal in `tierlimit_aggregator_http_rejections_total`.

@@ -29,7 +29,7 @@ use tierlimit_shared::reload::Live;
 use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
-use crate::admission::{Admission, Limits};
+use crate::admission::Admission;
 use crate::lease::{Leases, Leftover, Take};
 use crate::local::Local;
 use crate::metrics::Metrics;
@@ -246,7 +246,7 @@ impl Decider {
         node_id: String,
         metrics: Arc<Metrics>,
     ) -> Decider {
-        let admission = Admission::new(Limits::of(&live.load().config.node), Arc::clone(&metrics));
+        let admission = crate::admission::gate(&live.load().config.node, Arc::clone(&metrics));
         Decider {
             admission,
             live,
@@ -292,8 +292,8 @@ impl Decider {
         self.store.as_ref()
     }
 
-    /// The node's admission gate: the HTTP router's middleware
-    /// ([`crate::admission::middleware`]) and any other front end take a
+    /// The node's admission gate: the HTTP router's layer
+    /// ([`tierlimit_shared::admission::layer`]) and any other front end take a
     /// slot of it ([`Admission::admit`]) before deciding.
     pub fn admission(&self) -> Arc<Admission> {
         Arc::clone(&self.admission)

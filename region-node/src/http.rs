@@ -67,11 +67,8 @@ pub fn router(state: Arc<AppState>, http: &tierlimit_shared::config::HttpSetting
     );
     // Admission control (concurrency limit and load shedding of checks),
     // the outermost layer of `api`: a shed request costs no key check, no
-    // parsing and no charge (region-node/src/admission.rs).
-    let api = api.layer(axum::middleware::from_fn_with_state(
-        state.decider.admission(),
-        crate::admission::middleware,
-    ));
+    // parsing and no charge (shared/src/admission.rs).
+    let api = tierlimit_shared::admission::layer(api, state.decider.admission());
     let router = api
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))

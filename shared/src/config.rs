@@ -130,8 +130,9 @@ pub struct HttpSettings {
     /// Longest request target (path and query) accepted (414 past it).
     pub max_uri_bytes: usize,
     /// Aggregator only: requests served at once; more are shed with 503
-    /// and `Retry-After` (the region-node admits checks by its own
-    /// admission control).
+    /// and `Retry-After` (the shared admission gate with no queue; the
+    /// region-node sizes the same gate by `node.max_in_flight`,
+    /// `max_queue` and `queue_timeout`).
     pub max_concurrent_requests: usize,
 }
 

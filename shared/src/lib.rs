@@ -7,6 +7,8 @@
 //! The one piece of HTTP, the problem+json type both APIs answer with, is
 //! behind the `http` feature.
 
+#[cfg(feature = "http")]
+pub mod admission;
 pub mod algorithm;
 pub mod auth;
 pub mod config;

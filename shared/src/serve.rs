@@ -15,15 +15,15 @@
 //!   in-flight requests finish.
 //!
 //! [`harden`] adds the per-request limits (URI and header size, request
-//! timeout), each refusal a counted problem+json; [`shed`] is the
-//! concurrency limit with load shedding the aggregator uses.
+//! timeout), each refusal a counted problem+json. The concurrency limit
+//! with load shedding is [`crate::admission`], shared by both binaries.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
@@ -260,52 +260,11 @@ async fn limit_request(State(l): State<Limits>, req: Request, next: Next) -> Res
     }
 }
 
-/// At most `max` requests of `router` at once; the rest are refused at
-/// once with 503 problem+json and `Retry-After: 1` (shedding, not
-/// queueing: a queue would only add latency to answers nobody waits for).
-///
-/// A route layer: only the routes added before this call are limited, so
-/// probes added after it still answer under overload (a liveness probe
-/// shed with the load would get a busy process restarted).
-pub fn shed<S: Clone + Send + Sync + 'static>(
-    router: Router<S>,
-    max: usize,
-    on_reject: OnReject,
-) -> Router<S> {
-    let state = Shed {
-        permits: Arc::new(tokio::sync::Semaphore::new(max)),
-        max,
-        on_reject,
-    };
-    router.route_layer(axum::middleware::from_fn_with_state(state, shed_request))
-}
-
-#[derive(Clone)]
-struct Shed {
-    permits: Arc<tokio::sync::Semaphore>,
-    max: usize,
-    on_reject: OnReject,
-}
-
-async fn shed_request(State(s): State<Shed>, req: Request, next: Next) -> Response {
-    let Ok(_permit) = s.permits.clone().try_acquire_owned() else {
-        (s.on_reject)("overloaded");
-        return Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded",
-            "Too many requests in progress",
-            format!("{} requests are already being served; retry shortly", s.max),
-        )
-        .with_header(header::RETRY_AFTER, HeaderValue::from_static("1"))
-        .into_response();
-    };
-    next.run(req).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use axum::body::Body;
+    use axum::http::header;
     use axum::routing::get;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -363,55 +322,5 @@ mod tests {
             StatusCode::REQUEST_TIMEOUT
         );
         assert_eq!(count.load(Ordering::Relaxed), 3);
-    }
-
-    #[tokio::test]
-    async fn shedding_refuses_past_the_limit() {
-        let count = Arc::new(AtomicUsize::new(0));
-        let gate = Arc::new(tokio::sync::Notify::new());
-        let g = gate.clone();
-        let c = count.clone();
-        let r = shed(
-            Router::new()
-                .route(
-                    "/hold",
-                    get(move || {
-                        let g = g.clone();
-                        async move {
-                            g.notified().await;
-                            "done"
-                        }
-                    }),
-                )
-                .route("/fast", get(|| async { "fast" })),
-            1,
-            Arc::new(move |_| {
-                c.fetch_add(1, Ordering::Relaxed);
-            }),
-        );
-        let req = |uri: &str| axum::http::Request::get(uri).body(Body::empty()).unwrap();
-        let first = tokio::spawn({
-            let r = r.clone();
-            let req = req("/hold");
-            async move { r.oneshot(req).await.unwrap().status() }
-        });
-        // Once the held request has the only permit, a fast one is shed.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        let second = loop {
-            let resp = r.clone().oneshot(req("/fast")).await.unwrap();
-            if resp.status() == StatusCode::SERVICE_UNAVAILABLE {
-                break resp;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "never shed");
-            tokio::task::yield_now().await;
-        };
-        assert_eq!(second.headers()[header::RETRY_AFTER], "1");
-        assert_eq!(
-            second.headers()[header::CONTENT_TYPE],
-            "application/problem+json"
-        );
-        assert!(count.load(Ordering::Relaxed) >= 1);
-        gate.notify_one();
-        assert_eq!(first.await.unwrap(), StatusCode::OK);
     }
 }
