@@ -6,8 +6,8 @@
 //! aggregator instances around a rebalance — can never move the view back.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 
 use tierlimit_shared::messages::{actor_region, GlobalUpdate};
 
@@ -52,11 +52,66 @@ impl Entry {
     }
 }
 
+/// Shards of one day's map: a decision locks one of them, for reading,
+/// for as long as it looks at one entry; the follower locks one for
+/// writing only to swap a value it built outside the lock.
+const SHARDS: usize = 64;
+
+/// One UTC day of the view, sharded by tenant.
+struct DayView {
+    day: u32,
+    shards: Box<[RwLock<HashMap<Box<str>, Entry>>]>,
+    /// Entries in this day (the sum of the shards' lengths).
+    entries: AtomicUsize,
+}
+
+impl DayView {
+    fn new(day: u32) -> DayView {
+        DayView {
+            day,
+            shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
+            entries: AtomicUsize::new(0),
+        }
+    }
+
+    fn shard(&self, tenant: &str) -> &RwLock<HashMap<Box<str>, Entry>> {
+        // FNV-1a: cheap, and only spreads tenants over shards (each
+        // shard's HashMap keeps its own DoS-resistant hasher).
+        let h = tenant.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        &self.shards[(h % SHARDS as u64) as usize]
+    }
+}
+
+/// The broadcast view, as the decision path reads it.
+///
+/// Why this shape (issue 10, item 4): the decision path reads the view on
+/// every check, and the follower writes it for every broadcast and drops
+/// yesterday at midnight. With one `RwLock<HashMap>`, a write (and its
+/// allocations, and a prune walking every entry) stalled every decision
+/// for its whole length. Now:
+/// - days are separate maps behind a small list (`days`, at most a few
+///   entries) whose lock is held for nanoseconds, written only when a day
+///   appears or is dropped; dropping a day is O(1) under that lock and the
+///   day's entries are freed after it is released;
+/// - a day is 64 shards; a decision read-locks one shard, so a writer
+///   blocks at most the decisions of one 64th of the tenants, for as long
+///   as an insert takes;
+/// - the follower (the only writer) builds the merged entry outside any
+///   write lock (cloning the old one under a read lock, which blocks no
+///   decision) and takes the shard's write lock only to put it in place;
+///   the value it replaces is dropped after the lock is released. The one
+///   allocation left under a write lock is a shard's table growing for a
+///   new tenant (amortised, and 1/64 of the map).
+///
+/// Sharded std locks rather than a concurrent-map crate: the access pattern
+/// is one writer and many readers of single entries, which this serves
+/// with no new dependency, and it makes the O(1) day drop explicit.
 #[derive(Default)]
 pub struct View {
-    /// tenant → day → entry (keyed by tenant first so the hot path can look
-    /// up with a borrowed `&str`).
-    entries: RwLock<HashMap<String, HashMap<u32, Entry>>>,
+    /// The days held, oldest first.
+    days: RwLock<Vec<Arc<DayView>>>,
     /// Wall-clock ms when the follower last confirmed it had read everything
     /// the broker holds (0 = never).
     fresh_at_ms: AtomicU64,
@@ -68,15 +123,40 @@ impl View {
         View::default()
     }
 
+    fn day(&self, day: u32) -> Option<Arc<DayView>> {
+        let days = self.days.read().expect("view lock poisoned");
+        days.iter().find(|d| d.day == day).cloned()
+    }
+
+    /// The day's map, created (outside the lock) if it is new.
+    fn day_or_new(&self, day: u32) -> Arc<DayView> {
+        if let Some(d) = self.day(day) {
+            return d;
+        }
+        let fresh = Arc::new(DayView::new(day));
+        let mut days = self.days.write().expect("view lock poisoned");
+        if let Some(d) = days.iter().find(|d| d.day == day) {
+            return Arc::clone(d);
+        }
+        let at = days.partition_point(|d| d.day < day);
+        days.insert(at, Arc::clone(&fresh));
+        fresh
+    }
+
     /// Merges one broadcast; returns whether it changed the view.
+    ///
+    /// The follower is the only writer, so the entry read here is the one
+    /// replaced below.
     pub fn apply(&self, u: &GlobalUpdate) -> bool {
-        let mut map = self.entries.write().expect("view lock poisoned");
-        let e = map
-            .entry(u.tenant.clone())
-            .or_default()
-            .entry(u.day)
-            .or_default();
-        let before = e.clone();
+        let day = self.day_or_new(u.day);
+        let shard = day.shard(&u.tenant);
+        let old = shard
+            .read()
+            .expect("view lock poisoned")
+            .get(u.tenant.as_str())
+            .cloned();
+        let is_new = old.is_none();
+        let mut e = old.clone().unwrap_or_default();
         for part in &u.parts {
             let slot = e.parts.entry(part.actor.clone()).or_insert((0, 0));
             slot.0 = slot.0.max(part.p);
@@ -86,36 +166,47 @@ impl View {
             e.over_limit = u.over_limit;
             e.ts_ms = u.ts_ms;
         }
-        *e != before
+        if old.as_ref() == Some(&e) {
+            return false;
+        }
+        let key: Box<str> = u.tenant.as_str().into();
+        let replaced = shard.write().expect("view lock poisoned").insert(key, e);
+        drop(replaced);
+        if is_new {
+            day.entries.fetch_add(1, Ordering::Relaxed);
+        }
+        true
     }
 
     pub fn get(&self, tenant: &str, day: u32) -> Option<Entry> {
         self.with(tenant, day, |e| e.cloned())
     }
 
-    /// Calls `f` with the entry without cloning it (hot path).
+    /// Calls `f` with the entry without cloning it (hot path): two read
+    /// locks, the day list's for an instant, one shard's while `f` runs.
     pub fn with<R>(&self, tenant: &str, day: u32, f: impl FnOnce(Option<&Entry>) -> R) -> R {
-        let map = self.entries.read().expect("view lock poisoned");
-        f(map.get(tenant).and_then(|days| days.get(&day)))
+        let Some(d) = self.day(day) else {
+            return f(None);
+        };
+        let shard = d.shard(tenant).read().expect("view lock poisoned");
+        f(shard.get(tenant))
     }
 
-    /// Drops days before `oldest`.
+    /// Drops days before `oldest`: O(days) under the lock, the entries
+    /// freed after it is released.
     pub fn prune(&self, oldest: u32) {
-        let mut map = self.entries.write().expect("view lock poisoned");
-        map.retain(|_, days| {
-            days.retain(|d, _| *d >= oldest);
-            !days.is_empty()
-        });
+        let dropped: Vec<Arc<DayView>> = {
+            let mut days = self.days.write().expect("view lock poisoned");
+            let keep_from = days.partition_point(|d| d.day < oldest);
+            days.drain(..keep_from).collect()
+        };
+        drop(dropped);
     }
 
     /// Number of (tenant, day) entries.
     pub fn len(&self) -> usize {
-        self.entries
-            .read()
-            .expect("view lock poisoned")
-            .values()
-            .map(|d| d.len())
-            .sum()
+        let days = self.days.read().expect("view lock poisoned");
+        days.iter().map(|d| d.entries.load(Ordering::Relaxed)).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -201,5 +292,60 @@ mod tests {
         assert_eq!(e.total(), 14);
         let eu: Vec<_> = e.region_parts("eu").collect();
         assert_eq!(eu, vec![("a", 9)]);
+    }
+
+    fn for_tenant(tenant: &str, day: u32, p: u64) -> GlobalUpdate {
+        GlobalUpdate {
+            tenant: tenant.into(),
+            day,
+            ..update(&[("eu/a", p, 0)], 1)
+        }
+    }
+
+    #[test]
+    fn days_are_dropped_whole_and_counted() {
+        let v = View::new();
+        for t in 0..500 {
+            let name = format!("t{t}");
+            assert!(v.apply(&for_tenant(&name, 10, 1)));
+            assert!(v.apply(&for_tenant(&name, 11, 2)));
+        }
+        // The same broadcast again changes nothing and counts nothing.
+        assert!(!v.apply(&for_tenant("t7", 11, 2)));
+        assert_eq!(v.len(), 1000);
+        v.prune(11);
+        assert_eq!(v.len(), 500);
+        assert_eq!(v.get("t7", 10), None);
+        assert_eq!(v.get("t7", 11).unwrap().total(), 2);
+        // A day older than every held one, arriving late, is kept in order
+        // and dropped by the next prune.
+        assert!(v.apply(&for_tenant("late", 9, 1)));
+        assert_eq!(v.get("late", 9).unwrap().total(), 1);
+        v.prune(11);
+        assert_eq!(v.get("late", 9), None);
+        assert_eq!(v.len(), 500);
+    }
+
+    #[test]
+    fn readers_see_whole_entries_while_the_writer_applies() {
+        let v = std::sync::Arc::new(View::new());
+        let w = std::sync::Arc::clone(&v);
+        let writer = std::thread::spawn(move || {
+            for p in 1..=2_000u64 {
+                w.apply(&for_tenant(&format!("t{}", p % 50), 1, p));
+            }
+        });
+        // Totals only ever grow, for every tenant a reader looks at.
+        let mut last = vec![0u64; 50];
+        while !writer.is_finished() {
+            for (t, seen) in last.iter_mut().enumerate() {
+                let now = v.with(&format!("t{t}"), 1, |e| e.map_or(0, Entry::total));
+                assert!(now >= *seen, "t{t} went back from {seen} to {now}");
+                *seen = now;
+            }
+        }
+        writer.join().unwrap();
+        assert_eq!(v.get("t0", 1).unwrap().total(), 2_000);
+        assert_eq!(v.len(), 50);
     }
 }
