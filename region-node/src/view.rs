@@ -57,10 +57,13 @@ impl Entry {
 /// writing only to swap a value it built outside the lock.
 const SHARDS: usize = 64;
 
+/// One shard of a day: tenant → entry.
+type Shard = RwLock<HashMap<Box<str>, Entry>>;
+
 /// One UTC day of the view, sharded by tenant.
 struct DayView {
     day: u32,
-    shards: Box<[RwLock<HashMap<Box<str>, Entry>>]>,
+    shards: Box<[Shard]>,
     /// Entries in this day (the sum of the shards' lengths).
     entries: AtomicUsize,
 }
@@ -74,7 +77,7 @@ impl DayView {
         }
     }
 
-    fn shard(&self, tenant: &str) -> &RwLock<HashMap<Box<str>, Entry>> {
+    fn shard(&self, tenant: &str) -> &Shard {
         // FNV-1a: cheap, and only spreads tenants over shards (each
         // shard's HashMap keeps its own DoS-resistant hasher).
         let h = tenant.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
