@@ -215,8 +215,22 @@ mod tests {
     #[test]
     fn republish_takes_config_and_region_before_or_after_it() {
         for args in [
-            &["region-node", "republish", "--config", "c.toml", "--region", "eu"][..],
-            &["region-node", "--config", "c.toml", "--region", "eu", "republish"][..],
+            &[
+                "region-node",
+                "republish",
+                "--config",
+                "c.toml",
+                "--region",
+                "eu",
+            ][..],
+            &[
+                "region-node",
+                "--config",
+                "c.toml",
+                "--region",
+                "eu",
+                "republish",
+            ][..],
         ] {
             let cli = Cli::try_parse_from(args).expect("parses");
             assert_eq!(cli.region.as_deref(), Some("eu"));

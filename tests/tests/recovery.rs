@@ -557,7 +557,10 @@ async fn topics_deleted_and_recreated_then_republished() {
     node.proc.respawn();
     agg.proc.respawn();
     agg_ready(&agg).await;
-    wait_until("the node serves again", DEADLINE, || ready(node.url("/readyz"))).await;
+    wait_until("the node serves again", DEADLINE, || {
+        ready(node.url("/readyz"))
+    })
+    .await;
     for t in want.keys() {
         assert_eq!(
             owner_total(&[&agg], t).await,
