@@ -23,9 +23,9 @@ use std::time::Duration;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tierlimit_shared::config::KafkaConfig;
-use tierlimit_shared::day;
 use tierlimit_shared::messages::{now_ms, partition_of, GlobalUpdate, VERSION};
 use tierlimit_shared::wire::{heartbeat_interval, Heartbeat};
+use tierlimit_shared::{day, retention};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
@@ -150,10 +150,19 @@ impl Broadcaster {
     /// outage never stalls the next interval.
     fn flush(&self, scope: Scope) {
         let today = day::today();
+        // Computed from the two configurations, outside the lock.
+        let changes = match scope {
+            Scope::All => self.state.take_limit_changes(),
+            Scope::Urgent => None,
+        };
         let (taken, heartbeats) = {
             let mut core = self.state.lock();
-            if scope == Scope::All && self.state.take_limits_changed() {
-                core.merged.mark_day_dirty(today, None);
+            if let Some(changes) = changes.filter(|c| !c.is_empty()) {
+                let marked = changes.mark(&mut core.merged, today);
+                tracing::info!(
+                    counters = marked,
+                    "limits changed: their counters are broadcast again"
+                );
             }
             let Core { merged, progress } = &mut *core;
             let taken = merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p));
@@ -206,7 +215,8 @@ impl Broadcaster {
                 let record = FutureRecord::to(&self.topic)
                     .partition(partition)
                     .key(&record_key)
-                    .payload(&payload);
+                    .payload(&payload)
+                    .timestamp(retention::record_timestamp_ms());
                 match self.producer.send_result(record) {
                     Ok(delivery) => pending.push((key, delivery)),
                     Err((e, _)) => self.failed(&key, &e.to_string()),
@@ -251,7 +261,8 @@ impl Broadcaster {
             let record = FutureRecord::to(&self.topic)
                 .partition(h.partition as i32)
                 .key(&key)
-                .payload(payload);
+                .payload(payload)
+                .timestamp(retention::record_timestamp_ms());
             match self.producer.send_result(record) {
                 Ok(delivery) => pending.push(delivery),
                 Err((e, _)) => {

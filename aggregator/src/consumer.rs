@@ -2,12 +2,25 @@
 //! feeds every delta into the merged state.
 //!
 //! The topic is the source of truth and this process keeps no storage, so
-//! **every assignment is rebuilt from the beginning of its partitions**: the
-//! rebalance callback rewrites the offsets of the assignment to
-//! `OFFSET_BEGINNING` before handing it to librdkafka. An explicit logical
-//! offset in `assign` takes precedence over committed offsets and over
-//! `auto.offset.reset`, so this holds even if someone committed offsets for
-//! the group; we never do (`enable.auto.commit=false`, no manual commits).
+//! **every assignment is rebuilt from the topic**: the rebalance callback
+//! sets each newly assigned partition's offset to the first record of the
+//! retained days (ListOffsets by timestamp, see
+//! [`tierlimit_shared::retention`]; the beginning if the broker cannot say)
+//! before handing it to librdkafka. An explicit offset in `assign` takes
+//! precedence over committed offsets and over `auto.offset.reset`, so this
+//! holds even if someone committed offsets for the group; we never do
+//! (`enable.auto.commit=false`, no manual commits). The lookup blocks the
+//! consumer (the callback runs in its poll) for at most [`LOOKUP_TIMEOUT`]
+//! per rebalance; nothing else waits on it.
+//!
+//! The group assigns with `cooperative-sticky` by default
+//! (`aggregator.assignment`): a rebalance then hands the callback only the
+//! partitions that move (incremental assign and revoke), so a rolling
+//! deploy rebuilds only what a restarted instance gives up or takes, and
+//! the instances that keep their partitions keep their state and go on
+//! broadcasting. With `eager`, every rebalance revokes everything. Either
+//! way a partition's state is rebuilt from the retained start when it is
+//! assigned, and dropped when it is revoked.
 //!
 //! The instance is ready once every assigned partition has been read up to
 //! the high watermark fetched right after assignment (or the fetcher reported
@@ -33,6 +46,7 @@ use rdkafka::types::RDKafkaRespErr;
 use tierlimit_shared::config::{AggregatorSettings, KafkaConfig};
 use tierlimit_shared::messages::DecodeError;
 use tierlimit_shared::wire::Reject;
+use tierlimit_shared::{day, retention};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -44,6 +58,9 @@ use crate::state::State;
 pub const LAG_REFRESH: Duration = Duration::from_secs(5);
 /// Upper bound on one watermark query.
 const WATERMARK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Upper bound on the lookup of a new assignment's start offsets; past it
+/// the partitions are read from the beginning.
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Partitions just assigned, with the generation their watermarks must quote.
 type Assigned = (Vec<i32>, u64);
@@ -91,11 +108,30 @@ impl ConsumerContext for RebuildContext {
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 let partitions = self.partitions(tpl);
+                // Where the retained days start (the cooperative protocol
+                // also hands out empty increments: nothing to ask).
+                let starts = if partitions.is_empty() {
+                    Vec::new()
+                } else {
+                    let retention = self.state.live().load().config.aggregator.retention_days;
+                    let since = retention::since_ms(day::today(), retention);
+                    retention::start_offsets(
+                        consumer,
+                        &self.topic,
+                        &partitions,
+                        since,
+                        LOOKUP_TIMEOUT,
+                    )
+                };
                 // Forget what we had and start over, before any message of
                 // the new assignment can arrive.
-                let generation = self.state.on_assign(&partitions);
-                if let Err(e) = tpl.set_all_offsets(Offset::Beginning) {
-                    tracing::error!(error = %e, "cannot set the assignment to the beginning");
+                let generation = self.state.on_assign_from(&partitions, &starts);
+                for s in &starts {
+                    if let Err(e) = tpl.set_partition_offset(&self.topic, s.partition, s.offset) {
+                        tracing::error!(partition = s.partition, error = %e, "cannot set the start of the rebuild; reading from the beginning");
+                        let _ =
+                            tpl.set_partition_offset(&self.topic, s.partition, Offset::Beginning);
+                    }
                 }
                 let result = if cooperative {
                     consumer.incremental_assign(tpl)
@@ -172,6 +208,10 @@ impl DeltaConsumer {
         let consumer: StreamConsumer<RebuildContext> =
             tierlimit_shared::kafka::client_config(kafka)
                 .set("group.id", &settings.group_id)
+                .set(
+                    "partition.assignment.strategy",
+                    settings.assignment.strategy(),
+                )
                 // A restarted instance cannot rejoin before the crashed one's
                 // session ends: keep it short (librdkafka's default is 45s).
                 .set(
@@ -208,7 +248,7 @@ impl DeltaConsumer {
 
     /// Consumes until `shutdown`, then leaves the group. Returns an error
     /// only when librdkafka declares the consumer unusable (a fatal error);
-    /// the caller then starts a new one, which rebuilds from the beginning.
+    /// the caller then starts a new one, which rebuilds what it is assigned.
     pub async fn run(mut self, shutdown: CancellationToken) -> Result<(), KafkaError> {
         let (wm_tx, mut wm_rx) = mpsc::unbounded_channel::<Watermarks>();
         let refreshing = Arc::new(AtomicBool::new(false));

@@ -13,6 +13,7 @@
 //! - [`state`]: both behind one lock, plus the rules that join them;
 //! - [`consumer`]: the consumer-group member that rebuilds on assignment;
 //! - [`broadcast`]: the coalescing, ordered producer of global updates;
+//! - [`limits`]: which counters a reload changes (re-broadcast only those);
 //! - [`http`], [`metrics`], [`dashboard`] (`GET /`): the operator's view.
 //!
 //! The process keeps no storage: the deltas topic is the source of truth and
@@ -24,6 +25,7 @@ pub mod consumer;
 pub mod dashboard;
 pub mod http;
 pub mod kafka;
+pub mod limits;
 pub mod merge;
 pub mod metrics;
 pub mod progress;
@@ -250,11 +252,14 @@ pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 's
 }
 
 /// Creates the deltas and global topics (if missing) with the partition
-/// count and replication factor of the configuration. Returns the topics
-/// that were created.
+/// count and replication factor of the configuration and, with `compact`,
+/// `cleanup.policy=compact,delete` and the retention that
+/// `aggregator.retention_days` implies. Returns the topics that were
+/// created.
 pub async fn create_topics(config_path: &Path, compact: bool) -> Result<Vec<String>, Error> {
     let loaded = Config::load(config_path)?;
-    tierlimit_shared::kafka::ensure_topics(&loaded.config.kafka, compact)
+    let c = &loaded.config;
+    tierlimit_shared::kafka::ensure_topics(&c.kafka, c.aggregator.retention_days, compact)
         .await
         .map_err(Error::Topics)
 }

@@ -57,13 +57,15 @@ Admin (--admin-listen): GET / (dashboard), /metrics, /healthz, /readyz.";
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Creates the deltas and global topics with the configured partition
-    /// count (existing topics are left alone).
+    /// count, `cleanup.policy=compact,delete` and `retention.ms` of
+    /// `aggregator.retention_days` + 1 days (existing topics are left
+    /// alone).
     CreateTopics {
         /// Configuration file (TOML).
         #[arg(long, env = "TIERLIMIT_CONFIG")]
         config: PathBuf,
-        /// Do not ask for `cleanup.policy=compact` (for brokers that refuse
-        /// topic configs).
+        /// Do not ask for `cleanup.policy` and `retention.ms` (for brokers
+        /// that refuse topic configs).
         #[arg(long, env = "TIERLIMIT_NO_COMPACT")]
         no_compact: bool,
     },

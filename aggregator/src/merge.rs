@@ -281,11 +281,27 @@ impl Merged {
         before - self.counters.len()
     }
 
-    /// Marks a counter for broadcast (no-op if it is not held).
-    pub fn mark_dirty(&mut self, key: &TenantDay) {
-        if self.counters.contains_key(key) {
+    /// Marks a counter for broadcast (no-op if it is not held). Returns
+    /// whether it is held.
+    pub fn mark_dirty(&mut self, key: &TenantDay) -> bool {
+        let held = self.counters.contains_key(key);
+        if held {
             self.dirty.insert(key.clone());
         }
+        held
+    }
+
+    /// Marks every counter of `day` whose tenant passes `concerned` dirty
+    /// (a reload changed the unknown-tenant limit). Returns how many.
+    pub fn mark_day_dirty_where(&mut self, day: u32, concerned: impl Fn(&str) -> bool) -> usize {
+        let mut n = 0;
+        for k in self.counters.keys() {
+            if k.day == day && concerned(&k.tenant) {
+                self.dirty.insert(k.clone());
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Marks a dirty counter for immediate broadcast.

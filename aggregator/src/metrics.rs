@@ -16,6 +16,9 @@ pub struct Metrics {
     registry: Registry,
     /// Deltas decoded and handed to the merge.
     pub deltas_consumed: IntCounter,
+    /// Records read while their partition was rebuilding (before catch-up):
+    /// what rebuilds cost, bounded by the retained days.
+    pub rebuild_records: IntCounter,
     /// Deltas that changed a counter (the rest were duplicates or replays).
     pub merges_applied: IntCounter,
     /// Decoded deltas dropped, by reason (`expired`, `future`, `unassigned`).
@@ -92,6 +95,10 @@ impl Metrics {
         let deltas_consumed = counter(
             "deltas_consumed_total",
             "Deltas decoded from the deltas topic.",
+        );
+        let rebuild_records = counter(
+            "rebuild_records_total",
+            "Records read from a deltas partition before it caught up (rebuilds after an assignment): bounded by the retained days, not by all history.",
         );
         let merges_applied = counter(
             "merges_applied_total",
@@ -197,6 +204,7 @@ impl Metrics {
         Metrics {
             registry,
             deltas_consumed,
+            rebuild_records,
             merges_applied,
             deltas_ignored,
             undecodable,

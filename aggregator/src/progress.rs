@@ -1,7 +1,8 @@
 //! Which deltas partitions this instance owns, and how far it has re-read each.
 //!
 //! The topic is the source of truth, so on every assignment the consumer
-//! re-reads its partitions from the beginning. Until a partition has been read
+//! re-reads its partitions from the first record of the retained days (see
+//! [`tierlimit_shared::retention`]). Until a partition has been read
 //! up to the high watermark it had when it was assigned, its counters are
 //! partial: broadcasting them would move every region's view *backwards*.
 //! This module tracks that catch-up, and answers the two questions that depend
@@ -36,6 +37,9 @@ pub struct PartitionProgress {
     /// started for an earlier assignment of the same partition is ignored.
     #[serde(skip)]
     pub generation: u64,
+    /// Offset the rebuild started at: the first record of the retained
+    /// days (0 if read from the beginning).
+    pub start: i64,
     /// High watermark at assignment: the offset the rebuild must reach.
     pub target: Option<i64>,
     /// Next offset to read (last consumed + 1).
@@ -97,6 +101,7 @@ impl Progress {
                 PartitionProgress {
                     partition,
                     generation,
+                    start: 0,
                     target: None,
                     position: None,
                     high: None,
@@ -106,6 +111,13 @@ impl Progress {
         }
         self.membership = Membership::Assigned;
         generation
+    }
+
+    /// Records where the rebuild of a just assigned partition starts.
+    pub fn set_start(&mut self, partition: i32, start: i64) {
+        if let Some(p) = self.partitions.get_mut(&partition) {
+            p.start = start.max(0);
+        }
     }
 
     /// Forgets `partitions` (incremental revocation).
@@ -167,10 +179,10 @@ impl Progress {
         }
         p.target = Some(high);
         p.high = Some(p.high.map_or(high, |h| h.max(high)));
-        // Reading from the beginning starts at the low watermark (older
-        // offsets were deleted or compacted away).
+        // The rebuild starts at its start offset, or at the low watermark
+        // if that is later (older offsets were deleted or compacted away).
         if p.position.is_none() {
-            p.position = Some(low);
+            p.position = Some(low.max(p.start));
         }
         Self::check(p)
     }
@@ -298,6 +310,23 @@ mod tests {
         let g = p.assign(&[0]);
         p.consumed(0, 9);
         assert!(p.set_target(0, g, 0, 10));
+    }
+
+    #[test]
+    fn a_rebuild_from_the_retained_start_is_caught_up_from_there() {
+        let mut p = Progress::new();
+        let g = p.assign(&[0, 1]);
+        p.set_start(0, 7);
+        p.set_start(1, 2);
+        // Partition 0: nothing retained after offset 7 but 3 records.
+        assert!(!p.set_target(0, g, 0, 10));
+        assert_eq!(p.partitions().next().unwrap().lag(), Some(3));
+        assert!(!p.consumed(0, 8));
+        assert!(p.consumed(0, 9));
+        // Partition 1: the low watermark (5) is past the start (2), and
+        // is the high watermark: empty, caught up at once.
+        assert!(p.set_target(1, g, 5, 5));
+        assert_eq!(p.readiness(), Readiness::Ready);
     }
 
     #[test]

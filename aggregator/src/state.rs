@@ -11,13 +11,14 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tierlimit_shared::config::{ConfigError, KafkaConfig};
-use tierlimit_shared::day;
+use tierlimit_shared::config::{ConfigError, KafkaConfig, Loaded};
 use tierlimit_shared::messages::{now_ms, partition_of, Delta};
 use tierlimit_shared::reload::Live;
 use tierlimit_shared::wire::{BroadcastSigner, DeltaVerifier, Heartbeat, PerConfig, Reject};
+use tierlimit_shared::{day, retention};
 use tokio::sync::Notify;
 
+use crate::limits::LimitChanges;
 use crate::merge::{Applied, Merged, TenantDay};
 use crate::metrics::Metrics;
 use crate::progress::{Progress, Readiness};
@@ -43,8 +44,13 @@ pub struct State {
     /// instead of at the next interval.
     urgent: Notify,
     /// Set on a configuration reload: limits may have changed, so today's
-    /// counters are broadcast again with the new limit and flag.
+    /// counters whose limit changed are broadcast again with the new limit
+    /// and flag.
     limits_changed: AtomicBool,
+    /// The configuration today's broadcasts were made under (what a reload
+    /// is compared with; several reloads between two flushes compare the
+    /// last one with this).
+    broadcast_config: Mutex<Arc<Loaded>>,
     /// Bumped by every successful reload; carried by heartbeats.
     limits_version: AtomicU64,
     /// Delta keys and broadcast key of the current configuration (a SIGHUP
@@ -55,7 +61,7 @@ pub struct State {
 
 impl State {
     pub fn new(live: Live, metrics: Metrics) -> Arc<Self> {
-        let config = live.load();
+        let config = live.load_full();
         let kafka = config.config.kafka.clone();
         let retention = config.config.aggregator.retention_days;
         Arc::new(State {
@@ -68,6 +74,7 @@ impl State {
             }),
             urgent: Notify::new(),
             limits_changed: AtomicBool::new(false),
+            broadcast_config: Mutex::new(config),
             limits_version: AtomicU64::new(0),
             delta_verifier: PerConfig::new(DeltaVerifier::new),
             broadcast_signer: PerConfig::new(BroadcastSigner::new),
@@ -125,7 +132,7 @@ impl State {
                         "kafka settings changed on reload; they take effect only after a restart"
                     );
                 }
-                tracing::info!("limits may have changed; today's counters will be broadcast again");
+                tracing::info!("limits may have changed; today's counters whose limit changed will be broadcast again");
             }
             Err(_) => {
                 self.metrics
@@ -141,13 +148,41 @@ impl State {
         self.limits_changed.swap(false, Ordering::AcqRel)
     }
 
-    /// Starts the rebuild of newly assigned partitions: whatever this
-    /// instance held for them is dropped and re-read from the beginning.
-    /// Returns the generation to quote with their watermarks.
+    /// After a reload: the tenants whose global limit differs from the
+    /// configuration the last broadcasts were made under (which the current
+    /// one then becomes). `None` if nothing was reloaded since the last call.
+    pub fn take_limit_changes(&self) -> Option<LimitChanges> {
+        if !self.take_limits_changed() {
+            return None;
+        }
+        let now = self.live.load_full();
+        let before = {
+            let mut seen = self
+                .broadcast_config
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            std::mem::replace(&mut *seen, Arc::clone(&now))
+        };
+        Some(LimitChanges::between(&before, now))
+    }
+
+    /// [`State::on_assign_from`] the beginning of every partition.
     pub fn on_assign(&self, partitions: &[i32]) -> u64 {
+        self.on_assign_from(partitions, &[])
+    }
+
+    /// Starts the rebuild of newly assigned partitions: whatever this
+    /// instance held for them is dropped and re-read from `starts` (the
+    /// first record of the retained days; a partition not listed is read
+    /// from the beginning). Returns the generation to quote with their
+    /// watermarks.
+    pub fn on_assign_from(&self, partitions: &[i32], starts: &[retention::Start]) -> u64 {
         let mut core = self.lock();
         let dropped = core.merged.drop_partitions(partitions);
         let generation = core.progress.assign(partitions);
+        for s in starts {
+            core.progress.set_start(s.partition, s.at());
+        }
         self.metrics
             .assigned_partitions
             .set(core.progress.assigned_partitions().len() as i64);
@@ -157,10 +192,12 @@ impl State {
         drop(core);
         // Cooperative rebalancing hands out empty increments; say nothing.
         if !partitions.is_empty() {
+            let starts: Vec<i64> = starts.iter().map(retention::Start::at).collect();
             tracing::info!(
                 ?partitions,
+                ?starts,
                 dropped,
-                "partitions assigned; rebuilding them from the beginning"
+                "partitions assigned; rebuilding them from the retained start"
             );
         }
         generation
@@ -211,6 +248,9 @@ impl State {
     /// A message that is not a delta was skipped; it still counts as read.
     pub fn on_skipped(&self, partition: i32, offset: i64) {
         let mut core = self.lock();
+        if !core.progress.is_caught_up(partition) {
+            self.metrics.rebuild_records.inc();
+        }
         if core.progress.consumed(partition, offset) {
             self.caught_up(&mut core, partition);
         }
@@ -258,7 +298,7 @@ impl State {
         let mut core = self.lock();
         if !core.progress.is_assigned(partition) {
             // Only possible in a race with a revocation; the next owner
-            // reads the partition from the beginning anyway.
+            // rebuilds the partition anyway.
             m.deltas_ignored.with_label_values(&["unassigned"]).inc();
             return;
         }
@@ -266,6 +306,9 @@ impl State {
         // broadcasts (the counter is partial), no age observations (they
         // would measure how old the topic is, not how fresh the pipeline).
         let live_traffic = core.progress.is_caught_up(partition);
+        if !live_traffic {
+            m.rebuild_records.inc();
+        }
         let mut wake = false;
         match core.merged.apply(partition, delta, today) {
             Applied::Changed {

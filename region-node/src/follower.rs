@@ -1,10 +1,16 @@
 //! The broadcast follower: reads every partition of the global topic into
 //! the [`View`].
 //!
-//! It uses manual assignment from the beginning (no consumer group), so each
-//! node rebuilds the whole view of today on start and no rebalance can ever
-//! pause it. It is "caught up" (ready) when its position on every partition
-//! has reached the high watermark.
+//! It uses manual assignment (no consumer group), so each node rebuilds the
+//! whole view on start and no rebalance can ever pause it. It starts at the
+//! first record written since the start of the day before yesterday (Kafka's
+//! ListOffsets by timestamp, see [`tierlimit_shared::retention`]; the
+//! beginning if the broker cannot say): the view keeps today and yesterday
+//! only, so older broadcasts would be read to be pruned, and a day of margin
+//! covers the aggregators' clocks. A new node's catch-up then reads two
+//! days of broadcasts, not every day the topic ever held. It is "caught up"
+//! (ready) when its position on every partition has reached the high
+//! watermark.
 //!
 //! The view's age also listens to the aggregators' signed heartbeats (wire
 //! v2): every heartbeat interval (a quarter of `max_staleness`, at most
@@ -23,12 +29,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::{Message, Offset, TopicPartitionList};
+use rdkafka::Message;
 
 use tierlimit_shared::config::Config;
-use tierlimit_shared::day;
 use tierlimit_shared::messages::now_ms;
 use tierlimit_shared::wire::{Broadcast, BroadcastVerifier, LogThrottle, Reject};
+use tierlimit_shared::{day, retention};
 
 use crate::metrics::Metrics;
 use crate::view::View;
@@ -37,6 +43,11 @@ use crate::view::View;
 const FRESHNESS_CHECK: Duration = Duration::from_millis(200);
 /// Longest wait for one partition's watermarks.
 const WATERMARK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for the start offsets (then: from the beginning).
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Days before today whose broadcasts a rebuild reads from their start:
+/// yesterday (the view keeps it) and a day of margin for clocks.
+const VIEW_DAYS_BACK: u32 = 2;
 
 pub async fn run(config: Config, node: String, view: Arc<View>, metrics: Arc<Metrics>) {
     loop {
@@ -64,6 +75,10 @@ async fn follow(
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("fetch.wait.max.ms", "50")
+        // A start before the low watermark (a lookup that answered 0, a
+        // topic deleted and created again under a running node) reads from
+        // the oldest record, never from the end.
+        .set("auto.offset.reset", "earliest")
         // A fetch in flight when the link is cut would otherwise hold the
         // connection for librdkafka's default 60 s.
         .set("socket.timeout.ms", "10000");
@@ -87,19 +102,27 @@ async fn follow(
         .await
         .map_err(|e| e.to_string())??
     };
-    let mut tpl = TopicPartitionList::new();
-    for p in &partitions {
-        tpl.add_partition_offset(&topic, *p, Offset::Beginning)
-            .map_err(|e| e.to_string())?;
-    }
-    consumer.assign(&tpl).map_err(|e| e.to_string())?;
-    tracing::info!(%topic, partitions = partitions.len(), "following broadcasts from the beginning");
+    let starts = {
+        let (c, t, ps) = (Arc::clone(&consumer), topic.clone(), partitions.clone());
+        let since = retention::since_ms(day::today(), VIEW_DAYS_BACK);
+        tokio::task::spawn_blocking(move || {
+            retention::start_offsets(&*c, &t, &ps, since, LOOKUP_TIMEOUT)
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    };
+    consumer
+        .assign(&retention::assignment(&topic, &starts))
+        .map_err(|e| e.to_string())?;
+    let at: Vec<i64> = starts.iter().map(retention::Start::at).collect();
+    tracing::info!(%topic, partitions = partitions.len(), starts = ?at, "following broadcasts from the retained start");
 
     // The receive loop only applies broadcasts; freshness is checked by a
     // separate task, so a slow watermark query (a cut, a slow link) never
-    // holds back consumption.
-    let positions: Arc<Vec<AtomicI64>> =
-        Arc::new(partitions.iter().map(|_| AtomicI64::new(0)).collect());
+    // holds back consumption. A partition's position starts where its
+    // rebuild starts: one with nothing retained past it is read to its
+    // watermark already.
+    let positions: Arc<Vec<AtomicI64>> = Arc::new(at.iter().map(|&s| AtomicI64::new(s)).collect());
     // The aggregator's time of the latest heartbeat read per partition (0:
     // none yet).
     let heartbeats: Arc<Vec<AtomicU64>> =

@@ -15,6 +15,8 @@
 //! - [`newcomers`]: the region's gate for tenants the configuration does
 //!   not name (how many new ones a second and a day);
 //! - [`publisher`]: dirty set → deltas topic;
+//! - [`republish`]: `region-node republish`, the region's Redis → deltas
+//!   topic (disaster recovery of lost or truncated topics);
 //! - [`http`]: the axum API; [`metrics`]: Prometheus;
 //! - [`rls`]: Envoy's rate limit service over gRPC (`--grpc-listen`).
 
@@ -29,6 +31,7 @@ pub mod metrics;
 pub mod newcomers;
 pub mod publisher;
 pub mod refund;
+pub mod republish;
 pub mod rls;
 pub mod storage;
 pub mod view;

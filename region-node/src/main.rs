@@ -23,10 +23,10 @@ struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
     /// Configuration file (TOML; regions.example.toml documents every key).
-    #[arg(long, env = "TIERLIMIT_CONFIG")]
+    #[arg(long, env = "TIERLIMIT_CONFIG", global = true)]
     config: Option<PathBuf>,
     /// Region this node serves: a key of [regions] in the config.
-    #[arg(long, env = "TIERLIMIT_REGION")]
+    #[arg(long, env = "TIERLIMIT_REGION", global = true)]
     region: Option<String>,
     /// Id of this node, unique within its region ([A-Za-z0-9._-]); names its
     /// node-tier keys in Redis.
@@ -56,7 +56,8 @@ struct Cli {
 }
 
 const AFTER_HELP: &str = "\
-Serving needs --config, --region and --node-id (or their environment variables).
+Serving needs --config, --region and --node-id (or their environment variables);
+republish needs --config and --region.
 
 Environment:
   TIERLIMIT__SECTION__KEY=value  Override any configuration key before validation, e.g.
@@ -85,6 +86,38 @@ enum Command {
         /// The envoyproxy/ratelimit YAML file.
         file: PathBuf,
     },
+    /// Disaster recovery: publish every retained (tenant, day) counter of
+    /// the region (--region) from its Redis to the deltas topic, signed
+    /// like the nodes' deltas, so that aggregators rebuild exact counts
+    /// after the topics were lost or truncated. Run once per region after
+    /// the topics exist again; safe while the region serves, and to repeat.
+    /// Exits 1 if a record was not acknowledged.
+    Republish {
+        /// Node id the records carry in their Kafka key.
+        #[arg(long = "as-node", default_value = "republish")]
+        as_node: String,
+        /// Print the counters instead of publishing them.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if json {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .json()
+            .init();
+    } else {
+        // Colours only on a terminal: a log file or a pipe gets plain text.
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_ansi(ansi)
+            .init();
+    }
 }
 
 fn main() -> ExitCode {
@@ -113,22 +146,42 @@ fn main() -> ExitCode {
             }
         };
     }
+    init_logging(cli.log_json);
+    if let Some(Command::Republish { as_node, dry_run }) = cli.command {
+        let (Some(config), Some(region)) = (cli.config, cli.region) else {
+            eprintln!("region-node republish: --config and --region are required");
+            return ExitCode::from(2);
+        };
+        let runtime = tokio::runtime::Runtime::new().expect("starting the tokio runtime");
+        let settings = region_node::republish::Settings {
+            config,
+            region,
+            node_id: as_node,
+            dry_run,
+        };
+        return match runtime.block_on(region_node::republish::run(settings)) {
+            Ok(r) => {
+                tracing::info!(
+                    tenants = r.tenants,
+                    counters = r.counters,
+                    published = r.published,
+                    skipped = r.skipped,
+                    "republished the region's counters"
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("region-node republish: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let (Some(config), Some(region), Some(node_id)) = (cli.config, cli.region, cli.node_id) else {
         eprintln!(
             "region-node: --config, --region and --node-id are required to serve (see --help)"
         );
         return ExitCode::from(2);
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    if cli.log_json {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .json()
-            .init();
-    } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    }
     let runtime = tokio::runtime::Runtime::new().expect("starting the tokio runtime");
     match runtime.block_on(region_node::run(region_node::Settings {
         config,
@@ -144,6 +197,48 @@ fn main() -> ExitCode {
             tracing::error!("{e:#}");
             eprintln!("region-node: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::{Cli, Command};
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        <Cli as clap::CommandFactory>::command().debug_assert();
+    }
+
+    #[test]
+    fn republish_takes_config_and_region_before_or_after_it() {
+        for args in [
+            &[
+                "region-node",
+                "republish",
+                "--config",
+                "c.toml",
+                "--region",
+                "eu",
+            ][..],
+            &[
+                "region-node",
+                "--config",
+                "c.toml",
+                "--region",
+                "eu",
+                "republish",
+            ][..],
+        ] {
+            let cli = Cli::try_parse_from(args).expect("parses");
+            assert_eq!(cli.region.as_deref(), Some("eu"));
+            assert!(cli.config.is_some());
+            assert!(matches!(
+                cli.command,
+                Some(Command::Republish { ref as_node, dry_run: false }) if as_node == "republish"
+            ));
         }
     }
 }

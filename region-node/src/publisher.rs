@@ -37,7 +37,7 @@ use tierlimit_shared::config::Config;
 use tierlimit_shared::messages::{actor, now_ms, partition_of, Delta};
 use tierlimit_shared::reload::Live;
 use tierlimit_shared::wire::DeltaSigner;
-use tierlimit_shared::{day, keys};
+use tierlimit_shared::{day, keys, retention};
 
 use crate::local::Local;
 use crate::metrics::Metrics;
@@ -363,7 +363,8 @@ impl Publisher {
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&p.delta.tenant, self.partitions))
                 .key(&key)
-                .payload(&payload);
+                .payload(&payload)
+                .timestamp(retention::record_timestamp_ms());
             match self.producer.send_result(record) {
                 Ok(f) => deliveries.push((p, f)),
                 Err((e, _)) => {
@@ -441,7 +442,8 @@ impl Publisher {
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&tenant, self.partitions))
                 .key(&key)
-                .payload(&payload);
+                .payload(&payload)
+                .timestamp(retention::record_timestamp_ms());
             match self.producer.send_result(record) {
                 Ok(f) => deliveries.push(((tenant, day, p.saturating_add(n)), f)),
                 Err(_) => self.metrics.deltas_failed.inc(),
@@ -513,7 +515,8 @@ impl Publisher {
             let record = FutureRecord::to(&self.topic)
                 .partition(partition_of(&tenant, self.partitions))
                 .key(&key)
-                .payload(&payload);
+                .payload(&payload)
+                .timestamp(retention::record_timestamp_ms());
             match self
                 .producer
                 .send(record, Timeout::After(Duration::from_secs(15)))

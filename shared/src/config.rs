@@ -396,8 +396,13 @@ pub struct RegionKeys {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AggregatorSettings {
-    /// Consumer group id; default `tierlimit-aggregator`.
+    /// Consumer group id; default `tierlimit-aggregator-cooperative`.
+    /// Changing `assignment` needs a new one: a broker fixes a group's
+    /// protocol from its first member. It costs nothing, since the
+    /// aggregator commits no offsets.
     pub group_id: String,
+    /// How the group spreads the deltas partitions over the instances.
+    pub assignment: Assignment,
     /// Broadcasts are coalesced per this interval (a tenant crossing its
     /// limit is broadcast at once).
     #[serde(with = "serde_human")]
@@ -415,10 +420,36 @@ pub struct AggregatorSettings {
 impl Default for AggregatorSettings {
     fn default() -> Self {
         AggregatorSettings {
-            group_id: "tierlimit-aggregator".into(),
+            group_id: "tierlimit-aggregator-cooperative".into(),
+            assignment: Assignment::CooperativeSticky,
             broadcast_interval: Duration::from_millis(250),
             retention_days: 2,
             session_timeout: Duration::from_secs(6),
+        }
+    }
+}
+
+/// The consumer group's partition assignment strategy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Assignment {
+    /// `cooperative-sticky`: a member joining or leaving moves only the
+    /// partitions that must move; the others keep their rebuilt state and
+    /// go on broadcasting through a rolling deploy.
+    CooperativeSticky,
+    /// `range` with the eager protocol: every rebalance revokes every
+    /// partition of every member, which then rebuilds all it is given (the
+    /// previous release's behaviour, for brokers whose group coordinator
+    /// cannot run the cooperative protocol).
+    Eager,
+}
+
+impl Assignment {
+    /// librdkafka's `partition.assignment.strategy`.
+    pub fn strategy(self) -> &'static str {
+        match self {
+            Assignment::CooperativeSticky => "cooperative-sticky",
+            Assignment::Eager => "range",
         }
     }
 }

@@ -1,8 +1,9 @@
 //! Kafka client plumbing both binaries share: client configuration from the
 //! config file, and topic creation.
 //!
-//! Only plain Kafka protocol features are used (idempotent producer, manual
-//! assignment, consumer groups, watermarks, CreateTopics), so any compatible
+//! Only plain Kafka protocol features are used (ordered producer, manual
+//! assignment, consumer groups, watermarks, ListOffsets by timestamp,
+//! CreateTopics), so any compatible
 //! broker works: Apache Kafka, Redpanda, MSK, Tansu.
 
 use std::time::Duration;
@@ -47,19 +48,32 @@ pub fn ordered_producer_config(k: &KafkaConfig) -> ClientConfig {
 
 /// Creates the deltas and global topics if they do not exist.
 ///
-/// `compact` asks for `cleanup.policy=compact` on both (what production
-/// wants: the latest message per key is the whole truth). Brokers that do not
-/// accept topic configs can be given `compact = false`.
-pub async fn ensure_topics(k: &KafkaConfig, compact: bool) -> Result<Vec<String>, String> {
+/// `compact` asks for what production wants on both:
+/// `cleanup.policy=compact,delete` and `retention.ms` of
+/// `retention_days + 1` days (see [`crate::retention`]). Compaction keeps
+/// the latest message per key (the whole truth: deltas are cumulative per
+/// actor, broadcasts per tenant and day); deletion drops the days no
+/// aggregator keeps any more, so a topic holds what is retained, not every
+/// day ever seen. Brokers that do not accept topic configs can be given
+/// `compact = false`. Existing topics are left as they are (README,
+/// "Production / Kafka", says how to alter them).
+pub async fn ensure_topics(
+    k: &KafkaConfig,
+    retention_days: u32,
+    compact: bool,
+) -> Result<Vec<String>, String> {
     let admin: AdminClient<DefaultClientContext> = client_config(k)
         .create()
         .map_err(|e| format!("cannot create Kafka admin client: {e}"))?;
+    let retention_ms = crate::retention::topic_retention_ms(retention_days).to_string();
     let mut topics = Vec::new();
     for name in [&k.deltas_topic, &k.global_topic] {
         let repl = TopicReplication::Fixed(k.replication_factor);
         let mut t = NewTopic::new(name, k.partitions, repl);
         if compact {
-            t = t.set("cleanup.policy", "compact");
+            t = t
+                .set("cleanup.policy", "compact,delete")
+                .set("retention.ms", &retention_ms);
         }
         topics.push(t);
     }

@@ -21,6 +21,7 @@ pub mod messages;
 #[cfg(feature = "http")]
 pub mod problem;
 pub mod reload;
+pub mod retention;
 pub mod rls;
 #[cfg(feature = "http")]
 pub mod serve;

@@ -170,7 +170,11 @@ fn base_loads_with_documented_defaults() {
     assert_eq!(c.node.store_retry_interval, Duration::from_millis(500));
     assert_eq!(c.node.max_staleness, None);
     assert_eq!(c.node.publish_batch, 5000);
-    assert_eq!(c.aggregator.group_id, "tierlimit-aggregator");
+    assert_eq!(c.aggregator.group_id, "tierlimit-aggregator-cooperative");
+    assert_eq!(
+        c.aggregator.assignment,
+        tierlimit_shared::config::Assignment::CooperativeSticky
+    );
     assert_eq!(c.aggregator.broadcast_interval, Duration::from_millis(250));
     assert_eq!(c.aggregator.retention_days, 2);
     assert_eq!(c.regions["eu-west"].expected_nodes, 1);
@@ -1301,6 +1305,7 @@ fn example_config_documents_every_key() {
         "urgent_fraction",
         "[aggregator]",
         "group_id",
+        "assignment",
         "broadcast_interval",
         "retention_days",
         "[regions.",

@@ -96,6 +96,26 @@ fn build_binaries_once(profile_dir: &Path) -> Result<(), String> {
         if let Some(target_dir) = profile_dir.parent() {
             cmd.arg("--target-dir").arg(target_dir);
         }
+        // What cargo sets for the running test (the package's manifest dir,
+        // name, version…) is not the environment of `scripts/test`'s build:
+        // build scripts that watch such a variable (ring watches
+        // CARGO_MANIFEST_DIR) would make both builds rebuild half the
+        // workspace, each time the other ran.
+        for (key, _) in std::env::vars_os() {
+            let key = key.to_string_lossy();
+            let set_for_tests = [
+                "CARGO_MANIFEST_",
+                "CARGO_PKG_",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "CARGO_RUSTC_CURRENT_DIR",
+            ];
+            if set_for_tests.iter().any(|p| key.starts_with(p)) {
+                cmd.env_remove(key.as_ref());
+            }
+        }
         match profile_dir.file_name().and_then(|n| n.to_str()) {
             Some("debug") | None => {}
             Some("release") => {

@@ -249,8 +249,9 @@ async fn consumer_group_member_receives_records() {
 }
 
 /// `tierlimit_shared::kafka::ensure_topics` against the real broker, with
-/// `cleanup.policy=compact`: Tansu 0.6.0 accepts and stores topic configs
-/// (DescribeConfigs returns them), and a second call is a no-op.
+/// `cleanup.policy=compact,delete` and the retention of `retention_days`:
+/// Tansu 0.6.0 accepts and stores topic configs (DescribeConfigs returns
+/// them), and a second call is a no-op.
 #[tokio::test]
 async fn shared_ensure_topics_creates_compacted_topics() {
     let tansu = Tansu::start();
@@ -260,7 +261,7 @@ async fn shared_ensure_topics_creates_compacted_topics() {
     ))
     .expect("kafka config");
 
-    let mut created = tierlimit_shared::kafka::ensure_topics(&k, true)
+    let mut created = tierlimit_shared::kafka::ensure_topics(&k, 2, true)
         .await
         .expect("ensure_topics");
     created.sort();
@@ -268,7 +269,7 @@ async fn shared_ensure_topics_creates_compacted_topics() {
         created,
         vec![k.deltas_topic.clone(), k.global_topic.clone()]
     );
-    let again = tierlimit_shared::kafka::ensure_topics(&k, true)
+    let again = tierlimit_shared::kafka::ensure_topics(&k, 2, true)
         .await
         .expect("ensure_topics again");
     assert!(again.is_empty(), "second call created {again:?}");
@@ -286,6 +287,76 @@ async fn shared_ensure_topics_creates_compacted_topics() {
             .expect("DescribeConfigs");
         let resource = res[0].as_ref().expect("topic resource");
         let policy = resource.get("cleanup.policy").and_then(|e| e.value.clone());
-        assert_eq!(policy.as_deref(), Some("compact"), "{topic}: {resource:?}");
+        assert_eq!(
+            policy.as_deref(),
+            Some("compact,delete"),
+            "{topic}: {resource:?}"
+        );
+        let retention = resource.get("retention.ms").and_then(|e| e.value.clone());
+        assert_eq!(
+            retention.as_deref(),
+            Some("259200000"),
+            "three days for retention_days = 2: {topic}: {resource:?}"
+        );
     }
+}
+
+/// ListOffsets by timestamp (what a rebuild starts from, see
+/// `tierlimit_shared::retention`): the broker keeps each record's
+/// CreateTime and answers the first offset at or after a time. Records
+/// stamped two and one days ago, then now: the start of yesterday finds the
+/// first of yesterday's, the start of today the first of today's, and a
+/// time after every record answers "nothing that new", read as offset 0
+/// (Tansu answers 0, Apache Kafka −1 and becomes the beginning).
+#[tokio::test]
+async fn offsets_by_timestamp_find_the_first_retained_record() {
+    use rdkafka::consumer::BaseConsumer;
+    use tierlimit_shared::retention;
+    const TOPIC: &str = "smoke.times";
+    let tansu = Tansu::start();
+    tansu.create_topics(&[TOPIC], 2).await;
+    let producer = producer(&tansu);
+    let today = tierlimit_shared::day::today();
+    let day_ms = 86_400_000i64;
+    let now = tierlimit_shared::messages::now_ms() as i64;
+    // Partition 0: 3 records two days ago, 2 yesterday, 4 now.
+    let stamps: Vec<i64> = [now - 2 * day_ms; 3]
+        .into_iter()
+        .chain([now - day_ms; 2])
+        .chain([now; 4])
+        .collect();
+    for (i, ts) in stamps.iter().enumerate() {
+        let (key, value) = (format!("k{i}"), format!("v{i}"));
+        producer
+            .send(
+                FutureRecord::to(TOPIC)
+                    .partition(0)
+                    .key(&key)
+                    .payload(&value)
+                    .timestamp(*ts),
+                Duration::from_secs(30),
+            )
+            .await
+            .unwrap_or_else(|(e, _)| panic!("produce {i}: {e}"));
+    }
+    let consumer: BaseConsumer = tansu
+        .client_config()
+        .set("group.id", "smoke-times")
+        .create()
+        .unwrap();
+    let lookup = |since: i64| {
+        let starts =
+            retention::start_offsets(&consumer, TOPIC, &[0, 1], since, Duration::from_secs(10));
+        starts.iter().map(retention::Start::at).collect::<Vec<_>>()
+    };
+    let yesterday = retention::since_ms(today, 1);
+    let midnight = retention::since_ms(today, 0);
+    assert_eq!(lookup(yesterday)[0], 3, "the first of yesterday's records");
+    assert_eq!(lookup(midnight)[0], 5, "the first of today's records");
+    assert_eq!(
+        lookup(now + day_ms),
+        vec![0, 0],
+        "nothing that new: from the start"
+    );
+    assert_eq!(lookup(0), vec![0, 0], "everything is newer than 1970");
 }

@@ -366,6 +366,68 @@ async fn charges_the_day_of_redis_clock() {
     assert!(run(&mut con, &c, 0).await.is_err());
 }
 
+/// Midnight: the first counter of a new day of a tenant that counted on an
+/// earlier day is due at a point of the relaxed interval fixed by the
+/// tenant (so a region's publishes spread over it), a tenant never seen is
+/// due at once, and the days past retention leave the hash whole.
+#[tokio::test]
+async fn a_new_days_first_publications_spread_over_the_relaxed_interval() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let (yesterday, old) = (today() - 1, today() - 10);
+    let (now_s, _): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+    let now = now_s * 1000;
+    let tenants: Vec<String> = (0..20).map(|i| format!("t{i}")).collect();
+    let mut scores = Vec::new();
+    for t in &tenants {
+        // Counted yesterday, and long ago (past the 3-day TTL).
+        let o = keys::day_prefix(old);
+        redis::cmd("HSET")
+            .arg(keys::tenant_hash(t))
+            .arg("gd")
+            .arg(format!("{yesterday},{old}"))
+            .arg(format!("{o}p"))
+            .arg(1)
+            .arg(format!("{o}s"))
+            .arg(1)
+            .query_async::<()>(&mut con)
+            .await
+            .unwrap();
+        let mut c = check(t, 1);
+        c.global = global(1_000_000);
+        decide(&mut con, &c).await;
+        let score = dirty_score(&mut con, t).await.expect("dirty") as i64;
+        assert!(
+            (now - 1000..now + 2000 + 1000).contains(&score),
+            "{t}: due within the relaxed interval: {score} vs {now}"
+        );
+        let left: Vec<String> = redis::cmd("HKEYS")
+            .arg(keys::tenant_hash(t))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert!(
+            !left.iter().any(|f| f.starts_with(&o)),
+            "every field of a day past retention is dropped: {left:?}"
+        );
+        scores.push(score);
+    }
+    let spread = scores.iter().max().unwrap() - scores.iter().min().unwrap();
+    assert!(
+        spread >= 1000,
+        "20 tenants spread over the 2 s interval, not due together: {scores:?}"
+    );
+    // A tenant never seen before is due at once.
+    let mut c = check("fresh", 1);
+    c.global = global(1_000_000);
+    decide(&mut con, &c).await;
+    let fresh = dirty_score(&mut con, "fresh").await.expect("dirty") as i64;
+    assert!(
+        (now - 1000..now + 1000).contains(&fresh),
+        "{fresh} vs {now}"
+    );
+}
+
 /// `ack.lua`: an unchanged counter leaves the dirty set (and its publish
 /// state), one charged since stays and is due a relaxed interval later, a
 /// gone one leaves; every published counter is stamped; a charge after the

@@ -339,7 +339,12 @@ end
 -- busy tenant costs no ZADD per request. The score is when the entry is
 -- due: 0 (urgent) sorts first; otherwise a relaxed interval after its last
 -- publication (`g:<day>:s`, stamped by ack.lua), or now if it was never
--- published or that is long past.
+-- published or that is long past. The first counter of a new day of a
+-- tenant that counted on an earlier day (midnight: every active tenant at
+-- once) is due at a point of the relaxed interval fixed by the tenant's
+-- hash, so the region's publishes after midnight spread over the interval
+-- instead of all falling due at the first flush; urgency is unaffected.
+local rolled_over = false
 local function counter_changed()
   put(gp .. 'p', int(own_p)); put(gp .. 'n', int(own_n))
   if new_day then
@@ -351,10 +356,12 @@ local function counter_changed()
     local listed = redis.call('HGET', KEYS[1], 'gd')
     if listed then
       for d in string.gmatch(listed, '%d+') do
+        if tonumber(d) < day then rolled_over = true end
         if tonumber(d) >= keep_from then
           if tonumber(d) ~= day then kept[#kept + 1] = d end
         else
-          redis.call('HDEL', KEYS[1], 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d')
+          redis.call('HDEL', KEYS[1], 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d',
+            'g:' .. d .. ':s')
         end
       end
     end
@@ -367,7 +374,11 @@ local function counter_changed()
   if dstate == 0 or (want == 2 and dstate ~= 2) then
     local score = 0
     if want == 1 then
-      score = math.max(now_ms, (tonumber(h[5]) or 0) + tonumber(ARGV[12]))
+      local relaxed = tonumber(ARGV[12])
+      score = math.max(now_ms, (tonumber(h[5]) or 0) + relaxed)
+      if rolled_over and relaxed > 0 then
+        score = now_ms + tonumber(string.sub(redis.sha1hex(ARGV[3]), 1, 8), 16) % relaxed
+      end
     end
     redis.call('ZADD', KEYS[2], score, ARGV[3] .. '|' .. int(day))
     put(gp .. 'd', want)

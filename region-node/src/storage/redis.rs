@@ -779,6 +779,44 @@ impl RedisStore {
             .await
     }
 
+    /// Where a `SCAN` of the whole region must run: every master of a
+    /// cluster (`Some(addr)`: keys live on the master of their slot), or the
+    /// one master (`None`).
+    pub fn scan_targets(&self) -> Vec<Option<String>> {
+        match &self.route {
+            Route::Master(_) => vec![None],
+            Route::Cluster(router, _) => router.masters().into_iter().map(Some).collect(),
+        }
+    }
+
+    /// One page of `SCAN cursor MATCH pattern COUNT count TYPE hash` on a
+    /// target of [`Self::scan_targets`]: the next cursor (0 = done) and the
+    /// keys. Not for the hot path (an operator's tool walks the keyspace
+    /// with it); a resharding cluster may hand a key twice or not at all.
+    pub async fn scan_hashes(
+        &self,
+        target: Option<&str>,
+        cursor: u64,
+        pattern: &str,
+        count: usize,
+    ) -> Result<(u64, Vec<String>), StoreError> {
+        let mut cmd = redis::cmd("SCAN");
+        cmd.arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(count)
+            .arg("TYPE")
+            .arg("hash");
+        let fut = async {
+            match (&self.route, target) {
+                (Route::Cluster(router, _), Some(addr)) => router.query_on(addr, &cmd).await,
+                _ => self.send(0, &cmd).await,
+            }
+        };
+        self.call_timed("scan", None, fut).await
+    }
+
     /// A pipeline whose keys are all in `slot`, under the same timeout and
     /// breaker. Only for commands safe to repeat (see
     /// [`ClusterRouter::pipeline`]).
