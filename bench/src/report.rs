@@ -48,6 +48,8 @@ pub struct Results {
     pub cluster: Option<crate::scenario::cluster::ClusterBench>,
     #[serde(default)]
     pub leases: Option<crate::scenario::leases::LeaseBench>,
+    #[serde(default)]
+    pub envoy: Option<crate::scenario::envoy::EnvoyBench>,
     pub commands: Vec<String>,
     /// The main run's configuration file.
     pub config: Option<String>,
@@ -79,6 +81,7 @@ impl Results {
             peer: None,
             cluster: None,
             leases: None,
+            envoy: None,
             commands: Vec::new(),
             config: None,
             charts: Default::default(),
