@@ -246,10 +246,7 @@ fn promises(w: &World, o: &Outcome, dead: &[String]) -> Vec<Promise> {
 fn print_report(o: &Outcome, promises: &[Promise]) {
     let tally = &o.tally;
     println!("\n================================ REPORT ================================");
-    let direct: Vec<&str> = REGIONS
-        .into_iter()
-        .filter(|r| *r != ENVOY_REGION)
-        .collect();
+    let direct: Vec<&str> = REGIONS.into_iter().filter(|r| *r != ENVOY_REGION).collect();
     println!(
         "\n{ENVOY_REGION}'s clients went through a real Envoy (envoy.filters.http.ratelimit, RLS v3 over gRPC \
          to {ENVOY_REGION}'s region-nodes); {}'s called region-node's HTTP API.",
@@ -284,7 +281,9 @@ fn print_report(o: &Outcome, promises: &[Promise]) {
         all.denied_global,
         all.errors
     );
-    println!("  (* through Envoy: the denying tier read from the RateLimit header the RLS answered)");
+    println!(
+        "  (* through Envoy: the denying tier read from the RateLimit header the RLS answered)"
+    );
     println!("\nPer tenant and region (allowed / denied):");
     print!("  {:<8}", "tenant");
     for r in REGIONS {

@@ -43,6 +43,9 @@ mod tests {
         assert_eq!(loaded.config.regions["eu"].expected_nodes, 2);
         assert_eq!(loaded.config.kafka.brokers, "127.0.0.1:1");
         assert!(loaded.policy("acme").is_some());
-        assert!(loaded.policy("stranger").is_none(), "unknown tenants denied");
+        assert!(
+            loaded.policy("stranger").is_none(),
+            "unknown tenants denied"
+        );
     }
 }

@@ -246,7 +246,10 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<EnvoyBench> {
     // An RLS failure is a 500, never an uncounted 200.
     with_rls.failure_mode_deny = true;
     let limited = Envoy::start(dir.path(), &with_rls);
-    for (what, e) in [("without the filter", &plain), ("with the filter", &limited)] {
+    for (what, e) in [
+        ("without the filter", &plain),
+        ("with the filter", &limited),
+    ] {
         run.record(format!(
             "{} -c {}/envoy-{}.yaml --disable-hot-restart --concurrency 1 --log-level warn &   # {what}",
             testkit::envoy_bin().display(),
