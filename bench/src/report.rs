@@ -406,6 +406,7 @@ mod tests {
             node_redis_cpu_ratio: 60.0 / 66.0,
             rls_of_ceiling: 0.4,
             rls_of_http: 0.8,
+            ..Default::default()
         });
         let md = render(&results).unwrap();
         assert!(md.contains("## 10. Envoy"), "{md}");

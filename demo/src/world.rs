@@ -322,7 +322,7 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
             "{ENVOY_REGION}'s clients go through Envoy {} on 127.0.0.1:{port}: its ratelimit filter asks \
              {ENVOY_REGION}'s region-nodes over gRPC (RLS v3, domain {ENVOY_DOMAIN:?}, descriptor [tenant] \
              from x-tenant) on {}",
-            envoy_version(&envoy),
+            testkit::envoy::version(&envoy),
             grpc_ports
                 .iter()
                 .map(|p| format!(":{p}"))
@@ -343,21 +343,6 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
         flush: loaded.config.node.flush_interval,
         broadcast: loaded.config.aggregator.broadcast_interval,
     })
-}
-
-/// `envoy --version`'s release (`1.40.0`), or `?`.
-fn envoy_version(bin: &Path) -> String {
-    Command::new(bin)
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .split('/')
-                .nth(1)
-                .map(str::to_string)
-        })
-        .unwrap_or_else(|| "?".into())
 }
 
 /// Starts `cmd` as `label` into `procs`, logging to `logs/LABEL.log`. Call

@@ -45,6 +45,22 @@ pub fn try_envoy_bin() -> Result<PathBuf, String> {
     }
 }
 
+/// The release of the Envoy binary `bin` (`1.40.0`, from `envoy --version`:
+/// `<path>  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`), or `?`.
+pub fn version(bin: &Path) -> String {
+    std::process::Command::new(bin)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| release_of(&String::from_utf8_lossy(&o.stdout)))
+        .unwrap_or_else(|| "?".into())
+}
+
+fn release_of(version_output: &str) -> Option<String> {
+    let (_, rest) = version_output.split_once("version:")?;
+    rest.trim().split('/').nth(1).map(str::to_string)
+}
+
 /// What one Envoy instance does.
 #[derive(Debug, Clone)]
 pub struct EnvoyOptions {
@@ -310,6 +326,13 @@ impl Envoy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_release_is_read_after_the_binarys_path() {
+        let out = "\n/root/.cache/tierlimit/envoy-venv/bin/envoy  version: 9e5580933739775e8bce696a57a2e1bc99368f23/1.40.0/Clean/RELEASE/BoringSSL\n";
+        assert_eq!(release_of(out).as_deref(), Some("1.40.0"));
+        assert_eq!(release_of("no such line"), None);
+    }
 
     #[test]
     fn the_bootstrap_has_the_filter_only_with_rls_endpoints() {

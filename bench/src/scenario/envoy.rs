@@ -9,7 +9,12 @@
 //! - **rls**: the same Envoy with `envoy.filters.http.ratelimit` calling
 //!   region-node's `--grpc-listen` (RLS v3), one descriptor per request,
 //!   `[tenant]` from the `x-tenant` header;
-//! - **http**: region-node's own `POST /v1/check`.
+//! - **http**: region-node's own `POST /v1/check`;
+//! - **http at the RLS rate**: the same, open loop at the decisions/s the
+//!   RLS row reached in the same round. CPU per decision falls as the rate
+//!   grows (more replies per Redis read, fewer wake-ups per request), so
+//!   the closed-loop rows, whose rates differ, compare the paths and their
+//!   rates together; this row compares the paths alone.
 //!
 //! The RLS domain has a `tenant_entry` and no descriptor rule, so a
 //! request through Envoy is the tenant's plan, decided by the same script
@@ -74,8 +79,13 @@ pub struct EnvoyBench {
     pub ceiling: Row,
     pub rls: Row,
     pub http: Row,
+    #[serde(default)]
+    pub http_at_rls_rate: Row,
     /// region-node CPU per decision, gRPC (through Envoy) ÷ HTTP.
     pub node_cpu_ratio: f64,
+    /// The same at the same decision rate (÷ the open-loop HTTP row).
+    #[serde(default)]
+    pub node_cpu_ratio_same_rate: f64,
     /// (region-node + Redis) CPU per decision, gRPC ÷ HTTP.
     pub node_redis_cpu_ratio: f64,
     /// Decisions/s through Envoy with the filter ÷ without it.
@@ -134,15 +144,6 @@ fn row(rounds: Vec<Round>) -> Row {
     }
 }
 
-/// `envoy --version`'s release (`1.40.0`), or the whole line.
-fn envoy_version() -> String {
-    let line = crate::run::version_of(&testkit::envoy_bin().display().to_string(), &["--version"]);
-    line.split('/')
-        .nth(1)
-        .filter(|v| v.chars().next().is_some_and(|c| c.is_ascii_digit()))
-        .map_or(line.trim().to_string(), str::to_string)
-}
-
 /// What one round runs and watches.
 struct Front<'a> {
     name: &'static str,
@@ -152,6 +153,8 @@ struct Front<'a> {
     envoy: Option<&'a Envoy>,
     /// Whether region-node decides (not the ceiling).
     decides: bool,
+    /// More loadgen options (the open loop's).
+    extra: Vec<String>,
 }
 
 async fn round(
@@ -178,6 +181,7 @@ async fn round(
         k.duration,
         WARMUP,
     ));
+    args.extend(front.extra.iter().cloned());
     let summary = run.http(&format!("s10_{}_{i}", front.name), &args).await?;
     let (n1, r1, e1) = (
         ticks(node.proc.pid()),
@@ -213,7 +217,7 @@ fn write(dir: &Path, toml: &str) -> std::path::PathBuf {
 }
 
 pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<EnvoyBench> {
-    let version = envoy_version();
+    let version = testkit::envoy::version(&testkit::envoy_bin());
     run.scenario(&format!(
         "10 envoy: Envoy {version} without the filter, Envoy + RLS over gRPC, region-node HTTP ({} rounds, {} connections, {} tenants)",
         k.rounds, k.connections, k.tenants
@@ -274,27 +278,47 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<EnvoyBench> {
             args: gateway(&plain),
             envoy: Some(&plain),
             decides: false,
+            extra: Vec::new(),
         },
         Front {
             name: "rls",
             args: gateway(&limited),
             envoy: Some(&limited),
             decides: true,
+            extra: Vec::new(),
         },
         Front {
             name: "http",
             args: strings(["--url".to_string(), node.url("/v1/check")]),
             envoy: None,
             decides: true,
+            extra: Vec::new(),
         },
     ];
-    let mut rounds: [Vec<Round>; 3] = Default::default();
+    let mut rounds: [Vec<Round>; 4] = Default::default();
     for i in 0..k.rounds {
         for (f, out) in fronts.iter().zip(rounds.iter_mut()) {
             out.push(round(run, k, f, i, &node, redis.proc.pid(), &conn).await?);
         }
+        // The HTTP check again, at the rate the RLS row just reached.
+        let rate = rounds[1]
+            .last()
+            .map_or(1.0, |r| r.summary.throughput_rps.max(1.0));
+        let at_rate = Front {
+            name: "http_at_rls_rate",
+            args: fronts[2].args.clone(),
+            envoy: None,
+            decides: true,
+            extra: strings([
+                "--mode".to_string(),
+                "open".into(),
+                "--rate".into(),
+                rate.to_string(),
+            ]),
+        };
+        rounds[3].push(round(run, k, &at_rate, i, &node, redis.proc.pid(), &conn).await?);
     }
-    let [ceiling, rls, http] = rounds.map(row);
+    let [ceiling, rls, http, http_at_rls_rate] = rounds.map(row);
     let cpu = |r: &Row| r.node_cpu_us.unwrap_or(0.0);
     let both = |r: &Row| cpu(r) + r.redis_cpu_us.unwrap_or(0.0);
     let r = EnvoyBench {
@@ -304,12 +328,14 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<EnvoyBench> {
         connections: k.connections,
         tenants: k.tenants,
         node_cpu_ratio: cpu(&rls) / cpu(&http).max(0.001),
+        node_cpu_ratio_same_rate: cpu(&rls) / cpu(&http_at_rls_rate).max(0.001),
         node_redis_cpu_ratio: both(&rls) / both(&http).max(0.001),
         rls_of_ceiling: rls.rps / ceiling.rps.max(1.0),
         rls_of_http: rls.rps / http.rps.max(1.0),
         ceiling,
         rls,
         http,
+        http_at_rls_rate,
     };
     run.save("s10_envoy", &r)?;
     drop((plain, limited, node, redis));
