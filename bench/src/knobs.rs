@@ -21,6 +21,7 @@ pub const SCENARIOS: &[&str] = &[
     "peer",
     "cluster",
     "leases",
+    "envoy",
 ];
 
 /// Every benchmark scenario of tierlimit on this machine, in one run, then
@@ -49,6 +50,8 @@ pub const SCENARIOS: &[&str] = &[
 ///                 (its rounds alternate with ceiling's)
 ///   cluster    8: standalone vs 3-master Redis Cluster; failovers
 ///   leases     9: node.lease_max = 0 vs 64, uniform and Zipf tenants
+///   envoy     10: Envoy without the filter, Envoy + region-node's RLS over
+///                 gRPC, region-node's HTTP check: same concurrency
 #[derive(Debug, Clone, Parser, Serialize, Deserialize)]
 #[command(name = "bench", verbatim_doc_comment)]
 pub struct Knobs {

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 pub struct Summary {
     pub label: String,
     pub requests: u64,
+    /// Requests answered in the whole run, warm-up included.
+    pub completed_total: u64,
     pub measured_s: f64,
     pub throughput_rps: f64,
     pub allowed: u64,

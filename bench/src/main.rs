@@ -32,8 +32,8 @@ use crate::knobs::{Knobs, KAFKA_SIDE};
 use crate::report::{Machine, Results};
 use crate::run::Run;
 use crate::scenario::{
-    accuracy, ceiling, cluster, crossings, fast_path, kafka, latency, leases, rollover, saturation,
-    scale,
+    accuracy, ceiling, cluster, crossings, envoy, fast_path, kafka, latency, leases, rollover,
+    saturation, scale,
 };
 use crate::world::{start_node, Region};
 
@@ -63,6 +63,9 @@ fn preflight(k: &Knobs) -> anyhow::Result<()> {
     }
     for program in need {
         ceiling::which(program)?;
+    }
+    if k.runs("envoy") {
+        testkit::try_envoy_bin().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
     if k.runs("rollover") || KAFKA_SIDE.iter().any(|s| k.runs(s)) {
         testkit::try_tansu_bin().map_err(|e| anyhow::anyhow!("{e} (run scripts/setup --bench)"))?;
@@ -264,6 +267,14 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
         match leases::run(&run, &k).await {
             Ok(l) => r.leases = Some(l),
             Err(e) => run.say(&format!("the leases run failed: {e:#}")),
+        }
+    }
+
+    if k.runs("envoy") {
+        // Its own Redis, region-node and two Envoys, like scenario 9.
+        match envoy::run(&run, &k).await {
+            Ok(e) => r.envoy = Some(e),
+            Err(e) => run.say(&format!("the envoy run failed: {e:#}")),
         }
     }
 

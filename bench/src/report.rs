@@ -48,6 +48,8 @@ pub struct Results {
     pub cluster: Option<crate::scenario::cluster::ClusterBench>,
     #[serde(default)]
     pub leases: Option<crate::scenario::leases::LeaseBench>,
+    #[serde(default)]
+    pub envoy: Option<crate::scenario::envoy::EnvoyBench>,
     pub commands: Vec<String>,
     /// The main run's configuration file.
     pub config: Option<String>,
@@ -79,6 +81,7 @@ impl Results {
             peer: None,
             cluster: None,
             leases: None,
+            envoy: None,
             commands: Vec::new(),
             config: None,
             charts: Default::default(),
@@ -371,5 +374,47 @@ mod tests {
         let md = render(&results).unwrap();
         assert!(md.starts_with("# Benchmarks\n"));
         assert!(md.contains("## Hot path: profile and changes"));
+    }
+
+    #[test]
+    fn the_envoy_section_renders_its_rows_and_target() {
+        let mut results = Results::new(
+            "2026-11-21 15:25 UTC".into(),
+            <Knobs as clap::Parser>::parse_from(["bench", "--only", "envoy"]),
+            Machine::default(),
+            "1 1 1".into(),
+        );
+        let row = |rps: f64, node: Option<f64>| crate::scenario::envoy::Row {
+            rps,
+            p50_ms: 1.5,
+            p99_ms: 4.0,
+            node_cpu_us: node,
+            redis_cpu_us: node.map(|_| 30.0),
+            envoy_cpu_us: Some(40.0),
+            ..Default::default()
+        };
+        results.envoy = Some(crate::scenario::envoy::EnvoyBench {
+            envoy_version: "1.40.0".into(),
+            rounds: 3,
+            duration: 5,
+            connections: 50,
+            tenants: 1000,
+            ceiling: row(30000.0, None),
+            rls: row(12000.0, Some(30.0)),
+            http: row(15000.0, Some(36.0)),
+            node_cpu_ratio: 30.0 / 36.0,
+            node_redis_cpu_ratio: 60.0 / 66.0,
+            rls_of_ceiling: 0.4,
+            rls_of_http: 0.8,
+            ..Default::default()
+        });
+        let md = render(&results).unwrap();
+        assert!(md.contains("## 10. Envoy"), "{md}");
+        assert!(md.contains("| Envoy + RLS over gRPC | 12000 | 1.50 | 4.00 | 30.0 | 30.0 | 40.0 |"));
+        assert!(md.contains("| Envoy, no filter (ceiling) | 30000 |"));
+        assert!(
+            md.contains("**0.83×** (30.0 vs 36.0 µs) | ≤ 1.0× | met |"),
+            "{md}"
+        );
     }
 }

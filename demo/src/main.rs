@@ -3,7 +3,10 @@
 //!
 //! It starts a Tansu broker (SQLite in the state directory), the aggregator,
 //! and three regions (eu-west, us-east, ap-south), each with its own
-//! `redis-server` and two region-nodes, on free loopback ports. Each region
+//! `redis-server` and two region-nodes, on free loopback ports. us-east's
+//! clients go through a real Envoy whose ratelimit filter asks its nodes
+//! over gRPC (RLS v3), as a gateway in front of a service would; the other
+//! regions' clients call region-node's HTTP API. Each region
 //! reaches Kafka through its own link (a Kafka-aware proxy, see
 //! [`proxy`]), so one region can be cut off from Kafka while everything
 //! else keeps running. Then:
@@ -20,7 +23,9 @@
 //!    from it; then the link heals;
 //! 5. **converge**: traffic stops; the aggregator's global count of every
 //!    tenant must equal exactly what the clients were allowed minus what they
-//!    refunded, and the regions' Redis truth.
+//!    refunded, and the regions' Redis truth; us-east's part of it must be
+//!    exactly what its clients kept through Envoy, every check of which its
+//!    nodes answered over gRPC.
 //!
 //! It prints progress while it runs and a report at the end, stops every
 //! process it started (also on Ctrl-C), and exits 1 if any promise failed.

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::story::{
-    Outcome, BURSTY, BURSTY_REGION_LIMIT, BURST_REGION, CUT_REGION, HOT, HOT_DAILY_LIMIT, HOT_RATE,
-    REGIONS, STEADY, TENANTS,
+    Outcome, BURSTY, BURSTY_REGION_LIMIT, BURST_REGION, CUT_REGION, ENVOY_REGION, HOT,
+    HOT_DAILY_LIMIT, HOT_RATE, REGIONS, STEADY, TENANTS,
 };
 use crate::traffic::{Cell, Tally};
 use crate::world::World;
@@ -219,6 +219,19 @@ fn promises(w: &World, o: &Outcome, dead: &[String]) -> Vec<Promise> {
             c.converged.map_or("did not converge".into(), |d| format!("converged {:.2} s after the heal", d.as_secs_f64()))
         ),
     ));
+    let e = &o.envoy;
+    promises.push(promise(
+        e.counted(),
+        format!(
+            "{ENVOY_REGION}'s traffic went through Envoy and is counted like the others: its clients sent {} checks \
+             through Envoy, its region-nodes answered {} ShouldRateLimit calls over gRPC; the aggregator's \
+             {ENVOY_REGION} part = its clients' allowed − refunded ({} = {})",
+            e.sent,
+            e.rls_calls,
+            e.seen.map_or("?".into(), |v| v.to_string()),
+            e.want
+        ),
+    ));
     promises.push(promise(
         dead.is_empty(),
         if dead.is_empty() {
@@ -233,6 +246,12 @@ fn promises(w: &World, o: &Outcome, dead: &[String]) -> Vec<Promise> {
 fn print_report(o: &Outcome, promises: &[Promise]) {
     let tally = &o.tally;
     println!("\n================================ REPORT ================================");
+    let direct: Vec<&str> = REGIONS.into_iter().filter(|r| *r != ENVOY_REGION).collect();
+    println!(
+        "\n{ENVOY_REGION}'s clients went through a real Envoy (envoy.filters.http.ratelimit, RLS v3 over gRPC \
+         to {ENVOY_REGION}'s region-nodes); {}'s called region-node's HTTP API.",
+        direct.join("'s and ")
+    );
     println!("\nDecisions the clients saw, per region and tier (allowed / denied by tier):");
     println!(
         "  {:<10} {:>8} {:>9} {:>12} {:>14} {:>14} {:>7}",
@@ -242,9 +261,14 @@ fn print_report(o: &Outcome, promises: &[Promise]) {
     for r in REGIONS {
         let c = tally.totals(None, Some(r));
         all.add(&c);
+        let name = if r == ENVOY_REGION {
+            format!("{r}*")
+        } else {
+            r.to_string()
+        };
         println!(
             "  {:<10} {:>8} {:>9} {:>12} {:>14} {:>14} {:>7}",
-            r, c.allowed, c.refunded, c.denied_node, c.denied_region, c.denied_global, c.errors
+            name, c.allowed, c.refunded, c.denied_node, c.denied_region, c.denied_global, c.errors
         );
     }
     println!(
@@ -256,6 +280,9 @@ fn print_report(o: &Outcome, promises: &[Promise]) {
         all.denied_region,
         all.denied_global,
         all.errors
+    );
+    println!(
+        "  (* through Envoy: the denying tier read from the RateLimit header the RLS answered)"
     );
     println!("\nPer tenant and region (allowed / denied):");
     print!("  {:<8}", "tenant");

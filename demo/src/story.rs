@@ -20,6 +20,10 @@ pub const HOT: &str = "hot";
 pub const TENANTS: [&str; 5] = ["acme", "globex", "initech", BURSTY, HOT];
 pub const BURST_REGION: &str = "eu-west";
 pub const CUT_REGION: &str = "ap-south";
+/// The region whose clients go through a real Envoy (its ratelimit filter
+/// asks the region's nodes over gRPC); the others call region-node's HTTP
+/// API.
+pub const ENVOY_REGION: &str = "us-east";
 
 pub const BURSTY_REGION_LIMIT: u64 = 300;
 pub const HOT_DAILY_LIMIT: u64 = 2500;
@@ -49,6 +53,28 @@ pub struct Outcome {
     /// Σ over the region-nodes, at the end.
     pub fail_mode: f64,
     pub deltas_failed: f64,
+    pub envoy: ThroughEnvoy,
+}
+
+/// [`ENVOY_REGION`]'s traffic, which went through Envoy.
+pub struct ThroughEnvoy {
+    /// Checks its clients sent through Envoy (allowed, denied, errors).
+    pub sent: u64,
+    /// `ShouldRateLimit` calls its region-nodes answered
+    /// (`tierlimit_rls_requests_total`).
+    pub rls_calls: f64,
+    /// Its clients' allowed − refunded, every tenant.
+    pub want: u64,
+    /// The aggregator's part of the region, every tenant, once converged.
+    pub seen: Option<u64>,
+}
+
+impl ThroughEnvoy {
+    /// Every check went through the RLS, and the region's part of the
+    /// global count is exactly what its clients kept.
+    pub fn counted(&self) -> bool {
+        self.sent > 0 && self.rls_calls == self.sent as f64 && self.seen == Some(self.want)
+    }
 }
 
 pub struct GlobalLimit {
@@ -124,16 +150,33 @@ pub async fn tell(w: &Arc<World>, cut: Duration) -> anyhow::Result<Outcome> {
         bail!("the demo crossed midnight UTC, where daily counters start again: run it once more");
     }
 
-    // Node metrics: decisions taken without Redis, deltas Kafka refused.
+    // Node metrics: decisions taken without Redis, deltas Kafka refused,
+    // and the Envoy region's gRPC calls.
     let mut fail_mode = 0.0;
     let mut deltas_failed = 0.0;
+    let mut rls_calls = 0.0;
     for r in &w.regions {
         for n in &r.nodes {
             let text = w.metrics_text(n).await;
             fail_mode += testkit::metric_value(&text, "tierlimit_fail_mode_decisions_total");
             deltas_failed += testkit::metric_value(&text, "tierlimit_deltas_failed_total");
+            if r.name == ENVOY_REGION {
+                rls_calls += testkit::metric_value(&text, "tierlimit_rls_requests_total");
+            }
         }
     }
+    let through = s.tally.totals(None, Some(ENVOY_REGION));
+    let mut seen = Some(0);
+    for t in TENANTS {
+        let part = w.agg_part(t, ENVOY_REGION).await;
+        seen = seen.zip(part).map(|(a, b)| a + b);
+    }
+    let envoy = ThroughEnvoy {
+        sent: through.allowed + through.denied() + through.errors,
+        rls_calls,
+        want: through.allowed - through.refunded,
+        seen,
+    };
     Ok(Outcome {
         tally: s.tally,
         bursty_eu,
@@ -142,6 +185,7 @@ pub async fn tell(w: &Arc<World>, cut: Duration) -> anyhow::Result<Outcome> {
         converge,
         fail_mode,
         deltas_failed,
+        envoy,
     })
 }
 
@@ -155,12 +199,14 @@ struct Story<'a> {
 
 impl Story<'_> {
     fn start_stream(&self, tenant: &str, region: &str, rate: f64, refund: Option<u64>) -> Stream {
+        let r = self.w.region(region);
         traffic::start(
             &self.w.http,
             &self.tally,
             tenant,
             region,
-            &self.w.region(region).nodes,
+            &r.vias(),
+            &r.nodes,
             rate,
             refund,
         )

@@ -1,5 +1,7 @@
 //! Client traffic: streams of checks at a fixed rate for one tenant in one
-//! region, and the tally of what the clients saw.
+//! region, and the tally of what the clients saw. A check goes to a
+//! region-node's HTTP API, or through the region's Envoy, whose ratelimit
+//! filter asks a region-node over gRPC ([`Via`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -121,12 +123,51 @@ impl Tally {
         self.last_error.lock().unwrap().clone()
     }
 
+    /// A denial by `tier` (`""` when unknown: an error); `from_view` when
+    /// the broadcast view decided it without Redis.
+    fn denied(&self, tenant: &str, region: &str, tier: &str, from_view: bool) {
+        self.update(tenant, region, |c| match tier {
+            "node" => c.denied_node += 1,
+            "region" => c.denied_region += 1,
+            "global" => {
+                c.denied_global += 1;
+                if from_view {
+                    c.denied_global_view += 1;
+                }
+            }
+            _ => c.errors += 1,
+        });
+        if tier == "global" {
+            let now = Instant::now();
+            self.first_global_denial.lock().unwrap().get_or_insert(now);
+            if from_view {
+                self.first_view_denial
+                    .lock()
+                    .unwrap()
+                    .entry((tenant.to_string(), region.to_string()))
+                    .or_insert(now);
+            }
+        }
+    }
+
     fn update(&self, tenant: &str, region: &str, f: impl FnOnce(&mut Cell)) {
         let mut cells = self.cells.lock().unwrap();
         f(cells
             .entry((tenant.to_string(), region.to_string()))
             .or_default());
     }
+}
+
+/// Where a client sends a check.
+#[derive(Debug, Clone)]
+pub enum Via {
+    /// `POST {base}/v1/check` on a region-node (JSON, tier and mode in the
+    /// answer).
+    Node(String),
+    /// `GET {base}/` on the region's Envoy with the tenant in `x-tenant`:
+    /// 200 or 429, the tiers' state in the `RateLimit` header region-node's
+    /// RLS answered.
+    Envoy(String),
 }
 
 /// A running stream; stops (and waits for its in-flight requests) on
@@ -136,30 +177,35 @@ pub struct Stream {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
-/// Starts `rate` checks per second of `tenant`, spread evenly over `urls`
-/// (the region's nodes). With `refund_every = Some(k)`, every k-th allowed
-/// request of a node is followed by a refund of 1 unit on that node.
+/// Starts `rate` checks per second of `tenant`, spread evenly over `vias`
+/// (one per node of the region). With `refund_every = Some(k)`, every k-th
+/// allowed request of a via is followed by a refund of 1 unit on the node
+/// of the same index in `nodes` (Envoy's RLS has no refund: a service
+/// behind it gives units back through region-node's API).
+#[allow(clippy::too_many_arguments)]
 pub fn start(
     http: &reqwest::Client,
     tally: &Arc<Tally>,
     tenant: &str,
     region: &str,
-    urls: &[String],
+    vias: &[Via],
+    nodes: &[String],
     rate: f64,
     refund_every: Option<u64>,
 ) -> Stream {
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let per_node = rate / urls.len() as f64;
+    let per_node = rate / vias.len() as f64;
     // Two workers per node, so one slow answer does not stall the stream.
     let workers = 2usize;
     let period = Duration::from_secs_f64(workers as f64 / per_node);
     let mut tasks = Vec::new();
-    for (n, base) in urls.iter().enumerate() {
+    for (n, via) in vias.iter().enumerate() {
         for w in 0..workers {
             let (http, tally, mut stopped) = (http.clone(), Arc::clone(tally), stopped.clone());
-            let (tenant, region, base) = (tenant.to_string(), region.to_string(), base.clone());
+            let (tenant, region, via) = (tenant.to_string(), region.to_string(), via.clone());
+            let node = nodes[n % nodes.len()].clone();
             // Stagger the workers over one period.
-            let offset = period.mul_f64((n * workers + w) as f64 / (urls.len() * workers) as f64);
+            let offset = period.mul_f64((n * workers + w) as f64 / (vias.len() * workers) as f64);
             tasks.push(tokio::spawn(async move {
                 let mut tick =
                     tokio::time::interval_at(tokio::time::Instant::now() + offset, period);
@@ -170,10 +216,16 @@ pub fn start(
                         _ = tick.tick() => {}
                         _ = stopped.wait_for(|s| *s) => break,
                     }
-                    if check(&http, &tally, &base, &tenant, &region).await {
+                    let ok = match &via {
+                        Via::Node(base) => check(&http, &tally, base, &tenant, &region).await,
+                        Via::Envoy(base) => {
+                            check_envoy(&http, &tally, base, &tenant, &region).await
+                        }
+                    };
+                    if ok {
                         allowed += 1;
                         if refund_every.is_some_and(|k| allowed.is_multiple_of(k)) {
-                            refund(&http, &tally, &base, &tenant, &region).await;
+                            refund(&http, &tally, &node, &tenant, &region).await;
                         }
                     }
                 }
@@ -243,29 +295,7 @@ async fn check(
         }
         429 => {
             let tier = body["violated-policy"].as_str().unwrap_or("");
-            tally.update(tenant, region, |c| match tier {
-                "node" => c.denied_node += 1,
-                "region" => c.denied_region += 1,
-                "global" => {
-                    c.denied_global += 1;
-                    if mode == "view" {
-                        c.denied_global_view += 1;
-                    }
-                }
-                _ => c.errors += 1,
-            });
-            if tier == "global" {
-                let now = Instant::now();
-                tally.first_global_denial.lock().unwrap().get_or_insert(now);
-                if mode == "view" {
-                    tally
-                        .first_view_denial
-                        .lock()
-                        .unwrap()
-                        .entry((tenant.to_string(), region.to_string()))
-                        .or_insert(now);
-                }
-            }
+            tally.denied(tenant, region, tier, mode == "view");
             false
         }
         other => {
@@ -274,6 +304,86 @@ async fn check(
             false
         }
     }
+}
+
+/// One `GET /` through the region's Envoy, the tenant in `x-tenant`; true
+/// if allowed. Envoy's 429 has no body: the tier that denied is read from
+/// the `RateLimit` header region-node's RLS answered ([`denying_tier`]).
+async fn check_envoy(
+    http: &reqwest::Client,
+    tally: &Tally,
+    base: &str,
+    tenant: &str,
+    region: &str,
+) -> bool {
+    let started = Instant::now();
+    let sent = http
+        .get(format!("{base}/"))
+        .header("x-tenant", tenant)
+        .send()
+        .await;
+    let r = match sent {
+        Ok(r) => r,
+        Err(e) => {
+            *tally.last_error.lock().unwrap() = Some(format!("{region} (Envoy): {e}"));
+            tally.update(tenant, region, |c| c.errors += 1);
+            return false;
+        }
+    };
+    let status = r.status().as_u16();
+    let state = r
+        .headers()
+        .get("ratelimit")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let _ = r.bytes().await;
+    tally.timed(started, || {
+        format!("check {tenant} through Envoy {base} ({region}): {status}")
+    });
+    match status {
+        200 => {
+            tally.update(tenant, region, |c| c.allowed += 1);
+            true
+        }
+        429 => {
+            let (tier, from_view) = denying_tier(&state).unwrap_or(("", false));
+            tally.denied(tenant, region, tier, from_view);
+            if tier.is_empty() {
+                *tally.last_error.lock().unwrap() =
+                    Some(format!("{region} (Envoy): 429 with RateLimit {state:?}"));
+            }
+            false
+        }
+        other => {
+            *tally.last_error.lock().unwrap() = Some(format!("{region} (Envoy): HTTP {other}"));
+            tally.update(tenant, region, |c| c.errors += 1);
+            false
+        }
+    }
+}
+
+/// The tier that denied a check of cost 1, from the draft-10 `RateLimit`
+/// header of region-node's answer (`"node";r=0;t=1, "region";r=5;t=40,
+/// …`): the first of node, region, global with nothing left (a denial
+/// reports every tier as before the request). A denial decided from the
+/// broadcast view alone, without Redis, reports the global tier only: the
+/// second value is then true.
+pub fn denying_tier(state: &str) -> Option<(&'static str, bool)> {
+    let mut tiers = Vec::new();
+    for item in state.split(',') {
+        let mut parts = item.trim().split(';');
+        let name = parts.next()?.trim().trim_matches('"');
+        let remaining = parts
+            .find_map(|p| p.trim().strip_prefix("r="))
+            .and_then(|r| r.parse::<u64>().ok())?;
+        tiers.push((name, remaining));
+    }
+    let from_view = matches!(tiers.as_slice(), [("global", _)]);
+    ["node", "region", "global"]
+        .into_iter()
+        .find(|t| tiers.iter().any(|(n, r)| n == t && *r == 0))
+        .map(|t| (t, from_view))
 }
 
 async fn refund(http: &reqwest::Client, tally: &Tally, base: &str, tenant: &str, region: &str) {
@@ -296,5 +406,34 @@ async fn refund(http: &reqwest::Client, tally: &Tally, base: &str, tenant: &str,
             *tally.last_error.lock().unwrap() = Some(format!("{region}: refund: {e}"));
             tally.update(tenant, region, |c| c.errors += 1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::denying_tier;
+
+    #[test]
+    fn the_denying_tier_is_read_from_the_ratelimit_header() {
+        assert_eq!(
+            denying_tier(r#""node";r=12;t=1, "region";r=0;t=41, "global";r=997;t=3600"#),
+            Some(("region", false))
+        );
+        assert_eq!(
+            denying_tier(r#""node";r=0;t=1, "region";r=0;t=41, "global";r=5;t=9"#),
+            Some(("node", false))
+        );
+        // The script's global budget, with every window left.
+        assert_eq!(
+            denying_tier(r#""node";r=3;t=1, "region";r=90;t=41, "global";r=0;t=9"#),
+            Some(("global", false))
+        );
+        // The broadcast view alone: only the global tier is reported.
+        assert_eq!(
+            denying_tier(r#""global";r=0;t=40556"#),
+            Some(("global", true))
+        );
+        assert_eq!(denying_tier(r#""node";r=3;t=1"#), None);
+        assert_eq!(denying_tier(""), None);
     }
 }

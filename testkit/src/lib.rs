@@ -66,7 +66,7 @@ pub use tempfile;
 
 pub use crate::auth::{harness_env, harness_headers, HARNESS_KEY};
 pub use crate::bins::{bin_path, set_bin_dir};
-pub use crate::envoy::{envoy_bin, Envoy, EnvoyOptions};
+pub use crate::envoy::{envoy_bin, try_envoy_bin, Envoy, EnvoyOptions};
 pub use crate::port::{free_port, temp_dir, with_wire_keys, write_config};
 pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
 pub use crate::procfs::{cpu_ticks, load_average, rss_kib};

@@ -6,6 +6,7 @@
 //! here so a test says `harness::Redis::start()`. What only the tests need
 //! lives beside, one concept a module:
 //!
+//! - [`config`]: the one-region configuration single-node suites share;
 //! - [`topology`]: hosts in network namespaces, partitions and delays;
 //! - [`cluster`]: a whole deployment on a topology, with its faults;
 //! - [`load`]: paced per-region traffic recorded into a history, and
@@ -17,6 +18,7 @@
 pub use testkit::*;
 
 pub mod cluster;
+pub mod config;
 pub mod history;
 pub mod load;
 pub mod lua;

@@ -21,26 +21,19 @@ use harness::{
     RegionNode,
 };
 
+/// The suites' one region, with a plan without tiers (`gateway`: the
+/// descriptors' limits alone) and a plan in shadow mode.
 fn config(redis: &Redis, extra: &str) -> String {
-    format!(
-        r#"
-cluster = "test"
-[kafka]
-brokers = "127.0.0.1:1"
-[node]
-store_timeout = "2s"
-store_retry_interval = "50ms"
-[regions.eu]
-redis_url = "{}"
-[plans.gateway]
+    harness::config::one_region(
+        &redis.url(),
+        1,
+        &format!(
+            r#"[plans.gateway]
 [plans.shadowed]
 shadow_mode = true
 region = {{ limit = 1, window = "1h", algorithm = "fixed_window" }}
-[unknown_tenants]
-policy = "deny"
-{extra}
-"#,
-        redis.url()
+{extra}"#
+        ),
     )
 }
 

@@ -18,24 +18,9 @@ const ALGORITHMS: [&str; 4] = [
     "sliding_log",
 ];
 
+/// Two nodes expected in the region (the `local` fail mode's share).
 fn config(redis: &Redis, extra: &str) -> String {
-    format!(
-        r#"
-cluster = "test"
-[kafka]
-brokers = "127.0.0.1:1"
-[node]
-store_timeout = "2s"
-store_retry_interval = "50ms"
-[regions.eu]
-redis_url = "{}"
-expected_nodes = 2
-[unknown_tenants]
-policy = "deny"
-{extra}
-"#,
-        redis.url()
-    )
+    harness::config::one_region(&redis.url(), 2, extra)
 }
 
 async fn check(node: &RegionNode, tenant: &str, cost: u64) -> (u16, Value) {

@@ -6,6 +6,7 @@ pub mod accuracy;
 pub mod ceiling;
 pub mod cluster;
 pub mod crossings;
+pub mod envoy;
 pub mod fast_path;
 pub mod kafka;
 pub mod latency;

@@ -19,7 +19,6 @@
 //!    call made again, so it never blocks the others.
 
 use std::collections::BTreeSet;
-use std::fmt::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -382,13 +381,15 @@ impl Service {
     fn respond(&self, domain: &Domain, groups: &[Group], items: &mut [Item]) -> RateLimitResponse {
         let mut overall_over = false;
         let mut retry_ms: Option<u64> = None;
-        let mut policies: Vec<(String, TierStatus)> = Vec::new();
+        // Borrowed (name, state) of every policy the headers report: built
+        // per request, so nothing is copied.
+        let mut policies: Vec<(&str, &TierStatus)> = Vec::new();
         // Each group's own denial: its descriptors' codes.
         for g in groups {
             let Some(d) = &g.decided else { continue };
             for (t, st) in d.decision.tiers.iter().enumerate() {
                 if t < d.plan_tiers || t >= d.plan_tiers + g.in_call.len() {
-                    policies.push((st.tier.name().to_string(), st.clone()));
+                    policies.push((st.tier.name(), st));
                 }
             }
             if d.decision.allowed {
@@ -431,7 +432,8 @@ impl Service {
             }
         }
         let mut statuses = Vec::with_capacity(items.len());
-        for it in items.iter() {
+        let items: &[Item] = items;
+        for it in items {
             let rule_label = it.rule.as_ref().map_or("_none", |r| r.label.as_str());
             self.count(&domain.name, rule_label, it.outcome, it.shadow);
             let over = matches!(
@@ -463,7 +465,7 @@ impl Service {
                         .with_label_values(&[domain.name.as_str(), rule_label])
                         .inc();
                 }
-                policies.push((rule.label.clone(), st.clone()));
+                policies.push((rule.label.as_str(), st));
             }
             statuses.push(s);
         }
@@ -597,33 +599,44 @@ fn duration(ms: u64) -> envoy_types::pb::google::protobuf::Duration {
 /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-10,
 /// one policy per tier and descriptor rule, as on the HTTP API), and
 /// `Retry-After` when over the limit.
-fn headers(policies: &[(String, TierStatus)], retry_ms: Option<u64>) -> Vec<HeaderValue> {
-    let mut out = Vec::new();
+///
+/// Written in place into two right-sized strings, numbers without the
+/// formatting machinery: every answer carries these headers, and building
+/// them with `write!` and per-policy strings was a tenth of the RLS's own
+/// instructions per request (callgrind, BENCHMARKS.md section 10).
+fn headers(policies: &[(&str, &TierStatus)], retry_ms: Option<u64>) -> Vec<HeaderValue> {
     let secs = |ms: u64| ms.div_ceil(1000);
-    let mut seen = BTreeSet::new();
-    let mut policy = String::new();
-    let mut state = String::new();
+    let mut out = Vec::with_capacity(3);
+    let mut policy = String::with_capacity(40 * policies.len());
+    let mut state = String::with_capacity(36 * policies.len());
+    let mut seen: Vec<std::borrow::Cow<'_, str>> = Vec::with_capacity(policies.len());
     for (name, t) in policies {
-        // Names are config labels: quotes and backslashes would break the
-        // structured field, so they are dropped.
-        let name: String = name
-            .chars()
-            .filter(|c| *c != '"' && *c != '\\' && !c.is_control())
-            .collect();
-        if !seen.insert(name.clone()) {
+        let name = field_name(name);
+        if seen.contains(&name) {
             continue;
         }
-        if !policy.is_empty() {
+        if !seen.is_empty() {
             policy.push_str(", ");
             state.push_str(", ");
         }
-        let _ = write!(
-            policy,
-            "\"{name}\";q={};w={}",
-            t.limit,
-            secs(t.window_ms).max(1)
-        );
-        let _ = write!(state, "\"{name}\";r={};t={}", t.remaining, secs(t.reset_ms));
+        for (s, a, av, b, bv) in [
+            (
+                &mut policy,
+                "\";q=",
+                t.limit,
+                ";w=",
+                secs(t.window_ms).max(1),
+            ),
+            (&mut state, "\";r=", t.remaining, ";t=", secs(t.reset_ms)),
+        ] {
+            s.push('"');
+            s.push_str(&name);
+            s.push_str(a);
+            push_u64(s, av);
+            s.push_str(b);
+            push_u64(s, bv);
+        }
+        seen.push(name);
     }
     let mut push = |k: &str, v: String| {
         out.push(HeaderValue {
@@ -632,12 +645,103 @@ fn headers(policies: &[(String, TierStatus)], retry_ms: Option<u64>) -> Vec<Head
             ..Default::default()
         })
     };
-    if !policy.is_empty() {
+    if !seen.is_empty() {
         push("RateLimit-Policy", policy);
         push("RateLimit", state);
     }
     if let Some(ms) = retry_ms {
-        push("Retry-After", secs(ms).max(1).to_string());
+        let mut v = String::with_capacity(8);
+        push_u64(&mut v, secs(ms).max(1));
+        push("Retry-After", v);
     }
     out
+}
+
+/// A policy name as a structured-field string: names are config labels,
+/// and quotes, backslashes or control characters would break the field, so
+/// they are dropped (borrowed when there are none, as there usually are).
+fn field_name(name: &str) -> std::borrow::Cow<'_, str> {
+    let bad = |c: char| c == '"' || c == '\\' || c.is_control();
+    if name.contains(bad) {
+        name.chars().filter(|c| !bad(*c)).collect::<String>().into()
+    } else {
+        name.into()
+    }
+}
+
+/// Appends `n` in decimal.
+fn push_u64(s: &mut String, mut n: u64) {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    s.push_str(std::str::from_utf8(&buf[i..]).expect("ASCII digits"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decision::Tier;
+
+    fn st(tier: Tier, limit: u64, remaining: u64, reset_ms: u64, window_ms: u64) -> TierStatus {
+        TierStatus {
+            tier,
+            limit,
+            remaining,
+            reset_ms,
+            window_ms,
+            algorithm: "fixed_window",
+        }
+    }
+
+    #[test]
+    fn headers_name_every_policy_once_in_order_with_retry_after_when_over() {
+        let node = st(Tier::Node, 20, 19, 997, 1000);
+        let region = st(Tier::Region, 1200, 0, 55_001, 60_000);
+        let global = st(Tier::Global, 100_000, 98_994, 40_555_500, 86_400_000);
+        let rule = st(Tier::Region, 5, 4, 200, 0);
+        let odd = st(Tier::Region, 7, 7, 0, 3_600_000);
+        let policies = [
+            ("node", &node),
+            ("region", &region),
+            ("global", &global),
+            ("tenant", &rule),
+            // The same rule for a second descriptor: reported once.
+            ("tenant", &rule),
+            ("we\"i\\rd\n", &odd),
+        ];
+        let h = headers(&policies, Some(55_001));
+        let pairs: Vec<(&str, &str)> = h
+            .iter()
+            .map(|v| (v.key.as_str(), v.value.as_str()))
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                (
+                    "RateLimit-Policy",
+                    "\"node\";q=20;w=1, \"region\";q=1200;w=60, \"global\";q=100000;w=86400, \"tenant\";q=5;w=1, \"weird\";q=7;w=3600"
+                ),
+                (
+                    "RateLimit",
+                    "\"node\";r=19;t=1, \"region\";r=0;t=56, \"global\";r=98994;t=40556, \"tenant\";r=4;t=1, \"weird\";r=7;t=0"
+                ),
+                ("Retry-After", "56"),
+            ]
+        );
+        assert!(headers(&[], None).is_empty());
+        let only_retry = headers(&[], Some(0));
+        assert_eq!(only_retry[0].value, "1", "Retry-After is at least 1 s");
+        for n in [0, 7, 10, 99, 1_000_000, u64::MAX] {
+            let mut s = String::new();
+            push_u64(&mut s, n);
+            assert_eq!(s, n.to_string());
+        }
+    }
 }
