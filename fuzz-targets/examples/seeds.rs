@@ -34,7 +34,15 @@ fn copy(target: &str, name: &str, from: &str) {
 }
 
 fn delta(region: &str) -> Delta {
-    Delta::new("acme", 20_000, actor(region, "e1"), 1_234, 56, 1_700_000_000_000).from_node("n1")
+    Delta::new(
+        "acme",
+        20_000,
+        actor(region, "e1"),
+        1_234,
+        56,
+        1_700_000_000_000,
+    )
+    .from_node("n1")
 }
 
 fn update() -> GlobalUpdate {
@@ -104,7 +112,11 @@ fn deltas() {
     write("delta", "bad-unsigned.bin", unsigned.encode(&delta("eu")));
     write("delta", "bad-v1.json", delta("eu").encode());
     let stranger = DeltaSigner::with_key(Version::V2, Some(("zz-1", &[9; 32])));
-    write("delta", "bad-unknown-key.bin", stranger.encode(&delta("eu")));
+    write(
+        "delta",
+        "bad-unknown-key.bin",
+        stranger.encode(&delta("eu")),
+    );
     let mut tampered = eu.encode(&delta("eu"));
     let at = tampered.len() - 40;
     tampered[at] ^= 1;
@@ -147,7 +159,11 @@ fn broadcasts() {
             },
         ),
     );
-    write("broadcast", "bad-v1.json", GlobalUpdate { v: 1, ..update() }.encode());
+    write(
+        "broadcast",
+        "bad-v1.json",
+        GlobalUpdate { v: 1, ..update() }.encode(),
+    );
     let mut tampered = records[0].clone();
     tampered[5] ^= 1;
     write("broadcast", "bad-tampered.bin", tampered);
@@ -175,13 +191,29 @@ fn ids() {
 }
 
 fn checks() {
-    write("check", "ok-body", r#"{"tenant":"acme","key":"GET/v1/orders","cost":3}"#);
+    write(
+        "check",
+        "ok-body",
+        r#"{"tenant":"acme","key":"GET/v1/orders","cost":3}"#,
+    );
     write("check", "ok-body-escaped", r#"{"tenant":"ac\u006de"}"#);
     write("check", "ok-query", "tenant=acme&key=k%2Fx&cost=2");
     write("check", "bad-repeated-query", "tenant=a:b&tenant=T");
-    write("check", "bad-unknown-field", r#"{"tenant":"acme","tenant_id":"x"}"#);
-    write("check", "bad-negative-cost", r#"{"tenant":"acme","cost":-1}"#);
-    write("check", "bad-refund-handle", r#"{"handle":"YWNtZXxrfDE.bWFj","cost":1}"#);
+    write(
+        "check",
+        "bad-unknown-field",
+        r#"{"tenant":"acme","tenant_id":"x"}"#,
+    );
+    write(
+        "check",
+        "bad-negative-cost",
+        r#"{"tenant":"acme","cost":-1}"#,
+    );
+    write(
+        "check",
+        "bad-refund-handle",
+        r#"{"handle":"YWNtZXxrfDE.bWFj","cost":1}"#,
+    );
     write(
         "check",
         "bad-content-type",
@@ -195,7 +227,11 @@ fn checks() {
 }
 
 fn rls() {
-    copy("rls", "ok-fixture.yaml", "tests/fixtures/envoy/ratelimit.yaml");
+    copy(
+        "rls",
+        "ok-fixture.yaml",
+        "tests/fixtures/envoy/ratelimit.yaml",
+    );
     write(
         "rls",
         "ok-simple.yaml",

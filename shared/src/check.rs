@@ -229,10 +229,17 @@ mod tests {
     #[test]
     fn bodies() {
         let c = from_body(JSON, br#"{"tenant":"acme","key":"k","cost":3}"#).unwrap();
-        assert_eq!((&*c.tenant, c.key.as_deref(), c.cost), ("acme", Some("k"), 3));
+        assert_eq!(
+            (&*c.tenant, c.key.as_deref(), c.cost),
+            ("acme", Some("k"), 3)
+        );
         // Borrowed unless escaped.
         assert!(matches!(c.tenant, Cow::Borrowed(_)));
-        let c = from_body(Some("Application/JSON; charset=utf-8"), br#"{"tenant":"a"}"#).unwrap();
+        let c = from_body(
+            Some("Application/JSON; charset=utf-8"),
+            br#"{"tenant":"a"}"#,
+        )
+        .unwrap();
         assert_eq!((c.key, c.cost), (None, 1));
         assert!(matches!(
             from_body(Some("text/plain"), b"{}"),
@@ -285,20 +292,35 @@ mod tests {
         let c = from_query(pairs(&[("tenant", "a"), ("cost", "7")])).unwrap();
         assert_eq!((&*c.tenant, c.key, c.cost), ("a", None, 7));
         let e = from_query(pairs(&[("tenant", "a:b"), ("tenant", "T")])).unwrap_err();
-        assert!(matches!(e, BadCheck::Field { ref field, .. } if field == "tenant"), "{e:?}");
+        assert!(
+            matches!(e, BadCheck::Field { ref field, .. } if field == "tenant"),
+            "{e:?}"
+        );
         let e = from_query(pairs(&[("tenant", "a"), ("x", "1")])).unwrap_err();
-        assert!(matches!(e, BadCheck::Field { ref field, .. } if field == "x"), "{e:?}");
+        assert!(
+            matches!(e, BadCheck::Field { ref field, .. } if field == "x"),
+            "{e:?}"
+        );
         let e = from_query(pairs(&[("tenant", "a"), ("cost", "-1")])).unwrap_err();
-        assert!(matches!(e, BadCheck::Field { ref field, .. } if field == "cost"), "{e:?}");
+        assert!(
+            matches!(e, BadCheck::Field { ref field, .. } if field == "cost"),
+            "{e:?}"
+        );
         let e = from_query(pairs(&[])).unwrap_err();
-        assert!(matches!(e, BadCheck::Field { ref field, .. } if field == "tenant"), "{e:?}");
+        assert!(
+            matches!(e, BadCheck::Field { ref field, .. } if field == "tenant"),
+            "{e:?}"
+        );
     }
 
     #[test]
     fn handle_tenants() {
         use base64::Engine as _;
         let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode("acme|k|1");
-        assert_eq!(handle_tenant(&format!("{payload}.mac")).as_deref(), Some("acme"));
+        assert_eq!(
+            handle_tenant(&format!("{payload}.mac")).as_deref(),
+            Some("acme")
+        );
         assert_eq!(handle_tenant("garbage"), None);
         assert_eq!(handle_tenant("!!.x"), None);
     }
