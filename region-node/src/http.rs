@@ -12,8 +12,6 @@
 //! its body is parsed and before anything is charged, so a 401 or 403
 //! never costs the tenant a unit.
 
-use std::borrow::Cow;
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -25,9 +23,10 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::json;
 use tierlimit_shared::auth::{Principal, Scope};
+use tierlimit_shared::check;
 use tierlimit_shared::problem::Problem;
 use tierlimit_shared::reload::Live;
 
@@ -123,23 +122,6 @@ fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, Problem> {
     })
 }
 
-/// Query parameters, each at most once: `?tenant=a&tenant=b` would
-/// otherwise charge whichever one a map kept.
-#[allow(clippy::result_large_err)]
-fn unique_query(q: Vec<(String, String)>) -> Result<HashMap<String, String>, Problem> {
-    let mut map = HashMap::with_capacity(q.len());
-    for (k, v) in q {
-        if map.contains_key(&k) {
-            return Err(Problem::bad_field(
-                &k,
-                format!("query parameter {k:?} is given more than once"),
-            ));
-        }
-        map.insert(k, v);
-    }
-    Ok(map)
-}
-
 impl From<DecideError> for Problem {
     fn from(e: DecideError) -> Problem {
         match &e {
@@ -195,23 +177,9 @@ impl From<DecideError> for Problem {
     }
 }
 
-/// The JSON body of check and refund. Strings borrow from the request body
-/// unless they contain escapes.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Body<'a> {
-    #[serde(borrow)]
-    tenant: Option<Cow<'a, str>>,
-    #[serde(borrow)]
-    key: Option<Cow<'a, str>>,
-    cost: Option<u64>,
-    /// Refunds only: the handle of the charge to give back.
-    #[serde(borrow, default)]
-    handle: Option<Cow<'a, str>>,
-}
-
-/// The request's `Content-Type`, extracted without cloning the whole header
-/// map (axum's `HeaderMap` extractor copies every header).
+/// The request's `Content-Type` as text (`None` when absent or not visible
+/// ASCII), extracted without cloning the whole header map (axum's
+/// `HeaderMap` extractor copies every header).
 struct ContentType(Option<HeaderValue>);
 
 impl<S: Send + Sync> FromRequestParts<S> for ContentType {
@@ -224,81 +192,10 @@ impl<S: Send + Sync> FromRequestParts<S> for ContentType {
     }
 }
 
-type Parsed<'a> = (Cow<'a, str>, Option<Cow<'a, str>>, u64);
-
-// The error is the cold path (a refused request); boxing it would cost the
-// hot path nothing but add noise to every caller.
-#[allow(clippy::result_large_err)]
-fn parse_body<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Parsed<'a>, Problem> {
-    let b = parse_json(content_type, body)?;
-    if b.handle.is_some() {
-        return Err(Problem::bad_field("handle", "only a refund takes a handle"));
+impl ContentType {
+    fn as_str(&self) -> Option<&str> {
+        self.0.as_ref().and_then(|v| v.to_str().ok())
     }
-    tenant_key_cost(b)
-}
-
-/// A JSON body of check or refund: the content type, then the JSON.
-#[allow(clippy::result_large_err)]
-fn parse_json<'a>(content_type: &ContentType, body: &'a [u8]) -> Result<Body<'a>, Problem> {
-    let ct = content_type
-        .0
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let mime = ct.split(';').next().unwrap_or("").trim();
-    if !mime.eq_ignore_ascii_case("application/json") {
-        return Err(Problem::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported-media-type",
-            "Unsupported media type",
-            format!("expected Content-Type: application/json, got {ct:?}"),
-        ));
-    }
-    serde_json::from_slice(body).map_err(|e| {
-        Problem::new(
-            StatusCode::BAD_REQUEST,
-            "invalid-json",
-            "Invalid JSON body",
-            e.to_string(),
-        )
-    })
-}
-
-/// Tenant (required), key and cost (default 1) of a body that names no
-/// handle.
-#[allow(clippy::result_large_err)]
-fn tenant_key_cost(b: Body<'_>) -> Result<Parsed<'_>, Problem> {
-    let tenant = b
-        .tenant
-        .ok_or_else(|| Problem::bad_field("tenant", "tenant is required"))?;
-    Ok((tenant, b.key, b.cost.unwrap_or(1)))
-}
-
-#[allow(clippy::result_large_err)]
-fn parse_query(q: &HashMap<String, String>) -> Result<(String, Option<String>, u64), Problem> {
-    if let Some(unknown) = q
-        .keys()
-        .find(|k| !["tenant", "key", "cost"].contains(&k.as_str()))
-    {
-        return Err(Problem::bad_field(
-            unknown,
-            format!("unknown query parameter {unknown:?}"),
-        ));
-    }
-    let tenant = q
-        .get("tenant")
-        .cloned()
-        .ok_or_else(|| Problem::bad_field("tenant", "tenant is required"))?;
-    let cost = match q.get("cost") {
-        None => 1,
-        Some(c) => c.parse::<u64>().map_err(|_| {
-            Problem::bad_field(
-                "cost",
-                format!("cost must be a positive integer, got {c:?}"),
-            )
-        })?,
-    };
-    Ok((tenant, q.get("key").cloned(), cost))
 }
 
 async fn check_post(
@@ -311,12 +208,12 @@ async fn check_post(
         Ok(b) => b,
         Err(p) => return s.refused(p),
     };
-    match parse_body(&ct, &body) {
-        Ok((t, k, c)) => match who.require(Scope::Check, Some(&t)) {
-            Ok(()) => decide(&s, &t, k.as_deref(), c).await,
+    match check::from_body(ct.as_str(), &body) {
+        Ok(c) => match who.require(Scope::Check, Some(&c.tenant)) {
+            Ok(()) => decide(&s, &c.tenant, c.key.as_deref(), c.cost).await,
             Err(e) => s.refused(e.into()),
         },
-        Err(p) => s.refused(p),
+        Err(e) => s.refused(e.into()),
     }
 }
 
@@ -327,16 +224,12 @@ async fn check_get(
     Extension(who): Extension<Principal>,
     Query(q): Query<Vec<(String, String)>>,
 ) -> Response {
-    let parsed = match unique_query(q) {
-        Ok(q) => parse_query(&q),
-        Err(p) => Err(p),
-    };
-    match parsed {
-        Ok((t, k, c)) => match who.require(Scope::Check, Some(&t)) {
-            Ok(()) => decide(&s, &t, k.as_deref(), c).await,
+    match check::from_query(q) {
+        Ok(c) => match who.require(Scope::Check, Some(&c.tenant)) {
+            Ok(()) => decide(&s, &c.tenant, c.key.as_deref(), c.cost).await,
             Err(e) => s.refused(e.into()),
         },
-        Err(p) => s.refused(p),
+        Err(e) => s.refused(e.into()),
     }
 }
 
@@ -361,41 +254,30 @@ async fn refund(
         Ok(b) => b,
         Err(p) => return s.refused(p),
     };
-    let b = match parse_json(&ct, &body) {
-        Ok(b) => b,
-        Err(p) => return s.refused(p),
+    let refund = match check::refund_from_body(ct.as_str(), &body) {
+        Ok(r) => r,
+        Err(e) => return s.refused(e.into()),
     };
-    let result = match b.handle {
-        // The handle names the tenant and key: one beside it is refused.
-        Some(_) if b.tenant.is_some() || b.key.is_some() => {
-            return s.refused(Problem::bad_field(
-                "handle",
-                "a refund by handle names no tenant or key: the handle does",
-            ))
-        }
-        Some(ref handle) => {
+    let result = match refund {
+        check::Refund::Handle { handle, cost } => {
             // Authorised on the tenant the handle claims; the decider
             // then verifies the claim (its signature) before giving back.
-            let tenant = handle_tenant(handle);
+            let tenant = check::handle_tenant(&handle);
             if let Err(e) = who.require(Scope::Refund, Some(tenant.as_deref().unwrap_or(""))) {
                 return s.refused(e.into());
             }
-            s.decider.refund_handle(handle, b.cost).await
+            s.decider.refund_handle(&handle, cost).await
         }
-        None => {
-            let (tenant, key, cost) = match tenant_key_cost(b) {
-                Ok(v) => v,
-                Err(p) => return s.refused(p),
-            };
+        check::Refund::FreeForm(c) => {
             // Tied to no charge: an operator's act, never a client's.
-            if let Err(e) = who.require(Scope::Admin, Some(&tenant)) {
+            if let Err(e) = who.require(Scope::Admin, Some(&c.tenant)) {
                 return s.refused(e.into());
             }
-            tracing::info!(who = %who.name, tenant = %tenant, cost, "free-form refund requested");
+            tracing::info!(who = %who.name, tenant = %c.tenant, cost = c.cost, "free-form refund requested");
             let req = Request {
-                tenant: &tenant[..],
-                key: key.as_deref(),
-                cost,
+                tenant: &c.tenant,
+                key: c.key.as_deref(),
+                cost: c.cost,
             };
             s.decider.refund(req).await
         }
@@ -428,9 +310,9 @@ async fn tenant_usage(
     if let Err(e) = who.require(Scope::Read, Some(&tenant)) {
         return s.refused(e.into());
     }
-    let q = match unique_query(q) {
+    let q = match check::unique_query(q) {
         Ok(q) => q,
-        Err(p) => return s.refused(p),
+        Err(e) => return s.refused(e.into()),
     };
     match s
         .decider
@@ -469,19 +351,6 @@ async fn readyz(State(s): State<Arc<AppState>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, axum::Json(body)).into_response()
-}
-
-/// The tenant a refund handle names (`<payload>.<mac>`, the payload
-/// `tenant|…`), unverified: authorization looks at it, the decider checks
-/// the signature.
-fn handle_tenant(handle: &str) -> Option<String> {
-    use base64::Engine as _;
-    let payload = handle.split_once('.')?.0;
-    let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(payload)
-        .ok()?;
-    let payload = String::from_utf8(payload).ok()?;
-    Some(payload.split('|').next()?.to_owned())
 }
 
 impl AppState {
@@ -685,8 +554,8 @@ mod tests {
             charged_at_ms: 1,
             id: "x".into(),
         });
-        assert_eq!(handle_tenant(&h).as_deref(), Some("acme"));
-        assert_eq!(handle_tenant("garbage"), None);
+        assert_eq!(check::handle_tenant(&h).as_deref(), Some("acme"));
+        assert_eq!(check::handle_tenant("garbage"), None);
     }
 
     #[test]

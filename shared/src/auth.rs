@@ -356,15 +356,27 @@ impl Principal {
 /// not a bearer token (so a misconfigured client hears why).
 #[cfg(feature = "http")]
 pub fn presented_key(h: &axum::http::HeaderMap) -> Result<Option<&[u8]>, AuthError> {
-    if let Some(v) = h.get(axum::http::header::AUTHORIZATION) {
-        let v = v.as_bytes();
+    presented_key_from(
+        h.get(axum::http::header::AUTHORIZATION)
+            .map(|v| v.as_bytes()),
+        h.get("x-api-key").map(|v| v.as_bytes()),
+    )
+}
+
+/// [`presented_key`] from the two header values' bytes, without HTTP
+/// types (the fuzz targets call it on arbitrary bytes).
+pub fn presented_key_from<'a>(
+    authorization: Option<&'a [u8]>,
+    x_api_key: Option<&'a [u8]>,
+) -> Result<Option<&'a [u8]>, AuthError> {
+    if let Some(v) = authorization {
         let scheme = b"bearer ";
         if v.len() > scheme.len() && v[..scheme.len()].eq_ignore_ascii_case(scheme) {
             return Ok(Some(v[scheme.len()..].trim_ascii()));
         }
         return Err(AuthError::BadKey);
     }
-    Ok(h.get("x-api-key").map(|v| v.as_bytes().trim_ascii()))
+    Ok(x_api_key.map(|v| v.trim_ascii()))
 }
 
 #[cfg(feature = "http")]

@@ -5,22 +5,26 @@
 //! binaries need in the same shape. Nothing here talks to Redis: the decision
 //! path lives in `region-node` so that it reads top to bottom in one place.
 //! The one piece of HTTP, the problem+json type both APIs answer with, is
-//! behind the `http` feature.
+//! behind the `http` feature, and the Kafka plumbing (librdkafka) behind
+//! `kafka` (default), so that the fuzz targets build without either.
 
 #[cfg(feature = "http")]
 pub mod admission;
 pub mod algorithm;
 pub mod auth;
+pub mod check;
 pub mod config;
 pub mod day;
 pub mod describe;
 pub mod duration;
+#[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod keys;
 pub mod messages;
 #[cfg(feature = "http")]
 pub mod problem;
 pub mod reload;
+#[cfg(feature = "kafka")]
 pub mod retention;
 pub mod rls;
 #[cfg(feature = "http")]

@@ -177,6 +177,15 @@ impl GlobalUpdate {
         crate::validate::tenant(&g.tenant).map_err(|e| DecodeError::Field(e.to_string()))?;
         for p in &g.parts {
             check_actor(&p.actor)?;
+            // As in a delta and in wire v2: N counts refunds of what P
+            // charged, so it is never above P. (Found by the broadcast
+            // fuzz target: v1 updates, read in upgrade mode, let it pass.)
+            if p.n > p.p {
+                return Err(DecodeError::Field(format!(
+                    "part {}: n {} exceeds p {}",
+                    p.actor, p.n, p.p
+                )));
+            }
         }
         Ok(g)
     }
@@ -232,6 +241,31 @@ mod tests {
         assert!(Delta::decode(&d.encode()).is_err());
         let d = Delta::new("acme", 1, actor("eu", "e"), 1, 2, 0);
         assert!(Delta::decode(&d.encode()).is_err());
+    }
+
+    /// Regression (fuzz/regressions/broadcast/): a v1 update whose part
+    /// refunds more than it charged was accepted, unlike a delta or a v2
+    /// update.
+    #[test]
+    fn rejects_updates_with_a_part_above_its_charges() {
+        let mut u = GlobalUpdate {
+            v: VERSION,
+            tenant: "acme".into(),
+            day: 1,
+            total: 0,
+            parts: vec![ActorPart {
+                actor: actor("eu", "e"),
+                p: 20,
+                n: 20,
+            }],
+            limit: None,
+            over_limit: false,
+            ts_ms: 0,
+        };
+        assert_eq!(GlobalUpdate::decode(&u.encode()).unwrap(), u);
+        u.parts[0].p = 0;
+        let e = GlobalUpdate::decode(&u.encode()).unwrap_err();
+        assert!(e.to_string().contains("n 20 exceeds p 0"), "{e}");
     }
 
     #[test]
