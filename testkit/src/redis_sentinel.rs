@@ -49,9 +49,14 @@ impl SentinelBuilder {
         self
     }
 
-    /// `sentinel down-after-milliseconds` (default 1 s): how long the master
+    /// `sentinel down-after-milliseconds` (default 2 s): how long the master
     /// must not answer before a sentinel thinks it down. Redis's default of
-    /// 30 s would make every failover test wait that long.
+    /// 30 s would make every failover test wait that long. Not 1 s: a
+    /// sentinel pings every min(down-after, 1 s), so at 1 s a sentinel that
+    /// has just switched to the new master can judge it down before its
+    /// first PING was even answered, and fail over a second time (seen in a
+    /// CI run on a busy machine: +sdown of the new master 1.01 s after
+    /// +switch-master). At 2 s it gets two pings' worth of time.
     pub fn down_after(mut self, d: Duration) -> SentinelBuilder {
         self.down_after = d;
         self
@@ -206,7 +211,7 @@ pub struct SentinelGroup {
 
 impl SentinelGroup {
     /// One master, one replica, three sentinels; master name `tierlimit`,
-    /// `down-after-milliseconds` 1000, `failover-timeout` 3000.
+    /// `down-after-milliseconds` 2000, `failover-timeout` 3000.
     pub fn start() -> SentinelGroup {
         SentinelGroup::builder().start()
     }
@@ -216,7 +221,7 @@ impl SentinelGroup {
             master_name: "tierlimit".to_string(),
             replicas: 1,
             sentinels: 3,
-            down_after: Duration::from_secs(1),
+            down_after: Duration::from_secs(2),
             failover_timeout: Duration::from_secs(3),
         }
     }
