@@ -20,6 +20,7 @@ use crate::knobs::Knobs;
 use crate::loadgen::Summary;
 use crate::run::{strings, Run};
 use crate::scenario::ceiling::WARMUP;
+use crate::scenario::median;
 use crate::world::{bench_plan, start_node};
 
 /// One throughput round.
@@ -99,11 +100,6 @@ fn ticks(pids: &[u32]) -> u64 {
         .sum()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 async fn round(
     run: &Run,
     k: &Knobs,
@@ -115,18 +111,11 @@ async fn round(
     let summary = run
         .http(
             name,
-            &strings([
-                "--url".to_string(),
-                node.url("/v1/check"),
-                "--connections".into(),
-                k.connections.to_string(),
-                "--tenants".into(),
-                k.tenants.to_string(),
-                "--duration".into(),
-                k.duration.to_string(),
-                "--warmup".into(),
-                WARMUP.to_string(),
-            ]),
+            &[
+                strings(["--url".to_string(), node.url("/v1/check")]),
+                crate::loadgen::closed(k.connections, k.tenants, k.duration, WARMUP),
+            ]
+            .concat(),
         )
         .await?;
     let (n1, r1) = (ticks(&[node.proc.pid()]), ticks(redis_pids));

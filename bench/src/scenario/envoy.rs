@@ -33,6 +33,7 @@ use crate::knobs::Knobs;
 use crate::loadgen::Summary;
 use crate::run::{strings, Run};
 use crate::scenario::ceiling::WARMUP;
+use crate::scenario::median;
 use crate::world::{bench_plan, start_node, RedisConn};
 
 /// The RLS domain Envoy sends.
@@ -118,11 +119,6 @@ tenant_entry = "tenant"
 "#,
         bench_plan("60s")
     )
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn row(rounds: Vec<Round>) -> Row {

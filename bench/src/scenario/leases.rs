@@ -13,6 +13,7 @@ use crate::knobs::Knobs;
 use crate::loadgen::Summary;
 use crate::run::{strings, Run};
 use crate::scenario::ceiling::WARMUP;
+use crate::scenario::median;
 use crate::world::{bench_plan, start_node, RedisConn};
 
 /// Units a lease may take in the `on` variant.
@@ -82,11 +83,6 @@ max_new_per_second = 1000000
     )
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 fn variant(rounds: Vec<Round>) -> Variant {
     let med = |f: fn(&Round) -> f64| median(rounds.iter().map(f).collect());
     let pct = |f: fn(&Round) -> f64| med(f) / 1000.0;
@@ -117,18 +113,13 @@ async fn round(
         ticks(redis_pid),
         conn.counts().await?,
     );
-    let mut args = strings([
-        "--url".to_string(),
-        node.url("/v1/check"),
-        "--connections".into(),
-        k.connections.to_string(),
-        "--tenants".into(),
-        k.tenants.to_string(),
-        "--duration".into(),
-        k.duration.to_string(),
-        "--warmup".into(),
-        WARMUP.to_string(),
-    ]);
+    let mut args = strings(["--url".to_string(), node.url("/v1/check")]);
+    args.extend(crate::loadgen::closed(
+        k.connections,
+        k.tenants,
+        k.duration,
+        WARMUP,
+    ));
     if zipf {
         args.extend(strings([
             "--dist", "zipf", "--zipf-s", "1.1", "--seed", "2",

@@ -20,6 +20,13 @@ use std::time::Duration;
 
 use crate::world::RedisConn;
 
+/// The median of `v` (the upper one of an even count; 0 when empty): what
+/// the alternating-round scenarios report of their rounds.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
 /// Waits (up to `seconds`) until a region's dirty sets are empty:
 /// every charge published to Kafka.
 pub async fn drained(redis: &RedisConn, what: &str, seconds: u64) {
