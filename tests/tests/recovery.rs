@@ -445,11 +445,14 @@ async fn cooperative_rolling_restart_moves_only_what_it_must() {
     more_traffic("traffic with both aggregators").await;
 
     // Roll a: it leaves, b takes its 2 partitions without giving any up.
+    // Counted from here: whichever aggregator joined the group first held
+    // all 4 partitions for a moment and gave 2 up when the other joined.
+    let b_revoked = revoked_partitions(&b.proc.log());
     a.proc.terminate(Duration::from_secs(15));
     wait_until("b holds all 4 partitions", DEADLINE, || holds(&b, 4)).await;
     assert_eq!(
         revoked_partitions(&b.proc.log()),
-        0,
+        b_revoked,
         "a leaving revokes nothing from b (cooperative): {}",
         b.proc.log_tail(20)
     );
@@ -461,7 +464,7 @@ async fn cooperative_rolling_restart_moves_only_what_it_must() {
     .await;
     assert_eq!(
         revoked_partitions(&b.proc.log()),
-        2,
+        b_revoked + 2,
         "a coming back takes exactly 2 partitions from b"
     );
 
