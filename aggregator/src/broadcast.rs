@@ -1,11 +1,26 @@
 //! Publishes the merged counters to `tierlimit.global`, where every
 //! region-node follows them.
 //!
+//! Only what decisions need: a region-node needs the other regions' spend
+//! of a tenant only when the tenant has a global limit and is near it. A
+//! counter is broadcast once its total reaches `aggregator.broadcast_fraction`
+//! of its tenant's limit (and from then on at every change); a node with no
+//! entry for a limited tenant takes the others' spend to be that fraction of
+//! the limit (region-node's `decision.rs`). So the topic's traffic and every
+//! node's view grow with the tenants near their limit, not with all tenants.
+//! The one other case: an actor that published less than before (its Redis
+//! was rolled back) makes its counter broadcast, so the region can raise it.
+//!
 //! Coalesced: a counter that changes a thousand times in one
 //! `broadcast_interval` is published once, with its latest value, so the
-//! global topic's traffic grows with the number of active tenants, not with
-//! requests. The one exception is a tenant crossing its limit: regions should
-//! stop admitting it as soon as possible, so it is published at once.
+//! traffic grows with the number of near-limit tenants, not with requests.
+//! The exception is a tenant crossing the broadcast threshold or its limit:
+//! regions should see it as soon as possible, so it is published at once.
+//!
+//! Heartbeats (one per partition, every heartbeat interval) tell the
+//! followers "every counter of this partition you need was on the topic
+//! before me". They are written right behind the updates taken with them,
+//! and a partition that lost an update since its last heartbeat skips one.
 //!
 //! A counter is only published when its partition has been rebuilt (see
 //! [`crate::progress`]): a partial total would move the regions' view
@@ -21,7 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::error::KafkaError;
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use tierlimit_shared::config::KafkaConfig;
 use tierlimit_shared::messages::{now_ms, partition_of, GlobalUpdate, VERSION};
 use tierlimit_shared::wire::{heartbeat_interval, Heartbeat};
@@ -30,21 +45,21 @@ use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use crate::kafka::{LogContext, Throttle};
-use crate::merge::{Counter, TenantDay};
+use crate::merge::{Snapshot, TenantDay};
 use crate::state::{Core, State};
 
 /// Longest wait for queued updates to be delivered at shutdown.
 const FLUSH_ON_SHUTDOWN: Duration = Duration::from_secs(3);
 
 /// The global update of one counter under the current limit.
-pub fn update(key: &TenantDay, counter: &Counter, limit: Option<u64>) -> GlobalUpdate {
-    let total = counter.total();
+pub fn update(key: &TenantDay, counter: &Snapshot, limit: Option<u64>) -> GlobalUpdate {
+    let total = counter.total;
     GlobalUpdate {
         v: VERSION,
         tenant: key.tenant.clone(),
         day: key.day,
         total,
-        parts: counter.parts(),
+        parts: counter.parts.clone(),
         limit,
         over_limit: limit.is_some_and(|l| total >= l),
         ts_ms: now_ms(),
@@ -61,13 +76,29 @@ enum Scope {
 }
 
 pub struct Broadcaster {
+    /// What the delivery tasks need too.
+    out: Arc<Out>,
+    /// Wall-clock ms of the last heartbeats written.
+    last_heartbeat_ms: AtomicU64,
+    /// `Out::failures` as of the last heartbeats written: a partition whose
+    /// count moved since gets no heartbeat at this one.
+    failures_at_heartbeat: std::sync::Mutex<Vec<u64>>,
+}
+
+/// The producer side of the broadcaster, shared with the tasks that await
+/// deliveries (they put failed updates back for the next interval).
+struct Out {
     producer: FutureProducer<LogContext>,
     state: Arc<State>,
     topic: String,
     partitions: i32,
-    throttle: Arc<Throttle>,
-    /// Wall-clock ms of the last heartbeats written.
-    last_heartbeat_ms: AtomicU64,
+    throttle: Throttle,
+    /// Per global partition, how many updates failed so far. A heartbeat
+    /// promises the followers that every counter of its partition they need
+    /// is on the topic before it, so a partition that lost an update since
+    /// its last heartbeat skips one: by the next, the update was taken again
+    /// (the failure puts it back under the state lock) and sits before it.
+    failures: Vec<AtomicU64>,
 }
 
 impl Broadcaster {
@@ -77,12 +108,18 @@ impl Broadcaster {
         let producer = tierlimit_shared::kafka::ordered_producer_config(kafka)
             .create_with_context(LogContext::new())?;
         Ok(Broadcaster {
-            producer,
-            state,
-            topic: kafka.global_topic.clone(),
-            partitions: kafka.partitions,
-            throttle: Arc::new(Throttle::default()),
+            out: Arc::new(Out {
+                producer,
+                state,
+                topic: kafka.global_topic.clone(),
+                partitions: kafka.partitions,
+                throttle: Throttle::default(),
+                failures: (0..kafka.partitions.max(1))
+                    .map(|_| AtomicU64::new(0))
+                    .collect(),
+            }),
             last_heartbeat_ms: AtomicU64::new(0),
+            failures_at_heartbeat: std::sync::Mutex::new(vec![0; kafka.partitions.max(1) as usize]),
         })
     }
 
@@ -92,7 +129,7 @@ impl Broadcaster {
         let mut every = self.interval();
         let mut ticker = tokio::time::interval(every);
         ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        tracing::info!(topic = %self.topic, interval = ?every, "broadcasting global counts");
+        tracing::info!(topic = %self.out.topic, interval = ?every, "broadcasting global counts");
         loop {
             // The tick before urgent flushes: it is ready once per interval,
             // so it cannot starve them, while a steady stream of urgent
@@ -113,11 +150,11 @@ impl Broadcaster {
                         tracing::info!(interval = ?every, "broadcast interval changed");
                     }
                 }
-                _ = self.state.urgent().notified() => self.flush(Scope::Urgent),
+                _ = self.out.state.urgent().notified() => self.flush(Scope::Urgent),
             }
         }
         self.flush(Scope::All);
-        let producer = self.producer.clone();
+        let producer = self.out.producer.clone();
         let flushed = tokio::task::spawn_blocking(move || producer.flush(FLUSH_ON_SHUTDOWN)).await;
         if !matches!(flushed, Ok(Ok(()))) {
             tracing::warn!("some global updates were not delivered before shutdown; the next instance rebroadcasts them");
@@ -126,7 +163,7 @@ impl Broadcaster {
 
     /// Whether this flush writes heartbeats: every [`heartbeat_interval`].
     fn heartbeat_due(&self) -> bool {
-        let every = heartbeat_interval(&self.state.live().load().config);
+        let every = heartbeat_interval(&self.out.state.live().load().config);
         let now = now_ms();
         let last = self.last_heartbeat_ms.load(Ordering::Relaxed);
         if now.saturating_sub(last) + 5 < every.as_millis() as u64 {
@@ -137,7 +174,8 @@ impl Broadcaster {
     }
 
     fn interval(&self) -> Duration {
-        self.state
+        self.out
+            .state
             .live()
             .load()
             .config
@@ -145,18 +183,21 @@ impl Broadcaster {
             .broadcast_interval
     }
 
-    /// Takes the dirty counters of rebuilt partitions and hands them to the
-    /// producer. Deliveries are awaited in a task of their own, so a broker
-    /// outage never stalls the next interval.
+    /// Takes the dirty counters of rebuilt partitions that the regions need
+    /// (`State::wanted`) and hands them to the producer, then the
+    /// heartbeats if due. Deliveries are awaited in a task of their own, so
+    /// a broker outage never stalls the next interval.
     fn flush(&self, scope: Scope) {
+        let state = &self.out.state;
         let today = day::today();
         // Computed from the two configurations, outside the lock.
         let changes = match scope {
-            Scope::All => self.state.take_limit_changes(),
+            Scope::All => state.take_limit_changes(),
             Scope::Urgent => None,
         };
+        let wanted = state.wanted();
         let (taken, heartbeats) = {
-            let mut core = self.state.lock();
+            let mut core = state.lock();
             if let Some(changes) = changes.filter(|c| !c.is_empty()) {
                 let marked = changes.mark(&mut core.merged, today);
                 tracing::info!(
@@ -165,25 +206,68 @@ impl Broadcaster {
                 );
             }
             let Core { merged, progress } = &mut *core;
-            let taken = merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p));
-            // Under the same lock as the take: every delta a heartbeat says
-            // is merged has its change in `taken` or broadcast earlier, and
-            // the heartbeat is produced after `taken` on its partition.
+            let (taken, withheld) =
+                merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p), wanted);
+            state.metrics.broadcasts_withheld.inc_by(withheld as u64);
+            // Under the same lock as the take: every counter a heartbeat's
+            // partition needs is in `taken` or was broadcast earlier, and
+            // the heartbeat is produced right after `taken`.
             let heartbeats = if scope == Scope::All && self.heartbeat_due() {
-                self.state.heartbeats(progress)
+                let mut seen = self
+                    .failures_at_heartbeat
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                let heartbeats = state
+                    .heartbeats(progress)
+                    .into_iter()
+                    .filter(|h| {
+                        let p = h.partition as usize;
+                        seen.get(p).copied() == Some(self.out.failures_of(p as i32))
+                    })
+                    .collect();
+                for (p, f) in seen.iter_mut().enumerate() {
+                    *f = self.out.failures_of(p as i32);
+                }
+                heartbeats
             } else {
                 Vec::new()
             };
             (taken, heartbeats)
         };
-        self.produce_updates(taken);
-        self.produce_heartbeats(heartbeats);
+        // The heartbeats go right behind the updates (the same produce
+        // request where they share a partition); the producer keeps one
+        // request in flight, so they land after them.
+        let pending = self.out.produce_updates(taken);
+        let heartbeats = self.out.produce_heartbeats(heartbeats);
+        if pending.is_empty() && heartbeats.is_empty() {
+            return;
+        }
+        let out = Arc::clone(&self.out);
+        tokio::spawn(async move {
+            out.settle(pending).await;
+            for delivery in heartbeats {
+                if let Ok(Ok(_)) = delivery.await {
+                    out.state.metrics.heartbeats_produced.inc();
+                }
+            }
+        });
+    }
+}
+
+/// A produced update and its delivery.
+type Pending = (TenantDay, DeliveryFuture);
+
+impl Out {
+    fn failures_of(&self, partition: i32) -> u64 {
+        self.failures
+            .get(partition as usize)
+            .map_or(0, |f| f.load(Ordering::Acquire))
     }
 
     /// Hands `taken` to the producer, one signed batch per partition.
-    fn produce_updates(&self, taken: Vec<(TenantDay, Counter)>) {
+    fn produce_updates(&self, taken: Vec<(TenantDay, Snapshot)>) -> Vec<Pending> {
         if taken.is_empty() {
-            return;
+            return Vec::new();
         }
         let config = self.state.live().load();
         let signer = match self.state.broadcast_signer() {
@@ -192,7 +276,7 @@ impl Broadcaster {
                 for (key, _) in &taken {
                     self.failed(key, &e);
                 }
-                return;
+                return Vec::new();
             }
         };
         // One signed batch per partition: a batch's records stay together
@@ -223,36 +307,34 @@ impl Broadcaster {
                 }
             }
         }
-        if pending.is_empty() {
-            return;
-        }
-        let state = self.state.clone();
-        let throttle = self.throttle.clone();
-        tokio::spawn(async move {
-            for (key, delivery) in pending {
-                let error = match delivery.await {
-                    Ok(Ok(_)) => {
-                        state.metrics.broadcasts_produced.inc();
-                        continue;
-                    }
-                    Ok(Err((e, _))) => e.to_string(),
-                    Err(_) => "producer dropped the message".to_owned(),
-                };
-                failed(&state, &throttle, &key, &error);
-            }
-        });
+        pending
     }
 
-    /// Produces the heartbeats of one flush, after its updates (the
-    /// producer keeps one request in flight, so on each partition they land
-    /// after the updates). Not retried: the next flush writes fresher ones.
-    fn produce_heartbeats(&self, heartbeats: Vec<Heartbeat>) {
+    /// Awaits the deliveries of one flush; a failed one's counter is dirty
+    /// again, for the next interval.
+    async fn settle(&self, pending: Vec<Pending>) {
+        for (key, delivery) in pending {
+            let error = match delivery.await {
+                Ok(Ok(_)) => {
+                    self.state.metrics.broadcasts_produced.inc();
+                    continue;
+                }
+                Ok(Err((e, _))) => e.to_string(),
+                Err(_) => "producer dropped the message".to_owned(),
+            };
+            self.failed(&key, &error);
+        }
+    }
+
+    /// Produces the heartbeats of one flush, after its updates. Not
+    /// retried: the next flush writes fresher ones.
+    fn produce_heartbeats(&self, heartbeats: Vec<Heartbeat>) -> Vec<DeliveryFuture> {
         if heartbeats.is_empty() {
-            return;
+            return Vec::new();
         }
         let signer = match self.state.broadcast_signer() {
             Ok(s) => s,
-            Err(_) => return,
+            Err(_) => return Vec::new(),
         };
         let records = signer.encode_heartbeats(&heartbeats);
         let mut pending = Vec::with_capacity(records.len());
@@ -272,27 +354,27 @@ impl Broadcaster {
                 }
             }
         }
-        let state = self.state.clone();
-        tokio::spawn(async move {
-            for delivery in pending {
-                if let Ok(Ok(_)) = delivery.await {
-                    state.metrics.heartbeats_produced.inc();
-                }
-            }
-        });
+        pending
     }
 
+    /// Counts a failed update and keeps its counter dirty for the next
+    /// interval; its partition writes no heartbeat until it is delivered.
     fn failed(&self, key: &TenantDay, error: &str) {
-        failed(&self.state, &self.throttle, key, error)
-    }
-}
-
-/// Counts a failed update and keeps its counter dirty for the next interval.
-fn failed(state: &State, throttle: &Throttle, key: &TenantDay, error: &str) {
-    state.metrics.broadcasts_failed.inc();
-    state.lock().merged.mark_dirty(key);
-    if let Some(suppressed) = throttle.allow(error) {
-        tracing::warn!(tenant = %key.tenant, day = key.day, %error, suppressed, "global update not produced; retrying next interval");
+        self.state.metrics.broadcasts_failed.inc();
+        let partition = partition_of(&key.tenant, self.partitions);
+        {
+            // Under the lock a flush takes and snapshots under: either this
+            // counter is dirty again before a take (and retried by it), or
+            // the flush sees the count move and withholds its heartbeat.
+            let mut core = self.state.lock();
+            core.merged.mark_dirty(key);
+            if let Some(f) = self.failures.get(partition as usize) {
+                f.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+        if let Some(suppressed) = self.throttle.allow(error) {
+            tracing::warn!(tenant = %key.tenant, day = key.day, %error, suppressed, "global update not produced; retrying next interval");
+        }
     }
 }
 
@@ -330,15 +412,15 @@ mod tests {
         ));
         m.apply(0, &d("us", 41), 10);
         let key = TenantDay::new("acme", 10);
-        let c = m.get("acme", 10).unwrap();
-        let u = update(&key, c, Some(99));
+        let c = m.snapshot("acme", 10).unwrap();
+        let u = update(&key, &c, Some(99));
         assert_eq!(u.key(), "acme|10");
         assert_eq!(u.total, 99);
         assert!(u.over_limit);
         assert_eq!(u.parts.len(), 2);
         assert_eq!(u.v, VERSION);
-        assert!(!update(&key, c, Some(100)).over_limit);
-        assert!(!update(&key, c, None).over_limit);
+        assert!(!update(&key, &c, Some(100)).over_limit);
+        assert!(!update(&key, &c, None).over_limit);
         assert_eq!(GlobalUpdate::decode(&u.encode()).unwrap(), u);
     }
 }

@@ -138,29 +138,53 @@ fn display_order(a: &TenantRow, b: &TenantRow) -> std::cmp::Ordering {
         .then(a.tenant.cmp(&b.tenant))
 }
 
+/// Up to this many counters today, the page considers every tenant for its
+/// rows; beyond, only the visible ones (at or past the broadcast threshold
+/// of their limit, every over-limit tenant among them), so that a page
+/// never copies a million counters under the state lock.
+const LIST_ALL_UP_TO: usize = 10_000;
+
 /// Reads the state and the live configuration for a page of at most `top`
 /// tenant rows.
 ///
 /// The state lock is shared with the consumer, so it is held twice, briefly:
-/// once to copy (tenant, total) of today, once to read the per-region parts
-/// of the rows shown. Limits, sorting and selection happen in between,
-/// outside the lock; the work is linear in the number of tenants.
+/// once to copy (tenant, total) of the candidate rows, once to read the
+/// per-region parts of the rows shown. Limits, sorting and selection happen
+/// in between, outside the lock. The counts and units of the day are kept by
+/// the state as deltas merge; the candidates are every tenant up to
+/// [`LIST_ALL_UP_TO`], the visible ones beyond.
 pub fn snapshot(state: &State, top: usize) -> Snapshot {
     let today = day::today();
     let config = state.live().load();
-    let (totals, not_ready, owned, lag) = {
+    let (totals, tenant_count, units, not_ready, owned, lag) = {
         let core = state.lock();
-        let totals: Vec<(String, u64)> = core
-            .merged
-            .day(today)
-            .map(|(t, c)| (t.to_owned(), c.total()))
-            .collect();
+        let day = core.merged.on(today);
+        let (tenant_count, units) = day.map_or((0, 0), |d| (d.len(), d.units()));
+        let totals: Vec<(String, u64)> = match day {
+            Some(d) if d.len() <= LIST_ALL_UP_TO => core
+                .merged
+                .day(today)
+                .map(|(t, c)| (t.to_owned(), c.total()))
+                .collect(),
+            Some(d) => d
+                .visible()
+                .map(|(t, c)| (t.to_owned(), c.total()))
+                .collect(),
+            None => Vec::new(),
+        };
         let not_ready = match core.progress.readiness() {
             Readiness::Ready => None,
             Readiness::NotReady(why) => Some(why),
         };
         let lag: i64 = core.progress.partitions().filter_map(|p| p.lag()).sum();
-        (totals, not_ready, core.progress.assigned_partitions(), lag)
+        (
+            totals,
+            tenant_count,
+            units,
+            not_ready,
+            core.progress.assigned_partitions(),
+            lag,
+        )
     };
     let mut tenants: Vec<TenantRow> = totals
         .into_iter()
@@ -175,8 +199,7 @@ pub fn snapshot(state: &State, top: usize) -> Snapshot {
             }
         })
         .collect();
-    let tenant_count = tenants.len();
-    let units = tenants.iter().map(|t| t.total).sum();
+    let listed_all = tenants.len() == tenant_count;
     let over_count = tenants.iter().filter(|t| t.over_limit()).count();
     let top = top.max(1);
     if tenants.len() > top {
@@ -187,7 +210,7 @@ pub fn snapshot(state: &State, top: usize) -> Snapshot {
     {
         let core = state.lock();
         for t in &mut tenants {
-            if let Some(c) = core.merged.get(&t.tenant, today) {
+            if let Some(c) = core.merged.snapshot(&t.tenant, today) {
                 t.regions = c.regions();
             }
         }
@@ -252,7 +275,7 @@ pub fn snapshot(state: &State, top: usize) -> Snapshot {
         partitions_owned: owned,
         partitions_total: state.kafka().partitions,
         consumer_lag: lag,
-        region_units_complete: tenants.len() == tenant_count,
+        region_units_complete: listed_all && tenants.len() == tenant_count,
         tenant_count,
         units,
         over_count,

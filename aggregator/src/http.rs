@@ -28,7 +28,7 @@ use tierlimit_shared::day;
 use tierlimit_shared::messages::{partition_of, ActorPart};
 use tierlimit_shared::problem::Problem;
 
-use crate::merge::Counter;
+use crate::merge::Snapshot;
 use crate::progress::{Membership, PartitionProgress, Readiness};
 use crate::state::State;
 
@@ -129,8 +129,8 @@ pub struct DayView {
 }
 
 impl DayView {
-    fn new(day: u32, counter: Option<&Counter>, limit: Option<u64>) -> Self {
-        let total = counter.map_or(0, Counter::total);
+    fn new(day: u32, counter: Option<Snapshot>, limit: Option<u64>) -> Self {
+        let total = counter.as_ref().map_or(0, |c| c.total);
         DayView {
             day,
             date: day::to_iso(day),
@@ -138,8 +138,8 @@ impl DayView {
             limit,
             remaining: limit.map(|l| l.saturating_sub(total)),
             over_limit: limit.is_some_and(|l| total >= l),
-            parts: counter.map(Counter::parts).unwrap_or_default(),
-            regions: counter.map(Counter::regions).unwrap_or_default(),
+            regions: counter.as_ref().map(Snapshot::regions).unwrap_or_default(),
+            parts: counter.map(|c| c.parts).unwrap_or_default(),
         }
     }
 }
@@ -186,8 +186,8 @@ async fn tenant_view(
         partition,
         owned: core.progress.is_assigned(partition),
         caught_up: core.progress.is_caught_up(partition),
-        today: DayView::new(today, core.merged.get(&tenant, today), limit),
-        yesterday: DayView::new(yesterday, core.merged.get(&tenant, yesterday), limit),
+        today: DayView::new(today, core.merged.snapshot(&tenant, today), limit),
+        yesterday: DayView::new(yesterday, core.merged.snapshot(&tenant, yesterday), limit),
         tenant,
     };
     drop(core);
@@ -222,9 +222,14 @@ async fn over_limit(
     let today = day::today();
     let config = state.live().load();
     let mut tenants: Vec<OverLimitTenant> = {
+        // Only the visible counters: every tenant at its limit passed the
+        // broadcast threshold and was broadcast (at most one broadcast
+        // interval ago), so this never walks every counter under the lock.
         let core = state.lock();
         core.merged
-            .day(today)
+            .on(today)
+            .into_iter()
+            .flat_map(|d| d.visible())
             .filter(|(tenant, _)| who.may_see(tenant))
             .filter_map(|(tenant, c)| {
                 let limit = config.policy(tenant).and_then(|p| p.global)?;
@@ -384,7 +389,7 @@ mod tests {
             3,
             &Delta::new("acme", today - 1, actor("us", "c"), 7, 0, now_ms()),
         );
-        let router = router(s);
+        let router = router(s.clone());
         let (status, _, v) = get(&router, "/v1/global/acme").await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(v["tenant"], "acme");
@@ -400,6 +405,8 @@ mod tests {
         assert_eq!(v["yesterday"]["total"], 7);
         assert_eq!(v["yesterday"]["over_limit"], false);
 
+        // What the broadcaster makes visible is what the page lists.
+        crate::state::tests::broadcasts(&s);
         let (status, _, v) = get(&router, "/v1/over-limit").await;
         assert_eq!(status, StatusCode::OK);
         assert_eq!(v["tenants"][0]["tenant"], "acme");
@@ -454,6 +461,7 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        crate::state::tests::broadcasts(&s);
         let resp = router
             .clone()
             .oneshot(with_key("/v1/over-limit"))

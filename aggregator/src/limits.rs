@@ -125,7 +125,7 @@ accept_unsigned = true
         for t in tenants {
             m.apply(0, &Delta::new(t, 10, actor("eu", "e"), 1, 0, 0), 10);
         }
-        m.take_dirty(false, |_| true);
+        m.take_dirty(false, |_| true, |_, _| true);
         m
     }
 

@@ -13,22 +13,31 @@
 //! [`Counter`] keeps a small max-merged copy of the per-actor parts next to the
 //! CRDT. Debug builds assert after every apply that the two agree.
 //!
+//! Actor names (`region/epoch`, some 40 bytes) are interned once per
+//! instance in [`Actors`]; a counter's CRDT and parts hold 4-byte
+//! [`ActorId`]s, so a name is stored once however many counters it has a
+//! part in (it was three times per counter: the CRDT's P and N maps and the
+//! parts). The parts are a sorted `Vec`, not a map: a handful of entries,
+//! read whole.
+//!
 //! This module is pure state: no I/O, no clock (callers pass `today`), no
 //! locking. The consumer feeds it, the broadcaster drains its dirty set, the
 //! HTTP layer reads it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use crdts::pncounter::{Dir, Op};
 use crdts::{CmRDT, Dot, PNCounter};
 use num_traits::{Signed, ToPrimitive};
-use tierlimit_shared::messages::{ActorPart, Delta};
+use tierlimit_shared::messages::{actor_region, ActorPart, Delta};
 
-/// Identifies one counter: a tenant on one UTC day.
+/// Identifies one counter: a tenant on one UTC day. Ordered by day first,
+/// so a set of them drops whole days with one `split_off`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TenantDay {
-    pub tenant: String,
     pub day: u32,
+    pub tenant: String,
 }
 
 impl TenantDay {
@@ -40,30 +49,81 @@ impl TenantDay {
     }
 }
 
+/// An interned actor name (index into [`Actors`]).
+pub type ActorId = u32;
+
+/// Every actor name this instance has merged a part of, each stored once.
+///
+/// Grows with the actors ever seen (regions × epochs), never with tenants;
+/// only verified deltas reach it, so a producer cannot grow it at will
+/// beyond the actors of its own region.
+#[derive(Debug, Default)]
+pub struct Actors {
+    names: Vec<Arc<str>>,
+    ids: HashMap<Arc<str>, ActorId>,
+}
+
+impl Actors {
+    /// The id of `actor`, interning it on first sight.
+    pub fn intern(&mut self, actor: &str) -> ActorId {
+        if let Some(&id) = self.ids.get(actor) {
+            return id;
+        }
+        let id = ActorId::try_from(self.names.len()).expect("fewer than 2^32 actors");
+        let name: Arc<str> = Arc::from(actor);
+        self.names.push(Arc::clone(&name));
+        self.ids.insert(name, id);
+        id
+    }
+
+    /// The name of an interned actor.
+    pub fn name(&self, id: ActorId) -> &str {
+        &self.names[id as usize]
+    }
+
+    /// Number of distinct actors.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+}
+
 /// The merged counter of one (tenant, day).
 #[derive(Debug, Clone)]
 pub struct Counter {
-    crdt: PNCounter<String>,
-    /// Max-merged cumulative (P, N) per actor, mirroring the CRDT's private
-    /// entries so the broadcast can carry them.
-    parts: BTreeMap<String, (u64, u64)>,
+    crdt: PNCounter<ActorId>,
+    /// Max-merged cumulative (actor, P, N), sorted by actor id, mirroring
+    /// the CRDT's private entries so the broadcast can carry them.
+    parts: Vec<(ActorId, u64, u64)>,
     /// The deltas partition this counter was rebuilt from: when that
     /// partition is revoked, the counter goes with it.
     partition: i32,
+    /// Broadcast at least once by this instance: the regions hold an entry
+    /// for it, so every later change is broadcast too, whatever the
+    /// threshold says (see [`Merged::take_dirty`]).
+    visible: bool,
 }
 
 impl Counter {
     fn new(partition: i32) -> Self {
         Counter {
             crdt: PNCounter::new(),
-            parts: BTreeMap::new(),
+            parts: Vec::new(),
             partition,
+            visible: false,
         }
     }
 
     /// Merges one actor's cumulative `(p, n)`.
-    pub fn apply(&mut self, actor: &str, p: u64, n: u64) -> Merge {
-        let entry = self.parts.get(actor).copied().unwrap_or((0, 0));
+    pub fn apply(&mut self, actor: ActorId, p: u64, n: u64) -> Merge {
+        let at = self.parts.binary_search_by_key(&actor, |&(a, _, _)| a);
+        let entry = match at {
+            Ok(i) => (self.parts[i].1, self.parts[i].2),
+            Err(_) => (0, 0),
+        };
         let merge = Merge {
             changed: p > entry.0 || n > entry.1,
             stale: p < entry.0 || n < entry.1,
@@ -73,14 +133,17 @@ impl Counter {
         if !merge.changed {
             return merge;
         }
-        self.parts
-            .insert(actor.to_owned(), (entry.0.max(p), entry.1.max(n)));
+        let merged = (actor, entry.0.max(p), entry.1.max(n));
+        match at {
+            Ok(i) => self.parts[i] = merged,
+            Err(i) => self.parts.insert(i, merged),
+        }
         self.crdt.apply(Op {
-            dot: Dot::new(actor.to_owned(), p),
+            dot: Dot::new(actor, p),
             dir: Dir::Pos,
         });
         self.crdt.apply(Op {
-            dot: Dot::new(actor.to_owned(), n),
+            dot: Dot::new(actor, n),
             dir: Dir::Neg,
         });
         debug_assert_eq!(
@@ -96,8 +159,8 @@ impl Counter {
 
     fn parts_sum(&self) -> i128 {
         self.parts
-            .values()
-            .map(|&(p, n)| i128::from(p) - i128::from(n))
+            .iter()
+            .map(|&(_, p, n)| i128::from(p) - i128::from(n))
             .sum()
     }
 
@@ -115,30 +178,56 @@ impl Counter {
         }
     }
 
-    /// Per-actor parts, ordered by actor.
-    pub fn parts(&self) -> Vec<ActorPart> {
-        self.parts
+    /// Per-actor parts, ordered by actor name.
+    pub fn parts(&self, actors: &Actors) -> Vec<ActorPart> {
+        let mut parts: Vec<ActorPart> = self
+            .parts
             .iter()
-            .map(|(actor, &(p, n))| ActorPart {
-                actor: actor.clone(),
+            .map(|&(a, p, n)| ActorPart {
+                actor: actors.name(a).to_owned(),
                 p,
                 n,
             })
-            .collect()
+            .collect();
+        parts.sort_by(|a, b| a.actor.cmp(&b.actor));
+        parts
     }
 
-    /// Net count per region (all epochs of a region summed), ordered by region.
-    pub fn regions(&self) -> BTreeMap<String, u64> {
-        let mut out = BTreeMap::new();
-        for part in self.parts() {
-            let sum: &mut u64 = out.entry(part.region().to_owned()).or_default();
-            *sum = sum.saturating_add(part.net());
+    /// What a broadcast or an HTTP answer needs of it.
+    pub fn snapshot(&self, actors: &Actors) -> Snapshot {
+        Snapshot {
+            total: self.total(),
+            parts: self.parts(actors),
         }
-        out
     }
 
     pub fn partition(&self) -> i32 {
         self.partition
+    }
+
+    /// Whether this instance broadcast the counter since it rebuilt it.
+    pub fn is_visible(&self) -> bool {
+        self.visible
+    }
+}
+
+/// What a broadcast or an HTTP answer needs of a counter, read under the
+/// state lock (actor names resolved).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub total: u64,
+    pub parts: Vec<ActorPart>,
+}
+
+impl Snapshot {
+    /// Net count per region (all epochs of a region summed), ordered by region.
+    pub fn regions(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for part in &self.parts {
+            let sum: &mut u64 = out.entry(part.region().to_owned()).or_default();
+            *sum = sum.saturating_add(part.net());
+        }
+        out
     }
 }
 
@@ -162,6 +251,9 @@ pub enum Applied {
         before: u64,
         after: u64,
         stale: bool,
+        /// The delta's actor is a new epoch of a region that already had
+        /// one in this counter: that region's Redis lost the counter.
+        new_epoch: bool,
     },
     /// Nothing new: a duplicate, a replay or an older delta of the actor.
     Unchanged { stale: bool },
@@ -173,11 +265,76 @@ pub enum Applied {
     Future,
 }
 
+/// One day's counters, with what the HTTP pages and the gauges need kept
+/// up to date as deltas merge, so no reader walks every counter.
+#[derive(Debug, Default)]
+pub struct DayCounters {
+    counters: HashMap<String, Counter>,
+    /// Σ of the counters' totals (each saturated into u64).
+    units: i128,
+    /// The counters broadcast since they were rebuilt: the tenants at or
+    /// past the broadcast threshold of their limit (every over-limit one
+    /// among them), and the few broadcast for a rollback.
+    visible: BTreeSet<String>,
+}
+
+impl DayCounters {
+    pub fn len(&self) -> usize {
+        self.counters.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.counters.is_empty()
+    }
+
+    /// Σ of the day's totals.
+    pub fn units(&self) -> u64 {
+        self.units.clamp(0, i128::from(u64::MAX)) as u64
+    }
+
+    /// The day's visible counters (see [`DayCounters::visible`]), by tenant.
+    pub fn visible(&self) -> impl Iterator<Item = (&str, &Counter)> {
+        self.visible
+            .iter()
+            .filter_map(|t| Some((t.as_str(), self.counters.get(t)?)))
+    }
+
+    fn make_visible(&mut self, tenant: &str) {
+        if let Some(c) = self.counters.get_mut(tenant) {
+            if !c.visible {
+                c.visible = true;
+                self.visible.insert(tenant.to_owned());
+            }
+        }
+    }
+}
+
+/// What [`Merged::expire`] took out: freed when dropped, which the caller
+/// does after releasing the state lock.
+#[derive(Debug, Default)]
+pub struct Expired {
+    days: Vec<DayCounters>,
+    // Held only to be freed with the rest.
+    _dirty: BTreeSet<TenantDay>,
+    _urgent: BTreeSet<TenantDay>,
+}
+
+impl Expired {
+    /// Counters taken out.
+    pub fn counters(&self) -> usize {
+        self.days.iter().map(DayCounters::len).sum()
+    }
+}
+
 /// Every counter this instance holds, plus which of them still need to be
 /// broadcast.
+///
+/// Kept per day: dropping a day past the retention is a map split under
+/// the lock, its freeing happens after (see [`Expired`]).
 #[derive(Debug)]
 pub struct Merged {
-    counters: HashMap<TenantDay, Counter>,
+    days: BTreeMap<u32, DayCounters>,
+    actors: Actors,
     /// Days kept: `today - retention_days < day <= today + 1`.
     retention_days: u32,
     /// Changed since their last broadcast.
@@ -190,7 +347,8 @@ pub struct Merged {
 impl Merged {
     pub fn new(retention_days: u32) -> Self {
         Merged {
-            counters: HashMap::new(),
+            days: BTreeMap::new(),
+            actors: Actors::default(),
             retention_days: retention_days.max(1),
             dirty: BTreeSet::new(),
             urgent: BTreeSet::new(),
@@ -215,76 +373,127 @@ impl Merged {
         if delta.day > today.saturating_add(1) {
             return Applied::Future;
         }
-        let key = TenantDay::new(delta.tenant.as_str(), delta.day);
-        let counter = self
-            .counters
-            .entry(key.clone())
-            .or_insert_with(|| Counter::new(partition));
+        let actor = self.actors.intern(&delta.actor);
+        let day = self.days.entry(delta.day).or_default();
+        let counter = match day.counters.get_mut(delta.tenant.as_str()) {
+            Some(c) => c,
+            None => day
+                .counters
+                .entry(delta.tenant.clone())
+                .or_insert_with(|| Counter::new(partition)),
+        };
         let before = counter.total();
-        let merge = counter.apply(&delta.actor, delta.p, delta.n);
+        // A Redis epoch's first part beside another of the same region: the
+        // region's Redis lost this counter (a new day or tenant starts with
+        // no part of its region at all). Local fail-mode actors are not
+        // epochs.
+        let new_epoch = !delta.actor.contains("/local-")
+            && counter
+                .parts
+                .binary_search_by_key(&actor, |&(a, _, _)| a)
+                .is_err()
+            && counter.parts.iter().any(|&(a, _, _)| {
+                let name = self.actors.name(a);
+                actor_region(name) == actor_region(&delta.actor) && !name.contains("/local-")
+            });
+        let merge = counter.apply(actor, delta.p, delta.n);
         if !merge.changed {
             return Applied::Unchanged { stale: merge.stale };
         }
         let after = counter.total();
-        self.dirty.insert(key);
+        day.units += i128::from(after) - i128::from(before);
+        self.dirty
+            .insert(TenantDay::new(delta.tenant.as_str(), delta.day));
         Applied::Changed {
             before,
             after,
             stale: merge.stale,
+            new_epoch,
         }
     }
 
     pub fn get(&self, tenant: &str, day: u32) -> Option<&Counter> {
-        // A borrowed lookup would need a custom Borrow impl; the allocation
-        // is negligible next to an HTTP request.
-        self.counters.get(&TenantDay::new(tenant, day))
+        self.days.get(&day)?.counters.get(tenant)
+    }
+
+    /// The interned actor names (to read a [`Counter`]'s parts).
+    pub fn actors(&self) -> &Actors {
+        &self.actors
+    }
+
+    /// What a broadcast or an HTTP answer needs of one counter.
+    pub fn snapshot(&self, tenant: &str, day: u32) -> Option<Snapshot> {
+        self.get(tenant, day).map(|c| c.snapshot(&self.actors))
+    }
+
+    /// One day's counters, if any.
+    pub fn on(&self, day: u32) -> Option<&DayCounters> {
+        self.days.get(&day)
     }
 
     /// Every counter of `day`, in no particular order.
     pub fn day(&self, day: u32) -> impl Iterator<Item = (&str, &Counter)> {
-        self.counters
-            .iter()
-            .filter(move |(k, _)| k.day == day)
-            .map(|(k, c)| (k.tenant.as_str(), c))
+        self.days
+            .get(&day)
+            .into_iter()
+            .flat_map(|d| d.counters.iter().map(|(t, c)| (t.as_str(), c)))
     }
 
     /// Number of (tenant, day) counters held.
     pub fn len(&self) -> usize {
-        self.counters.len()
+        self.days.values().map(DayCounters::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.counters.is_empty()
+        self.days.values().all(DayCounters::is_empty)
     }
 
     /// Forgets every counter rebuilt from one of `partitions` (they were
     /// revoked, or are about to be re-read from the beginning). Returns how
-    /// many were dropped.
+    /// many were dropped. Linear in the counters held: a rebalance, not a
+    /// decision, pays it.
     pub fn drop_partitions(&mut self, partitions: &[i32]) -> usize {
-        let before = self.counters.len();
-        self.counters
-            .retain(|_, c| !partitions.contains(&c.partition));
-        let counters = &self.counters;
-        self.dirty.retain(|k| counters.contains_key(k));
-        self.urgent.retain(|k| counters.contains_key(k));
-        before - self.counters.len()
+        let mut dropped = 0;
+        for d in self.days.values_mut() {
+            let before = d.counters.len();
+            d.counters.retain(|_, c| !partitions.contains(&c.partition));
+            dropped += before - d.counters.len();
+            let counters = &d.counters;
+            d.visible.retain(|t| counters.contains_key(t));
+            d.units = counters.values().map(|c| i128::from(c.total())).sum();
+        }
+        self.days.retain(|_, d| !d.is_empty());
+        let days = &self.days;
+        let held = |k: &TenantDay| {
+            days.get(&k.day)
+                .is_some_and(|d| d.counters.contains_key(&k.tenant))
+        };
+        self.dirty.retain(held);
+        self.urgent.retain(held);
+        dropped
     }
 
-    /// Drops days that fell out of the retention window. Returns how many
-    /// counters were dropped.
-    pub fn expire(&mut self, today: u32) -> usize {
+    /// Takes out the days that fell out of the retention window, in time
+    /// logarithmic in what is held; the caller drops what it returns after
+    /// releasing its lock.
+    pub fn expire(&mut self, today: u32) -> Expired {
         let oldest = self.oldest_kept(today);
-        let before = self.counters.len();
-        self.counters.retain(|k, _| k.day >= oldest);
-        self.dirty.retain(|k| k.day >= oldest);
-        self.urgent.retain(|k| k.day >= oldest);
-        before - self.counters.len()
+        let first = TenantDay::new("", oldest);
+        let kept = self.days.split_off(&oldest);
+        let gone = std::mem::replace(&mut self.days, kept);
+        let dirty = self.dirty.split_off(&first);
+        let urgent = self.urgent.split_off(&first);
+        Expired {
+            days: gone.into_values().collect(),
+            _dirty: std::mem::replace(&mut self.dirty, dirty),
+            _urgent: std::mem::replace(&mut self.urgent, urgent),
+        }
     }
 
     /// Marks a counter for broadcast (no-op if it is not held). Returns
     /// whether it is held.
     pub fn mark_dirty(&mut self, key: &TenantDay) -> bool {
-        let held = self.counters.contains_key(key);
+        let held = self.get(&key.tenant, key.day).is_some();
         if held {
             self.dirty.insert(key.clone());
         }
@@ -295,10 +504,12 @@ impl Merged {
     /// (a reload changed the unknown-tenant limit). Returns how many.
     pub fn mark_day_dirty_where(&mut self, day: u32, concerned: impl Fn(&str) -> bool) -> usize {
         let mut n = 0;
-        for k in self.counters.keys() {
-            if k.day == day && concerned(&k.tenant) {
-                self.dirty.insert(k.clone());
-                n += 1;
+        if let Some(d) = self.days.get(&day) {
+            for t in d.counters.keys() {
+                if concerned(t) {
+                    self.dirty.insert(TenantDay::new(t.as_str(), day));
+                    n += 1;
+                }
             }
         }
         n
@@ -306,9 +517,23 @@ impl Merged {
 
     /// Marks a dirty counter for immediate broadcast.
     pub fn mark_urgent(&mut self, key: &TenantDay) {
-        if self.counters.contains_key(key) {
+        if self.get(&key.tenant, key.day).is_some() {
             self.dirty.insert(key.clone());
             self.urgent.insert(key.clone());
+        }
+    }
+
+    /// Marks a counter for broadcast whatever its total: an actor published
+    /// less than it had before (a partial rollback of its Redis), and only
+    /// the broadcast of its merged part lets the region raise its counter
+    /// back (ARCHITECTURE.md, "A counter never stays below what its actor
+    /// published"), limited tenant or not.
+    pub fn mark_visible(&mut self, key: &TenantDay) {
+        if let Some(d) = self.days.get_mut(&key.day) {
+            if d.counters.contains_key(&key.tenant) {
+                d.make_visible(&key.tenant);
+                self.dirty.insert(key.clone());
+            }
         }
     }
 
@@ -316,10 +541,12 @@ impl Merged {
     /// partition just caught up, or the limits changed).
     pub fn mark_day_dirty(&mut self, day: u32, partitions: Option<&[i32]>) -> usize {
         let mut n = 0;
-        for (k, c) in &self.counters {
-            if k.day == day && partitions.is_none_or(|ps| ps.contains(&c.partition)) {
-                self.dirty.insert(k.clone());
-                n += 1;
+        if let Some(d) = self.days.get(&day) {
+            for (t, c) in &d.counters {
+                if partitions.is_none_or(|ps| ps.contains(&c.partition)) {
+                    self.dirty.insert(TenantDay::new(t.as_str(), day));
+                    n += 1;
+                }
             }
         }
         n
@@ -331,33 +558,52 @@ impl Merged {
     }
 
     /// Takes the dirty counters whose partition passes `eligible` (urgent
-    /// ones only when `urgent_only`), leaving the others dirty. The caller
-    /// broadcasts them and puts back the ones that failed with
-    /// [`Merged::mark_dirty`].
+    /// ones only when `urgent_only`), leaving the others dirty. Of those, it
+    /// returns the ones the regions need: already [visible](Counter::is_visible),
+    /// or `wanted` now (the caller's broadcast threshold), and makes them
+    /// visible; the rest are dropped from the dirty set and counted in the
+    /// second value (a later change that makes them wanted marks them
+    /// again). The caller broadcasts what it got and puts back the ones that
+    /// failed with [`Merged::mark_dirty`].
     pub fn take_dirty(
         &mut self,
         urgent_only: bool,
         eligible: impl Fn(i32) -> bool,
-    ) -> Vec<(TenantDay, Counter)> {
+        wanted: impl Fn(&TenantDay, &Counter) -> bool,
+    ) -> (Vec<(TenantDay, Snapshot)>, usize) {
         let source = if urgent_only {
             &self.urgent
         } else {
             &self.dirty
         };
-        let taken: Vec<TenantDay> = source
+        let keys: Vec<TenantDay> = source
             .iter()
-            .filter(|k| self.counters.get(*k).is_some_and(|c| eligible(c.partition)))
+            .filter(|k| {
+                self.get(&k.tenant, k.day)
+                    .is_some_and(|c| eligible(c.partition))
+            })
             .cloned()
             .collect();
-        taken
-            .into_iter()
-            .filter_map(|k| {
-                self.dirty.remove(&k);
-                self.urgent.remove(&k);
-                let c = self.counters.get(&k)?.clone();
-                Some((k, c))
-            })
-            .collect()
+        let mut taken = Vec::with_capacity(keys.len());
+        let mut withheld = 0;
+        for k in keys {
+            self.dirty.remove(&k);
+            self.urgent.remove(&k);
+            let Some(d) = self.days.get_mut(&k.day) else {
+                continue;
+            };
+            let Some(c) = d.counters.get(&k.tenant) else {
+                continue;
+            };
+            if c.visible || wanted(&k, c) {
+                let snapshot = c.snapshot(&self.actors);
+                d.make_visible(&k.tenant);
+                taken.push((k, snapshot));
+            } else {
+                withheld += 1;
+            }
+        }
+        (taken, withheld)
     }
 
     /// Number of counters waiting for a broadcast.
@@ -388,7 +634,8 @@ mod tests {
             Applied::Changed {
                 before: 0,
                 after: 8,
-                stale: false
+                stale: false,
+                new_epoch: false
             }
         );
         assert_eq!(
@@ -396,7 +643,8 @@ mod tests {
             Applied::Changed {
                 before: 8,
                 after: 13,
-                stale: false
+                stale: false,
+                new_epoch: false
             }
         );
         // An older delta of eu and a duplicate change nothing.
@@ -414,13 +662,14 @@ mod tests {
             Applied::Changed {
                 before: 13,
                 after: 11,
-                stale: false
+                stale: false,
+                new_epoch: false
             }
         );
         let c = m.get("acme", TODAY).unwrap();
         assert_eq!(c.total(), 11);
         assert_eq!(
-            c.parts(),
+            c.parts(m.actors()),
             vec![
                 ActorPart {
                     actor: eu.clone(),
@@ -435,7 +684,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            c.regions(),
+            c.snapshot(m.actors()).regions(),
             BTreeMap::from([("eu".into(), 6), ("us".into(), 5)])
         );
     }
@@ -444,10 +693,35 @@ mod tests {
     fn epochs_of_one_region_add_up() {
         let mut m = Merged::new(2);
         m.apply(0, &delta("acme", TODAY, &actor("eu", "old"), 40, 0), TODAY);
-        m.apply(0, &delta("acme", TODAY, &actor("eu", "new"), 3, 1), TODAY);
+        // A first part of a region, and a node's local fail-mode actor, are
+        // no new epoch; a second epoch of the region is.
+        let new_epoch = |a| matches!(a, Applied::Changed { new_epoch, .. } if new_epoch);
+        assert!(!new_epoch(m.apply(
+            0,
+            &delta("acme", TODAY, &actor("us", "x"), 1, 0),
+            TODAY
+        )));
+        assert!(!new_epoch(m.apply(
+            0,
+            &delta("acme", TODAY, &actor("eu", "local-a-1"), 1, 0),
+            TODAY
+        )));
+        assert!(new_epoch(m.apply(
+            0,
+            &delta("acme", TODAY, &actor("eu", "new"), 3, 1),
+            TODAY
+        )));
+        assert!(!new_epoch(m.apply(
+            0,
+            &delta("acme", TODAY, &actor("eu", "new"), 4, 1),
+            TODAY
+        )));
         let c = m.get("acme", TODAY).unwrap();
         assert_eq!(c.total(), 42);
-        assert_eq!(c.regions(), BTreeMap::from([("eu".into(), 42)]));
+        assert_eq!(
+            c.snapshot(m.actors()).regions(),
+            BTreeMap::from([("eu".into(), 42)])
+        );
     }
 
     #[test]
@@ -457,7 +731,7 @@ mod tests {
             m.apply(0, &delta("acme", TODAY, &actor("eu", "e"), 0, 0), TODAY),
             Applied::Unchanged { stale: false }
         );
-        assert!(m.get("acme", TODAY).unwrap().parts().is_empty());
+        assert!(m.snapshot("acme", TODAY).unwrap().parts.is_empty());
     }
 
     #[test]
@@ -471,11 +745,12 @@ mod tests {
             Applied::Changed {
                 before: 45,
                 after: 50,
-                stale: true
+                stale: true,
+                new_epoch: false
             }
         );
         assert_eq!(
-            m.get("acme", TODAY).unwrap().parts()[0],
+            m.snapshot("acme", TODAY).unwrap().parts[0],
             ActorPart {
                 actor: eu,
                 p: 55,
@@ -525,11 +800,12 @@ mod tests {
         );
         assert_eq!(m.len(), 3);
         // The next day, yesterday becomes too old.
-        assert_eq!(m.expire(TODAY + 1), 1);
+        assert_eq!(m.expire(TODAY + 1).counters(), 1);
         assert!(m.get("a", TODAY - 1).is_none());
         assert_eq!(m.len(), 2);
         assert!(m
-            .take_dirty(false, |_| true)
+            .take_dirty(false, |_| true, |_, _| true)
+            .0
             .iter()
             .all(|(k, _)| k.day >= TODAY));
     }
@@ -544,7 +820,7 @@ mod tests {
         assert_eq!(m.drop_partitions(&[0, 2]), 2);
         assert!(m.get("a", TODAY).is_none());
         assert_eq!(m.get("b", TODAY).unwrap().partition(), 1);
-        let dirty = m.take_dirty(false, |_| true);
+        let dirty = m.take_dirty(false, |_| true, |_, _| true).0;
         assert_eq!(dirty.len(), 1);
         assert_eq!(dirty[0].0, TenantDay::new("b", TODAY));
     }
@@ -557,17 +833,18 @@ mod tests {
         m.apply(1, &delta("b", TODAY, &eu, 1, 0), TODAY);
         assert_eq!(m.dirty_len(), 2);
         // Partition 1 is still catching up: its counter stays dirty.
-        let taken = m.take_dirty(false, |p| p == 0);
+        let taken = m.take_dirty(false, |p| p == 0, |_, _| true).0;
         assert_eq!(taken.len(), 1);
         assert_eq!(m.dirty_len(), 1);
         // Nothing changed, nothing to take; a failed broadcast is put back.
-        assert!(m.take_dirty(false, |p| p == 0).is_empty());
+        assert!(m.take_dirty(false, |p| p == 0, |_, _| true).0.is_empty());
         m.mark_dirty(&taken[0].0);
-        assert_eq!(m.take_dirty(false, |p| p == 0).len(), 1);
+        assert_eq!(m.take_dirty(false, |p| p == 0, |_, _| true).0.len(), 1);
         // Unknown keys are not resurrected.
         m.mark_dirty(&TenantDay::new("zzz", TODAY));
         assert!(m
-            .take_dirty(false, |_| true)
+            .take_dirty(false, |_| true, |_, _| true)
+            .0
             .iter()
             .all(|(k, _)| k.tenant != "zzz"));
     }
@@ -580,11 +857,75 @@ mod tests {
         m.apply(0, &delta("b", TODAY, &eu, 1, 0), TODAY);
         m.mark_urgent(&TenantDay::new("b", TODAY));
         assert!(m.has_urgent());
-        let urgent = m.take_dirty(true, |_| true);
+        let urgent = m.take_dirty(true, |_| true, |_, _| true).0;
         assert_eq!(urgent.len(), 1);
         assert_eq!(urgent[0].0.tenant, "b");
         assert!(!m.has_urgent());
         assert_eq!(m.dirty_len(), 1);
+    }
+
+    #[test]
+    fn only_wanted_or_visible_counters_are_taken() {
+        let mut m = Merged::new(2);
+        let eu = actor("eu", "e");
+        // Wanted: total at least 10.
+        let wanted = |_: &TenantDay, c: &Counter| c.total() >= 10;
+        m.apply(0, &delta("far", TODAY, &eu, 3, 0), TODAY);
+        m.apply(0, &delta("near", TODAY, &eu, 12, 0), TODAY);
+        let (taken, withheld) = m.take_dirty(false, |_| true, wanted);
+        assert_eq!(withheld, 1);
+        assert_eq!(taken.len(), 1);
+        assert_eq!(taken[0].0.tenant, "near");
+        assert!(m.get("near", TODAY).unwrap().is_visible());
+        assert!(!m.get("far", TODAY).unwrap().is_visible());
+        // A withheld counter leaves the dirty set; it comes back when it
+        // changes, and is taken once wanted.
+        assert_eq!(m.dirty_len(), 0);
+        m.apply(0, &delta("far", TODAY, &eu, 10, 0), TODAY);
+        assert_eq!(m.take_dirty(false, |_| true, wanted).0.len(), 1);
+        // A visible counter is taken on every change, wanted or not (the
+        // regions hold an entry that must not freeze).
+        m.apply(0, &delta("near", TODAY, &eu, 13, 0), TODAY);
+        let (taken, _) = m.take_dirty(false, |_| true, |_, _| false);
+        assert_eq!(taken.len(), 1);
+        // A stale delta (a rolled-back actor) makes a counter visible.
+        m.apply(0, &delta("low", TODAY, &eu, 5, 0), TODAY);
+        m.take_dirty(false, |_| true, wanted);
+        m.mark_visible(&TenantDay::new("low", TODAY));
+        let (taken, withheld) = m.take_dirty(false, |_| true, |_, _| false);
+        assert_eq!((taken.len(), withheld), (1, 0));
+        assert_eq!(taken[0].0.tenant, "low");
+    }
+
+    #[test]
+    fn each_day_keeps_its_units_and_visible_tenants() {
+        let mut m = Merged::new(2);
+        let (eu, us) = (actor("eu", "e"), actor("us", "e"));
+        m.apply(0, &delta("a", TODAY, &eu, 10, 0), TODAY);
+        m.apply(0, &delta("a", TODAY, &us, 5, 0), TODAY);
+        m.apply(1, &delta("b", TODAY, &eu, 7, 2), TODAY);
+        m.apply(0, &delta("a", TODAY - 1, &eu, 100, 0), TODAY);
+        let d = m.on(TODAY).unwrap();
+        assert_eq!((d.len(), d.units()), (2, 20));
+        assert_eq!(d.visible().count(), 0);
+        // N grew: the units follow the totals down.
+        m.apply(1, &delta("b", TODAY, &eu, 7, 7), TODAY);
+        assert_eq!(m.on(TODAY).unwrap().units(), 15);
+        // What the broadcaster takes becomes visible.
+        m.take_dirty(false, |_| true, |k, _| k.tenant == "a");
+        let visible: Vec<&str> = m.on(TODAY).unwrap().visible().map(|(t, _)| t).collect();
+        assert_eq!(visible, ["a"]);
+        // Revoking a partition takes its counters out of the summaries.
+        m.drop_partitions(&[0]);
+        let d = m.on(TODAY).unwrap();
+        assert_eq!((d.len(), d.units(), d.visible().count()), (1, 0, 0));
+        assert!(m.on(TODAY - 1).is_none());
+        // Expiry hands whole days back, dirty entries included.
+        m.apply(0, &delta("c", TODAY, &eu, 1, 0), TODAY);
+        let gone = m.expire(TODAY + 2);
+        assert_eq!(gone.counters(), 2);
+        assert!(m.is_empty());
+        assert_eq!(m.dirty_len(), 0);
     }
 
     #[test]
@@ -594,7 +935,7 @@ mod tests {
         m.apply(0, &delta("a", TODAY, &eu, 1, 0), TODAY);
         m.apply(1, &delta("b", TODAY, &eu, 1, 0), TODAY);
         m.apply(1, &delta("b", TODAY - 1, &eu, 1, 0), TODAY);
-        m.take_dirty(false, |_| true);
+        m.take_dirty(false, |_| true, |_, _| true);
         assert_eq!(m.mark_day_dirty(TODAY, Some(&[1])), 1);
         assert_eq!(m.mark_day_dirty(TODAY, None), 2);
         assert_eq!(m.dirty_len(), 2);
@@ -610,7 +951,7 @@ mod tests {
         m.apply(0, &delta("b", TODAY, &actor("eu", "1"), u64::MAX, 0), TODAY);
         m.apply(0, &delta("b", TODAY, &actor("us", "1"), 2, 0), TODAY);
         assert_eq!(m.get("b", TODAY).unwrap().total(), u64::MAX);
-        assert_eq!(m.get("b", TODAY).unwrap().regions()["eu"], u64::MAX);
+        assert_eq!(m.snapshot("b", TODAY).unwrap().regions()["eu"], u64::MAX);
     }
 
     /// One actor's history: cumulative (p, n) pairs, monotone in both.
@@ -676,7 +1017,7 @@ mod tests {
             let c = m.get("acme", TODAY).unwrap();
             let expected = exact.min(u128::from(u64::MAX)) as u64;
             prop_assert_eq!(c.total(), expected);
-            prop_assert_eq!(c.regions().get("eu").copied().unwrap_or(0), expected);
+            prop_assert_eq!(c.snapshot(m.actors()).regions().get("eu").copied().unwrap_or(0), expected);
         }
 
         /// Any interleaving, duplication and reordering of the deltas of any
@@ -694,7 +1035,7 @@ mod tests {
                 .sum();
             let total = m.get("acme", TODAY).map(Counter::total).unwrap_or(0);
             prop_assert_eq!(total, expected);
-            let parts = m.get("acme", TODAY).map(Counter::parts).unwrap_or_default();
+            let parts = m.snapshot("acme", TODAY).map(|s| s.parts).unwrap_or_default();
             for (a, h) in &actors {
                 let last = *h.last().unwrap();
                 match parts.iter().find(|p| &p.actor == a) {

@@ -34,10 +34,16 @@ pub struct Metrics {
     /// Live deltas below what their actor already published (out-of-order
     /// publishers of one actor); see [`crate::merge::Merge::stale`].
     pub stale_deltas: IntCounter,
+    /// New Redis epochs of a region beside an older one in a counter (the
+    /// region's Redis lost data), by region.
+    pub epoch_changes: IntCounterVec,
     /// Global updates acknowledged by the broker.
     pub broadcasts_produced: IntCounter,
     /// Global updates the broker did not take (retried next interval).
     pub broadcasts_failed: IntCounter,
+    /// Changed counters not broadcast: below `aggregator.broadcast_fraction`
+    /// of their limit, or of a tenant without a global limit.
+    pub broadcasts_withheld: IntCounter,
     /// Tenants at or over their global limit today.
     pub over_limit_tenants: IntGauge,
     /// (tenant, day) counters held in memory.
@@ -135,9 +141,20 @@ impl Metrics {
             "Live deltas below what their actor already published: publishers of one actor reached Kafka out of order \
              (harmless for the merge; on a compacted topic the key's latest message understates the actor until its next delta).",
         );
+        let epoch_changes = counter_vec(
+            "epoch_changes_total",
+            "Counters where a region's new Redis epoch appeared beside an older one: that region's Redis lost data \
+             (restarted empty, flushed, failed over to an empty replica). Live traffic only.",
+            &["region"],
+        );
         let broadcasts_produced = counter(
             "broadcasts_produced_total",
             "Global updates acknowledged by the broker.",
+        );
+        let broadcasts_withheld = counter(
+            "broadcasts_withheld_total",
+            "Changed counters not broadcast: below aggregator.broadcast_fraction of their global limit, or without one \
+             (region-nodes bound the others' spend of a tenant they hold no entry for by that fraction).",
         );
         let broadcasts_failed = counter(
             "broadcasts_failed_total",
@@ -212,8 +229,10 @@ impl Metrics {
             heartbeats_produced,
             misrouted,
             stale_deltas,
+            epoch_changes,
             broadcasts_produced,
             broadcasts_failed,
+            broadcasts_withheld,
             over_limit_tenants,
             tracked_counters,
             consumer_lag,

@@ -19,7 +19,7 @@ use tierlimit_shared::{day, retention};
 use tokio::sync::Notify;
 
 use crate::limits::LimitChanges;
-use crate::merge::{Applied, Merged, TenantDay};
+use crate::merge::{Applied, Counter, Merged, TenantDay};
 use crate::metrics::Metrics;
 use crate::progress::{Progress, Readiness};
 
@@ -64,6 +64,11 @@ impl State {
         let config = live.load_full();
         let kafka = config.config.kafka.clone();
         let retention = config.config.aggregator.retention_days;
+        // Every configured region's series exists from the start, so the
+        // alert rule and the dashboard see a 0, not an absent metric.
+        for region in config.config.regions.keys() {
+            metrics.epoch_changes.with_label_values(&[region]);
+        }
         Arc::new(State {
             live,
             metrics,
@@ -110,6 +115,20 @@ impl State {
     /// The tenant's daily global limit under the current configuration.
     pub fn limit_of(&self, tenant: &str) -> Option<u64> {
         self.live.load().policy(tenant).and_then(|p| p.global)
+    }
+
+    /// Which changed counters the regions need (see [`Merged::take_dirty`]):
+    /// those of tenants with a global limit whose total reached
+    /// `aggregator.broadcast_fraction` of it. Built from the configuration
+    /// outside the state lock; called under it, once per dirty counter.
+    pub fn wanted(&self) -> impl Fn(&TenantDay, &Counter) -> bool {
+        let config = self.live.load_full();
+        move |key, counter| {
+            config
+                .policy(&key.tenant)
+                .and_then(|p| p.global)
+                .is_some_and(|l| counter.total() >= config.config.aggregator.broadcast_threshold(l))
+        }
     }
 
     /// Wakes the broadcaster for counters marked urgent.
@@ -294,6 +313,10 @@ impl State {
             m.misrouted.inc();
         }
         let limit = self.limit_of(&delta.tenant);
+        // Crossing the broadcast threshold is urgent like crossing the limit:
+        // until their entry arrives the regions bound the others' spend by
+        // it.
+        let threshold = limit.map(|l| self.live.load().config.aggregator.broadcast_threshold(l));
         let today = day::today();
         let mut core = self.lock();
         if !core.progress.is_assigned(partition) {
@@ -310,25 +333,38 @@ impl State {
             m.rebuild_records.inc();
         }
         let mut wake = false;
+        let key = || TenantDay::new(delta.tenant.as_str(), delta.day);
         match core.merged.apply(partition, delta, today) {
             Applied::Changed {
                 before,
                 after,
                 stale,
+                new_epoch,
             } => {
                 m.merges_applied.inc();
+                if new_epoch && live_traffic {
+                    let region = tierlimit_shared::messages::actor_region(&delta.actor);
+                    let label = if self.live.load().config.regions.contains_key(region) {
+                        region
+                    } else {
+                        "other"
+                    };
+                    m.epoch_changes.with_label_values(&[label]).inc();
+                }
                 if stale && live_traffic {
                     m.stale_deltas.inc();
+                    core.merged.mark_visible(&key());
                 }
-                if live_traffic && limit.is_some_and(|l| before < l && after >= l) {
-                    core.merged
-                        .mark_urgent(&TenantDay::new(delta.tenant.as_str(), delta.day));
+                let crossed = |at: Option<u64>| at.is_some_and(|at| before < at && after >= at);
+                if live_traffic && (crossed(limit) || crossed(threshold)) {
+                    core.merged.mark_urgent(&key());
                     wake = true;
                 }
             }
             Applied::Unchanged { stale } => {
                 if stale && live_traffic {
                     m.stale_deltas.inc();
+                    core.merged.mark_visible(&key());
                 }
             }
             Applied::Expired => m.deltas_ignored.with_label_values(&["expired"]).inc(),
@@ -380,28 +416,32 @@ impl State {
         self.lock().progress.readiness()
     }
 
-    /// Periodic upkeep: drops expired days and refreshes the gauges that
-    /// are cheaper to compute than to maintain incrementally.
+    /// Periodic upkeep: drops expired days and refreshes the gauges. Under
+    /// the lock it walks only today's visible counters (every over-limit
+    /// tenant is one), never every counter; the expired days are freed
+    /// after the lock is released.
     pub fn housekeeping(&self) {
         let today = day::today();
         let config = self.live.load();
         let mut core = self.lock();
         core.merged
             .set_retention(config.config.aggregator.retention_days);
-        let expired = core.merged.expire(today);
-        let over = core
-            .merged
-            .day(today)
-            .filter(|(tenant, c)| {
-                config
-                    .policy(tenant)
-                    .and_then(|p| p.global)
-                    .is_some_and(|limit| c.total() >= limit)
-            })
-            .count();
+        let gone = core.merged.expire(today);
+        let over = core.merged.on(today).map_or(0, |d| {
+            d.visible()
+                .filter(|(tenant, c)| {
+                    config
+                        .policy(tenant)
+                        .and_then(|p| p.global)
+                        .is_some_and(|limit| c.total() >= limit)
+                })
+                .count()
+        });
         let tracked = core.merged.len();
         let ready = core.progress.readiness() == Readiness::Ready;
         drop(core);
+        let expired = gone.counters();
+        drop(gone);
         if expired > 0 {
             tracing::info!(expired, "dropped counters past the retention window");
         }
@@ -476,16 +516,57 @@ accept_unsigned = true
             let Core { merged, progress } = &mut *core;
             assert!(!merged.has_urgent());
             assert!(merged
-                .take_dirty(false, |p| progress.is_caught_up(p))
+                .take_dirty(false, |p| progress.is_caught_up(p), |_, _| true)
+                .0
                 .is_empty());
         }
         s.on_watermarks(p, g, 0, 2);
         assert_eq!(s.readiness(), Readiness::Ready);
         let mut core = s.lock();
         let Core { merged, progress } = &mut *core;
-        let taken = merged.take_dirty(false, |p| progress.is_caught_up(p));
+        let (taken, _) = merged.take_dirty(false, |p| progress.is_caught_up(p), |_, _| true);
         assert_eq!(taken.len(), 1);
-        assert_eq!(taken[0].1.total(), 505);
+        assert_eq!(taken[0].1.total, 505);
+    }
+
+    /// Takes the broadcasts as the broadcaster does (the counters it takes
+    /// become visible).
+    pub(crate) fn broadcasts(s: &State) -> Vec<String> {
+        let wanted = s.wanted();
+        let mut core = s.lock();
+        let Core { merged, progress } = &mut *core;
+        let (taken, _) = merged.take_dirty(false, |p| progress.is_caught_up(p), wanted);
+        taken.into_iter().map(|(k, _)| k.tenant).collect()
+    }
+
+    #[test]
+    fn only_limited_tenants_past_the_broadcast_fraction_are_broadcast() {
+        let s = state();
+        let mut ps = vec![partition_of("acme", 4), partition_of("free", 4)];
+        ps.dedup();
+        let g = s.on_assign(&ps);
+        for p in &ps {
+            s.on_watermarks(*p, g, 0, 0);
+        }
+        let (pa, pf) = (partition_of("acme", 4), partition_of("free", 4));
+        // acme's limit is 100, the default fraction 0.25: threshold 25.
+        s.on_delta(pa, 0, &d("acme", "eu", 24));
+        s.on_delta(pf, 0, &d("free", "eu", 1_000_000));
+        assert!(!s.lock().merged.has_urgent());
+        assert!(
+            broadcasts(&s).is_empty(),
+            "below the threshold, or unlimited"
+        );
+        // Crossing the threshold is urgent, and from then on acme is broadcast.
+        s.on_delta(pa, 1, &d("acme", "eu", 25));
+        assert!(s.lock().merged.has_urgent());
+        assert_eq!(broadcasts(&s), ["acme"]);
+        // An unlimited tenant whose actor published less than before (a
+        // rolled-back Redis) is broadcast, so its region can raise the
+        // counter back.
+        s.on_delta(pf, 1, &d("free", "eu", 10));
+        assert_eq!(broadcasts(&s), ["free"]);
+        assert_eq!(s.metrics.stale_deltas.get(), 1);
     }
 
     #[test]
@@ -494,15 +575,18 @@ accept_unsigned = true
         let p = partition_of("acme", 4);
         let g = s.on_assign(&[p]);
         s.on_watermarks(p, g, 0, 0);
-        s.on_delta(p, 0, &d("acme", "eu", 99));
+        s.on_delta(p, 0, &d("acme", "eu", 30));
+        // Crossing the broadcast threshold (25) was urgent; taken.
+        s.lock().merged.take_dirty(true, |_| true, |_, _| true);
+        s.on_delta(p, 1, &d("acme", "us", 69));
         assert!(!s.lock().merged.has_urgent());
-        s.on_delta(p, 1, &d("acme", "us", 1));
+        s.on_delta(p, 2, &d("acme", "us", 70));
         assert!(s.lock().merged.has_urgent());
         // Unlimited tenants never cross.
         let q = partition_of("free", 4);
         let g = s.on_assign(&[q]);
         s.on_watermarks(q, g, 0, 0);
-        s.lock().merged.take_dirty(true, |_| true);
+        s.lock().merged.take_dirty(true, |_| true, |_, _| true);
         s.on_delta(q, 0, &d("free", "eu", 1_000_000));
         assert!(!s.lock().merged.has_urgent());
     }
@@ -543,6 +627,10 @@ accept_unsigned = true
         for (i, t) in ["acme", "other", "free"].iter().enumerate() {
             s.on_delta(partition_of(t, 4), i as i64, &d(t, "eu", 100));
         }
+        // Over-limit tenants are found among the broadcast ones.
+        s.housekeeping();
+        assert_eq!(s.metrics.over_limit_tenants.get(), 0);
+        broadcasts(&s);
         s.housekeeping();
         // acme (plan) and other (unknown → plan small) are at 100; free has no limit.
         assert_eq!(s.metrics.over_limit_tenants.get(), 2);

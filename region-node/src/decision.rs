@@ -6,7 +6,8 @@
 //! 3. one call of the region's [`CounterStore`] (one `EVALSHA` of
 //!    `decide.lua`), which checks node tier, region tier and the region's
 //!    global budget (`limit − others`, others = broadcast total minus this
-//!    region's current actor) and charges all of them only if all pass;
+//!    region's current actor, the total taken to be at least the broadcast
+//!    threshold) and charges all of them only if all pass;
 //! 4. if Redis cannot answer, the plan's `on_store_error` decides: `local`
 //!    is the same call answered by the in-process store ([`Local`]).
 //!
@@ -744,10 +745,18 @@ impl Decider {
             (Some(limit), seen) => {
                 let (total, own_parts) = seen.unwrap_or_default();
                 let own = crate::view::net_sum(own_parts.iter().map(|(_, p, n)| (*p, *n)));
+                // The aggregator broadcasts a limited tenant once its total
+                // reaches the threshold; below it the view holds no entry,
+                // or one that may no longer be updated (broadcast before a
+                // limit was raised, or before the aggregator restarted). So
+                // the total is taken to be at least the threshold: others ≤
+                // threshold − own part, never 0 for want of an entry
+                // (ARCHITECTURE.md, "Only what decisions need is broadcast").
+                let bounded = total.max(cfg.config.aggregator.broadcast_threshold(limit));
                 Some(GlobalArgs {
                     limit,
-                    broadcast_total: total,
-                    own_cap: self.staleness_cap(cfg, limit, total, own, now),
+                    broadcast_total: bounded,
+                    own_cap: self.staleness_cap(cfg, limit, bounded, own, now),
                     own_parts,
                     urgent_at: crate::publisher::urgent_at(
                         Some(limit),

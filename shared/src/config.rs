@@ -407,6 +407,18 @@ pub struct AggregatorSettings {
     /// limit is broadcast at once).
     #[serde(with = "serde_human")]
     pub broadcast_interval: Duration,
+    /// Which counters are broadcast: those of tenants with a global limit
+    /// `L` whose merged total reached `broadcast_fraction × L` (and, from
+    /// then on, every change of them). A region-node that holds no entry
+    /// for a limited tenant takes the others' spend to be
+    /// `⌈broadcast_fraction × L⌉`, so the view and the global topic's
+    /// traffic grow with the tenants near their limit, not with all
+    /// tenants. At most ½: a tenant whose traffic is all in one region
+    /// must reach the fraction before that region's budget
+    /// `(1 − fraction) × L` runs out. 0 broadcasts every limited tenant.
+    /// Read by the aggregator and the region-nodes alike, so all must agree
+    /// (README, "Upgrading").
+    pub broadcast_fraction: f64,
     /// Days kept in memory and answered over HTTP; older days are dropped.
     pub retention_days: u32,
     /// Consumer-group session timeout: how long a crashed aggregator keeps
@@ -423,9 +435,22 @@ impl Default for AggregatorSettings {
             group_id: "tierlimit-aggregator-cooperative".into(),
             assignment: Assignment::CooperativeSticky,
             broadcast_interval: Duration::from_millis(250),
+            broadcast_fraction: 0.25,
             retention_days: 2,
             session_timeout: Duration::from_secs(6),
         }
+    }
+}
+
+impl AggregatorSettings {
+    /// The merged total from which a tenant with global limit `limit` is
+    /// broadcast: `⌈broadcast_fraction × limit⌉`. Also what a region-node
+    /// takes as the others' spend of a limited tenant it holds no entry for,
+    /// so both sides compute it here.
+    pub fn broadcast_threshold(&self, limit: u64) -> u64 {
+        // A float-to-int cast saturates; the fraction is at most ½, so the
+        // threshold never exceeds the limit.
+        ((self.broadcast_fraction * limit as f64).ceil() as u64).min(limit)
     }
 }
 
@@ -1293,6 +1318,12 @@ impl Config {
             ms(10),
             ms(60_000),
         )?;
+        if !(0.0..=0.5).contains(&a.broadcast_fraction) {
+            return Err(ConfigError::invalid(
+                "aggregator.broadcast_fraction",
+                format!("must be within 0..0.5, got {}", a.broadcast_fraction),
+            ));
+        }
         if !(1..=31).contains(&a.retention_days) {
             return Err(ConfigError::invalid(
                 "aggregator.retention_days",

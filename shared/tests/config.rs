@@ -450,6 +450,14 @@ fn every_settings_range_is_checked() {
         );
     }
     ok(&with(&["node", "urgent_fraction"], v("0.0")));
+    for bad in ["-0.1", "0.51"] {
+        refused(
+            &with(&["aggregator", "broadcast_fraction"], v(bad)),
+            "aggregator.broadcast_fraction",
+            "within 0..0.5",
+        );
+    }
+    ok(&with(&["aggregator", "broadcast_fraction"], v("0.5")));
     refused(
         &with(&["aggregator", "group_id"], s("")),
         "aggregator.group_id",
@@ -1307,6 +1315,7 @@ fn example_config_documents_every_key() {
         "group_id",
         "assignment",
         "broadcast_interval",
+        "broadcast_fraction",
         "retention_days",
         "[regions.",
         "redis_url",

@@ -592,15 +592,165 @@ async fn view_part(n: &RegionNode, tenant: &str) -> Option<(u64, u64)> {
     sum
 }
 
+/// Only what decisions need is broadcast (issue 10): tenants far from their
+/// global limit and tenants without one are never broadcast, so the nodes'
+/// views hold only the tenants near their limit; a node with no entry bounds
+/// the other regions' spend by the broadcast threshold (a quarter of the
+/// limit by default), and once the tenant crosses it the entry arrives and
+/// the tenant reaches its limit exactly, whether its traffic is all in one
+/// region or split, and never more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_tenants_near_their_limit_are_broadcast_and_reach_it_exactly() {
+    let mut plans = String::from(
+        r#"
+[plans.g]
+global = { limit = 200 }
+[plans.free]
+region = { limit = 100000, window = "1h", algorithm = "fixed_window" }
+[tenants.solo]
+plan = "g"
+[tenants.split]
+plan = "g"
+[tenants.gap]
+plan = "g"
+[tenants.free]
+plan = "free"
+"#,
+    );
+    let quiet: Vec<String> = (0..10).map(|i| format!("q{i}")).collect();
+    for q in &quiet {
+        plans += &format!("[tenants.{q}]\nplan = \"g\"\n");
+    }
+    let w = World::new(&["eu", "us"], &plans).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
+    let us = RegionNode::start(&w.cfg, "us", "a").await;
+    for n in [&eu, &us] {
+        node_ready(n).await;
+    }
+    agg_ready(&agg).await;
+
+    // Far from the threshold of 50 (a quarter of 200), or unlimited.
+    for q in &quiet {
+        allow_n(&eu, q, 10).await;
+    }
+    allow_n(&us, "free", 60).await;
+    allow_n(&us, "split", 30).await;
+    allow_n(&us, "gap", 45).await;
+    for q in &quiet {
+        wait_total(&agg, q, 10).await;
+    }
+    wait_total(&agg, "free", 60).await;
+    wait_total(&agg, "split", 30).await;
+    wait_total(&agg, "gap", 45).await;
+
+    // A missing entry is never "others = 0": us spent 45 of gap's 200,
+    // which eu cannot see (below 50, not broadcast). 160 more through eu
+    // would make 205: refused, as is anything above 200 − 50.
+    let cost = |n: u64| {
+        let (http, url) = (eu.http.clone(), eu.url("/v1/check"));
+        async move {
+            let r = http
+                .post(url)
+                .json(&json!({ "tenant": "gap", "cost": n }))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (s, body) = cost(160).await;
+    assert_eq!(
+        (s, &body["violated-policy"]),
+        (429, &json!("global")),
+        "{body}"
+    );
+    let (s, body) = cost(151).await;
+    assert_eq!(s, 429, "the bound is 200 − 50: {body}");
+    let (s, body) = cost(150).await;
+    assert_eq!(s, 200, "{body}");
+
+    // Sequential checks until `n` are allowed; every answer must be 200 or
+    // a global 429 (the 429s while the region waits for the entry).
+    let push = |node: &RegionNode, tenant: &'static str, n: u64| {
+        let (http, url) = (node.http.clone(), node.url("/v1/check"));
+        async move {
+            let (mut allowed, mut waited) = (0u64, 0u64);
+            let deadline = Instant::now() + DEADLINE;
+            while allowed < n {
+                assert!(
+                    Instant::now() < deadline,
+                    "{tenant}: {allowed} of {n} allowed by the deadline"
+                );
+                let (s, body) = check(&http, &url, tenant).await;
+                match s {
+                    200 => allowed += 1,
+                    429 => {
+                        assert_eq!(body["violated-policy"], "global", "{body}");
+                        waited += 1;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    _ => panic!("{tenant}: {s} {body}"),
+                }
+            }
+            waited
+        }
+    };
+    // All in one region: without an entry eu may reach 200 − 50 = 150; the
+    // crossing of 50 is broadcast, then eu's own part is not "others".
+    let waited = push(&eu, "solo", 200).await;
+    // Split: us spent 30 (never broadcast); eu may take 150 before the entry
+    // arrives, then exactly 200 − 30 = 170.
+    push(&eu, "split", 170).await;
+    // eu knows at once (its own part is exact); us once eu's last units
+    // are broadcast (the overshoot window every view has).
+    wait_total(&agg, "solo", 200).await;
+    wait_total(&agg, "split", 200).await;
+    wait_until("us's view holds split's 200", DEADLINE, || async {
+        let v = harness::try_json(&us.http, &us.url("/v1/tenants/split")).await;
+        v.is_some_and(|v| v["global_total"].as_u64() == Some(200))
+    })
+    .await;
+    for (tenant, node) in [("solo", &eu), ("split", &eu), ("split", &us)] {
+        for _ in 0..5 {
+            let (s, body) = check(&node.http, &node.url("/v1/check"), tenant).await;
+            assert_eq!(s, 429, "{tenant} past its limit on {}: {body}", node.region);
+        }
+    }
+    assert_eq!(w.redis_truth("solo").await, 200);
+    assert_eq!(w.redis_truth("split").await, 200);
+    println!("solo waited {waited} checks for its entry");
+
+    // Every view holds the three tenants that reached the threshold,
+    // nothing of the ten quiet ones or of the unlimited one.
+    wait_total(&agg, "gap", 195).await;
+    for n in [&eu, &us] {
+        wait_until(
+            &format!("{} holds solo, split and gap", n.region),
+            DEADLINE,
+            || async { node_metric(n, "tierlimit_view_entries").await == 3 },
+        )
+        .await;
+        for t in quiet.iter().map(String::as_str).chain(["free"]) {
+            let v: Value = harness::get_json(&n.http, &n.url(&format!("/v1/tenants/{t}"))).await;
+            assert!(v["global_total"].is_null(), "{t} on {}: {v}", n.region);
+        }
+    }
+    assert!(agg_metric(&agg, "tierlimit_aggregator_broadcasts_withheld_total").await >= 12);
+}
+
 /// A partial rollback (issue 10): the region's Redis comes back from an
 /// older snapshot, below what the region already published, with the same
 /// epoch. The decision script raises the counter to the broadcast part
 /// before it charges, so a tenant with a global limit of 150, of which 100
-/// were spent and broadcast, gets exactly 50 more (not 100), and a tenant
-/// without a global limit keeps counting from the published 100 (the
-/// aggregator's max-merge would otherwise ignore it until Redis passed 100
-/// again). Nothing charged before the snapshot or after the restart is lost;
-/// what the snapshot erased had been published already.
+/// were spent and broadcast, gets exactly 50 more (not 100). A tenant
+/// without a global limit is not in the view (nothing is broadcast for it):
+/// its first delta after the rollback is below what the aggregator holds,
+/// which makes the aggregator broadcast it, and from then on it counts from
+/// the published 100 (the max-merge would otherwise ignore it until Redis
+/// passed 100 again). What the snapshot erased had been published already;
+/// what is lost is what the region charged between the rollback and the
+/// raise (here the one check that revealed it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_partial_rollback_neither_over_admits_nor_under_counts() {
     const PLANS: &str = r#"
@@ -630,17 +780,17 @@ plan = "free"
         let r = w.redis_mut("eu");
         tokio::task::block_in_place(|| r.snapshot("older"))
     };
-    // 50 more each, published and broadcast back to the region.
+    // 50 more each, published; rb (near its limit) broadcast back to the
+    // region, nolimit never.
     for t in ["rb", "nolimit"] {
         allow_n(&eu, t, 50).await;
         wait_total(&agg, t, 100).await;
-        wait_until(
-            &format!("eu's view holds its part 100 of {t}"),
-            DEADLINE,
-            || async { view_part(&eu, t).await == Some((100, 0)) },
-        )
-        .await;
     }
+    wait_until("eu's view holds its part 100 of rb", DEADLINE, || async {
+        view_part(&eu, "rb").await == Some((100, 0))
+    })
+    .await;
+    assert_eq!(view_part(&eu, "nolimit").await, None, "never broadcast");
     // Redis comes back from the snapshot: P = 50, same epoch.
     {
         let r = w.redis_mut("eu");
@@ -665,8 +815,9 @@ plan = "free"
     assert_eq!(allowed, 50, "150 − 100 already spent and broadcast");
     wait_total(&agg, "rb", 150).await;
 
-    // Without a global limit: 10 more count on top of the published 100.
-    for _ in 0..10 {
+    // Without a global limit: the first check after the rollback is
+    // published below the aggregator's 100 and makes it broadcast the part.
+    let allow_one = || async {
         loop {
             let (status, _) = check(&eu.http, &url, "nolimit").await;
             if status == 200 {
@@ -674,6 +825,18 @@ plan = "free"
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    };
+    allow_one().await;
+    wait_until(
+        "eu's view holds its part 100 of nolimit",
+        DEADLINE,
+        || async { view_part(&eu, "nolimit").await == Some((100, 0)) },
+    )
+    .await;
+    assert!(agg_metric(&agg, "tierlimit_aggregator_stale_deltas_total").await >= 1);
+    // Then 10 more count on top of the published 100: one check lost, not 50.
+    for _ in 0..10 {
+        allow_one().await;
     }
     wait_total(&agg, "nolimit", 110).await;
     assert!(

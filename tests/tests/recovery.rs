@@ -64,6 +64,9 @@ store_timeout = "2s"
 [aggregator]
 broadcast_interval = "100ms"
 group_id = "agg-recovery"
+# Every limited tenant is broadcast: these tests are about what the
+# topic carries, not about the threshold (global.rs tests that).
+broadcast_fraction = 0
 retention_days = 2
 [unknown_tenants]
 policy = "deny"

@@ -55,6 +55,9 @@ store_timeout = "2s"
 [aggregator]
 broadcast_interval = "100ms"
 group_id = "agg-wire"
+# Every limited tenant is broadcast: these tests are about what the
+# topic carries, not about the threshold (global.rs tests that).
+broadcast_fraction = 0
 [regions.eu]
 redis_url = "{eu}"
 [regions.us]

@@ -490,12 +490,15 @@ impl Stack {
         Ok(snap)
     }
 
-    /// One phase: every tenant once, then wait until published, merged and
-    /// back in the view. Returns the phase and when its load ended.
+    /// One phase: every tenant once, then wait until published and merged. Returns the phase and when its load ended.
     async fn phase(&self, run: &Run, k: &Knobs, name: &str) -> anyhow::Result<(Phase, Instant)> {
         let http = &self.node.http;
         let nb = self.node.url("");
+        let ab = self.agg.url("");
         let view0 = metric(http, &nb, "tierlimit_view_entries")
+            .await
+            .unwrap_or(0.0);
+        let tracked0 = metric(http, &ab, "tierlimit_aggregator_tracked_counters")
             .await
             .unwrap_or(0.0);
         let started = Instant::now();
@@ -532,18 +535,20 @@ impl Stack {
         );
         let deadline = Instant::now() + Duration::from_secs(k.rollover_drain_seconds);
         loop {
+            // Merged by the aggregator; far from their global limit, the
+            // tenants are not broadcast back, so the view stays as it was.
             let d = self.conn.dirty_total().await?;
-            let v = metric(http, &nb, "tierlimit_view_entries")
+            let merged = metric(http, &ab, "tierlimit_aggregator_tracked_counters")
                 .await
                 .unwrap_or(0.0);
-            if d == 0 && v - view0 >= populated as f64 {
+            if d == 0 && merged - tracked0 >= populated as f64 {
                 break;
             }
             if Instant::now() >= deadline {
                 bail!(
-                    "phase {name}: not drained after {}s (dirty {d}, view +{} of {populated})",
+                    "phase {name}: not drained after {}s (dirty {d}, merged +{} of {populated})",
                     k.rollover_drain_seconds,
-                    v - view0
+                    merged - tracked0
                 );
             }
             tokio::time::sleep(Duration::from_secs(2)).await;
