@@ -717,10 +717,10 @@ mod tests {
             TODAY
         )));
         let c = m.get("acme", TODAY).unwrap();
-        assert_eq!(c.total(), 42);
+        assert_eq!(c.total(), 45);
         assert_eq!(
             c.snapshot(m.actors()).regions(),
-            BTreeMap::from([("eu".into(), 42)])
+            BTreeMap::from([("eu".into(), 44), ("us".into(), 1)])
         );
     }
 
