@@ -45,6 +45,10 @@ pub struct Scale {
     pub view_age_s: Option<f64>,
     pub agg_tracked: Option<f64>,
     pub agg_broadcasts: Option<f64>,
+    /// Changed counters the aggregator did not broadcast (below the
+    /// broadcast threshold of their limit).
+    #[serde(default)]
+    pub agg_withheld: Option<f64>,
     pub deltas_produced: Option<f64>,
     pub populate: Summary,
     /// Derived: Redis bytes per tenant after publishing and while dirty.
@@ -153,6 +157,7 @@ pub async fn run(
         view_age_s: metric(&http, &nb, "tierlimit_view_age_seconds").await,
         agg_tracked: metric(&http, &ab, "tierlimit_aggregator_tracked_counters").await,
         agg_broadcasts: metric(&http, &ab, "tierlimit_aggregator_broadcasts_produced_total").await,
+        agg_withheld: metric(&http, &ab, "tierlimit_aggregator_broadcasts_withheld_total").await,
         deltas_produced: metric(&http, &nb, "tierlimit_deltas_produced_total").await,
         bytes_per_tenant: (redis_used_after as f64 - redis_used_before as f64)
             / populated.max(1) as f64,
