@@ -366,6 +366,10 @@ plan = "tiny"
 [unknown_tenants]
 policy = "plan"
 plan = "bench"
+# Scenario 6 brings a million new tenants in a few minutes: the newcomer
+# gate's defaults (100 new tenants/s, 100 000 a day) would refuse most.
+max_new_per_second = 1000000
+max_per_day = 100000000
 "#,
         eu = redis[0].redis.url(),
         us = redis[1].redis.url(),
