@@ -148,6 +148,14 @@ pub struct RedisCounts {
 }
 
 impl RedisCounts {
+    pub fn plus(self, other: RedisCounts) -> RedisCounts {
+        RedisCounts {
+            reads: self.reads + other.reads,
+            evalsha: self.evalsha + other.evalsha,
+            evalsha_usec: self.evalsha_usec + other.evalsha_usec,
+        }
+    }
+
     pub fn since(self, before: RedisCounts) -> RedisCounts {
         RedisCounts {
             reads: self.reads - before.reads,

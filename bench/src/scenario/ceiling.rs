@@ -66,7 +66,11 @@ pub struct Ceiling {
     pub evalsha_mux: Summary,
     pub rb_rounds: Vec<f64>,
     pub node_rounds: Vec<f64>,
-    /// Redis' counters over every round (warm-ups included).
+    /// Zipf rounds, each right after the round's uniform one.
+    #[serde(default)]
+    pub zipf_rounds: Vec<f64>,
+    /// Redis' counters over every uniform region-node round (warm-ups
+    /// included).
     pub node_redis: RedisCounts,
     pub rb_redis: RedisCounts,
     /// CPU ticks (1/100 s) over every region-node round.
@@ -183,12 +187,18 @@ pub async fn run(
     let rb_n = (probe.rps * k.duration as f64) as u64;
     let common = closed(k.connections, k.tenants, k.duration, WARMUP);
 
-    let node_redis0 = eu.conn.counts().await?;
+    let mut node_redis = RedisCounts::default();
     let rb_redis0 = ceiling_redis.conn.counts().await?;
     let (mut node_ticks, mut redis_ticks) = (0u64, 0u64);
     let mut rb_runs = Vec::new();
     let mut node_runs = Vec::new();
+    let mut zipf_runs = Vec::new();
     let mut tc_runs = Vec::new();
+    let mut zipf = strings(["--url".to_string(), solo.url("/v1/check")]);
+    zipf.extend(common.iter().cloned());
+    zipf.extend(strings([
+        "--dist", "zipf", "--zipf-s", "1.1", "--seed", "2",
+    ]));
     for i in 1..=k.rounds {
         let deadline = Duration::from_secs(600);
         rb_runs.push(RbRun::parse(
@@ -202,16 +212,21 @@ pub async fn run(
         )?);
         let c0 = testkit::cpu_ticks(solo.proc.pid()).unwrap_or(0);
         let r0 = testkit::cpu_ticks(eu.pid()).unwrap_or(0);
+        let counts0 = eu.conn.counts().await?;
         let mut a = strings(["--url".to_string(), solo.url("/v1/check")]);
         a.extend(common.iter().cloned());
         node_runs.push(run.http(&format!("s1_node_{i}"), &a).await?);
         node_ticks += testkit::cpu_ticks(solo.proc.pid()).unwrap_or(0) - c0;
         redis_ticks += testkit::cpu_ticks(eu.pid()).unwrap_or(0) - r0;
+        node_redis = node_redis.plus(eu.conn.counts().await?.since(counts0));
+        // Zipf right after, so each pair shares the machine's state of
+        // the moment (a single Zipf run after the rounds compared one
+        // sample with a median).
+        zipf_runs.push(run.http(&format!("s1_node_zipf_{i}"), &zipf).await?);
         if let Some(tc) = &tc {
             tc_runs.push(peer::round(run, tc, i, &common).await?);
         }
     }
-    let node_redis = eu.conn.counts().await?.since(node_redis0);
     let rb_redis = ceiling_redis.conn.counts().await?.since(rb_redis0);
     drop(tc);
     let rb_pipe16 = RbRun::parse(
@@ -231,12 +246,8 @@ pub async fn run(
     let node = node_runs[median_index(&node_rounds)].clone();
     let peer = (!tc_runs.is_empty()).then(|| Peer::from_rounds(tc_version, tc_runs));
 
-    let mut a = strings(["--url".to_string(), solo.url("/v1/check")]);
-    a.extend(common.iter().cloned());
-    a.extend(strings([
-        "--dist", "zipf", "--zipf-s", "1.1", "--seed", "2",
-    ]));
-    let node_zipf = run.http("s1_node_zipf", &a).await?;
+    let zipf_rounds: Vec<f64> = zipf_runs.iter().map(|r| r.throughput_rps).collect();
+    let node_zipf = zipf_runs[median_index(&zipf_rounds)].clone();
     let mut a = strings(["--redis-url".to_string(), eu.redis.url()]);
     a.extend(script_opts());
     a.extend(common.iter().cloned());
@@ -262,6 +273,7 @@ pub async fn run(
         evalsha_mux,
         rb_rounds,
         node_rounds,
+        zipf_rounds,
         node_ticks,
         redis_ticks,
         node_cpu_us: node_ticks as f64 * 10000.0 / n,
