@@ -312,11 +312,12 @@ impl State {
         if partition_of(&delta.tenant, self.kafka.partitions) != partition {
             m.misrouted.inc();
         }
-        let limit = self.limit_of(&delta.tenant);
+        let config = self.live.load();
+        let limit = config.policy(&delta.tenant).and_then(|p| p.global);
         // Crossing the broadcast threshold is urgent like crossing the limit:
         // until their entry arrives the regions bound the others' spend by
         // it.
-        let threshold = limit.map(|l| self.live.load().config.aggregator.broadcast_threshold(l));
+        let threshold = limit.map(|l| config.config.aggregator.broadcast_threshold(l));
         let today = day::today();
         let mut core = self.lock();
         if !core.progress.is_assigned(partition) {
@@ -332,7 +333,7 @@ impl State {
         if !live_traffic {
             m.rebuild_records.inc();
         }
-        let mut wake = false;
+        let (mut wake, mut epoch_changed) = (false, false);
         let key = || TenantDay::new(delta.tenant.as_str(), delta.day);
         match core.merged.apply(partition, delta, today) {
             Applied::Changed {
@@ -342,15 +343,7 @@ impl State {
                 new_epoch,
             } => {
                 m.merges_applied.inc();
-                if new_epoch && live_traffic {
-                    let region = tierlimit_shared::messages::actor_region(&delta.actor);
-                    let label = if self.live.load().config.regions.contains_key(region) {
-                        region
-                    } else {
-                        "other"
-                    };
-                    m.epoch_changes.with_label_values(&[label]).inc();
-                }
+                epoch_changed = new_epoch && live_traffic;
                 if stale && live_traffic {
                     m.stale_deltas.inc();
                     core.merged.mark_visible(&key());
@@ -378,11 +371,14 @@ impl State {
         let region = tierlimit_shared::messages::actor_region(&delta.actor);
         // Label only configured regions: the label set must not be driven
         // by whatever a producer writes.
-        let label = if self.live.load().config.regions.contains_key(region) {
+        let label = if config.config.regions.contains_key(region) {
             region
         } else {
             "unknown"
         };
+        if epoch_changed {
+            m.epoch_changes.with_label_values(&[label]).inc();
+        }
         let gauge = m.region_last_delta.with_label_values(&[label]);
         let ts = delta.ts_ms as f64 / 1000.0;
         if ts > gauge.get() {

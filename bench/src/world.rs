@@ -325,6 +325,32 @@ algorithm = "sliding_window"
     )
 }
 
+/// The configuration of a one-region scenario (8, 9, 10): region `eu` on
+/// `redis_url`, Kafka detached, the `bench` plan for unknown tenants with
+/// the newcomer gate raised (its default, 100 new tenants a second, would
+/// refuse most of the first seconds' tenants), `node_extra` added to
+/// `[node]` and `rest` at the end.
+pub fn solo_config(scenario: &str, redis_url: &str, node_extra: &str, rest: &str) -> String {
+    format!(
+        r#"# Written by scripts/bench (scenario {scenario}).
+cluster = "bench"
+[kafka]
+brokers = "127.0.0.1:1"
+[node]
+store_timeout = "500ms"
+store_retry_interval = "100ms"
+{node_extra}
+[regions.eu]
+redis_url = "{redis_url}"
+[unknown_tenants]
+policy = "plan"
+plan = "bench"
+max_new_per_second = 1000000
+{plan}{rest}"#,
+        plan = bench_plan("60s")
+    )
+}
+
 /// The configuration of the main run (`$TMP/tierlimit.toml`): three
 /// regions, the throughput, accuracy, fast-path and crossings plans, and
 /// tenants `x0` … for scenario 5b.
@@ -390,4 +416,29 @@ max_per_day = 100000000
         s.push_str(&format!("\n[tenants.x{i}]\nplan = \"cross\"\n"));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_region_configs_are_valid() {
+        for toml in [
+            solo_config("8", "redis://127.0.0.1:1", "", ""),
+            solo_config("9", "redis://127.0.0.1:1", "lease_max = 64", ""),
+            solo_config(
+                "10",
+                "redis://127.0.0.1:1",
+                "",
+                "[[rls.domains]]\ndomain = \"d\"\ntenant_entry = \"tenant\"\n",
+            ),
+        ] {
+            // testkit::write_config adds the wire keys when it writes the file.
+            let toml = format!("{toml}\n[wire]\naccept_unsigned = true\n");
+            let loaded = tierlimit_shared::Config::from_toml(&toml)
+                .unwrap_or_else(|e| panic!("{e}\n{toml}"));
+            assert_eq!(loaded.config.unknown_tenants.max_new_per_second, 1_000_000);
+        }
+    }
 }

@@ -97,13 +97,16 @@ policy = "deny"
     }
 }
 
-/// Two regions (eu, us) with the global-only plans: the world, the
-/// aggregator and one node per region, the aggregator ready.
-async fn two_regions() -> (World, Aggregator, RegionNode, RegionNode) {
-    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
+/// Two regions (eu, us) with `plans`: the world, the aggregator and one
+/// node per region, all ready.
+async fn two_regions(plans: &str) -> (World, Aggregator, RegionNode, RegionNode) {
+    let w = World::new(&["eu", "us"], plans).await;
     let agg = Aggregator::start(&w.cfg).await;
     let eu = RegionNode::start(&w.cfg, "eu", "a").await;
     let us = RegionNode::start(&w.cfg, "us", "a").await;
+    for n in [&eu, &us] {
+        node_ready(n).await;
+    }
     agg_ready(&agg).await;
     (w, agg, eu, us)
 }
@@ -245,14 +248,7 @@ plan = "big"
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_regions_push_past_the_daily_limit_then_both_deny() {
-    let w = World::new(&["eu", "us"], GLOBAL_ONLY).await;
-    let agg = Aggregator::start(&w.cfg).await;
-    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
-    let us = RegionNode::start(&w.cfg, "us", "a").await;
-    for n in [&eu, &us] {
-        node_ready(n).await;
-    }
-    agg_ready(&agg).await;
+    let (_w, agg, eu, us) = two_regions(GLOBAL_ONLY).await;
 
     // Both regions push until each has seen a global denial.
     let started = Instant::now();
@@ -326,7 +322,7 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_reordering_and_garbage_change_nothing() {
-    let (w, agg, eu, us) = two_regions().await;
+    let (w, agg, eu, us) = two_regions(GLOBAL_ONLY).await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
     traffic.wait_allowed("some traffic", 200).await;
     let allowed = traffic.stop().await;
@@ -417,7 +413,7 @@ async fn duplicates_reordering_and_garbage_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn aggregator_killed_and_restarted_rebuilds_exactly() {
-    let (w, mut agg, eu, us) = two_regions().await;
+    let (w, mut agg, eu, us) = two_regions(GLOBAL_ONLY).await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
     traffic.wait_allowed("traffic before the crash", 100).await;
     agg.proc.kill9();
@@ -460,7 +456,7 @@ async fn region_node_killed_mid_traffic_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn region_redis_flushed_starts_a_new_epoch_without_double_count() {
-    let (w, agg, eu, us) = two_regions().await;
+    let (w, agg, eu, us) = two_regions(GLOBAL_ONLY).await;
     let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "t", 2);
     traffic.wait_allowed("traffic before the flush", 100).await;
     let before = traffic.stop().await;
@@ -621,14 +617,7 @@ plan = "free"
     for q in &quiet {
         plans += &format!("[tenants.{q}]\nplan = \"g\"\n");
     }
-    let w = World::new(&["eu", "us"], &plans).await;
-    let agg = Aggregator::start(&w.cfg).await;
-    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
-    let us = RegionNode::start(&w.cfg, "us", "a").await;
-    for n in [&eu, &us] {
-        node_ready(n).await;
-    }
-    agg_ready(&agg).await;
+    let (w, agg, eu, us) = two_regions(&plans).await;
 
     // Far from the threshold of 50 (a quarter of 200), or unlimited.
     for q in &quiet {

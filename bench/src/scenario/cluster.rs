@@ -21,7 +21,7 @@ use crate::loadgen::Summary;
 use crate::run::{strings, Run};
 use crate::scenario::ceiling::WARMUP;
 use crate::scenario::median;
-use crate::world::{bench_plan, start_node};
+use crate::world::{solo_config, start_node};
 
 /// One throughput round.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -64,23 +64,7 @@ pub struct ClusterBench {
 }
 
 fn config(redis_url: &str) -> String {
-    format!(
-        r#"# Written by scripts/bench (scenario 8).
-cluster = "bench"
-[kafka]
-brokers = "127.0.0.1:1"
-[node]
-store_timeout = "500ms"
-store_retry_interval = "100ms"
-[regions.eu]
-redis_url = "{redis_url}"
-[unknown_tenants]
-policy = "plan"
-plan = "bench"
-{}
-"#,
-        bench_plan("60s")
-    )
+    solo_config("8", redis_url, "", "")
 }
 
 /// The configuration file of one deployment, in a directory of its own.

@@ -34,7 +34,7 @@ use crate::loadgen::Summary;
 use crate::run::{strings, Run};
 use crate::scenario::ceiling::WARMUP;
 use crate::scenario::median;
-use crate::world::{bench_plan, start_node, RedisConn};
+use crate::world::{solo_config, start_node, RedisConn};
 
 /// The RLS domain Envoy sends.
 const DOMAIN: &str = "bench";
@@ -96,28 +96,18 @@ pub struct EnvoyBench {
 }
 
 fn config(redis_url: &str) -> String {
-    format!(
-        r#"# Written by scripts/bench (scenario 10).
-cluster = "bench"
-[kafka]
-brokers = "127.0.0.1:1"
-[node]
-store_timeout = "500ms"
-store_retry_interval = "100ms"
-[regions.eu]
-redis_url = "{redis_url}"
-[unknown_tenants]
-policy = "plan"
-plan = "bench"
-max_new_per_second = 1000000
-{}
-# Envoy's descriptor [tenant] names the tenant; no descriptor rule, so the
+    solo_config(
+        "10",
+        redis_url,
+        "",
+        &format!(
+            r#"# Envoy's descriptor [tenant] names the tenant; no descriptor rule, so the
 # tenant's plan decides, as on the HTTP check.
 [[rls.domains]]
 domain = "{DOMAIN}"
 tenant_entry = "tenant"
-"#,
-        bench_plan("60s")
+"#
+        ),
     )
 }
 

@@ -14,7 +14,7 @@ use crate::loadgen::Summary;
 use crate::run::{strings, Run};
 use crate::scenario::ceiling::WARMUP;
 use crate::scenario::median;
-use crate::world::{bench_plan, start_node, RedisConn};
+use crate::world::{solo_config, start_node, RedisConn};
 
 /// Units a lease may take in the `on` variant.
 pub const LEASE_MAX: u64 = 64;
@@ -62,25 +62,7 @@ pub struct LeaseBench {
 }
 
 fn config(redis_url: &str, lease_max: u64) -> String {
-    format!(
-        r#"# Written by scripts/bench (scenario 9).
-cluster = "bench"
-[kafka]
-brokers = "127.0.0.1:1"
-[node]
-store_timeout = "500ms"
-store_retry_interval = "100ms"
-lease_max = {lease_max}
-[regions.eu]
-redis_url = "{redis_url}"
-[unknown_tenants]
-policy = "plan"
-plan = "bench"
-max_new_per_second = 1000000
-{}
-"#,
-        bench_plan("60s")
-    )
+    solo_config("9", redis_url, &format!("lease_max = {lease_max}"), "")
 }
 
 fn variant(rounds: Vec<Round>) -> Variant {
