@@ -52,8 +52,12 @@ const FAULT: Duration = Duration::from_secs(4);
 /// Traffic after the heal.
 const AFTER: Duration = Duration::from_secs(2);
 /// After a heal, every node must have a fresh view and publish again within
-/// this long.
-const RECOVERY: Duration = Duration::from_secs(20);
+/// this long. 20 s was too tight on the 2-core machine of 2026-11-25: after
+/// a cut longer than `message.timeout.ms`, one node's follower took 10.7,
+/// 14.0 and more than 20 s to confirm its view again, with the code before
+/// and after that day's change alike (why it takes that long is not
+/// established; the reconnect backoff is 500 ms here).
+const RECOVERY: Duration = Duration::from_secs(35);
 /// A view or publish pipeline counts as fresh below this age.
 const FRESH: f64 = 2.0;
 /// A node's publish lag counts as fresh below this: [`FRESH`] plus the
