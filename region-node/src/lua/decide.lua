@@ -2,7 +2,18 @@
 -- (node and region tiers, of the plan and of each descriptor) and the
 -- region's global budget, evaluated together and charged all-or-nothing in
 -- one round trip. Key scheme: shared/src/keys.rs. Arguments are laid out by
--- region-node/src/storage/script.rs, the only reader of these positions.
+-- region-node/src/storage/script.rs, the only reader of these positions and
+-- of the reply.
+--
+-- It runs on every decision that reaches Redis, so it is written for Redis'
+-- CPU (BENCHMARKS.md, "Where the decision script's instructions go"): three
+-- commands on the common path (TIME, one HMGET, one HSET); one table per
+-- tier, allocated once with every field it will hold; numbers read from ARGV
+-- only on the path that needs them; values read from Redis written back as
+-- the same strings when unchanged (Redis formats a Lua number with
+-- snprintf, which costs more than the rest of a field); a reply of integers
+-- in fixed positions (Redis converts a reply element by element, so names
+-- beside the values doubled its cost).
 --
 -- KEYS[1]   the tenant hash   tl:{B}:t:T   (whole-tenant tier states, the
 --           PN counter of each day, its publish state)
@@ -12,7 +23,7 @@
 --
 -- ARGV[1]   op: "check" | "refund" | "peek"
 -- ARGV[2]   deadline in Redis' clock, ms (0 = none): a call that reaches
---           Redis after it does nothing and answers denied = 'expired' (the
+--           Redis after it does nothing and answers denied = expired (the
 --           node gave up at its store_timeout and answered from its fail
 --           mode, so charging now would count the request twice)
 -- ARGV[3]   tenant id (the dirty-set member is "T|day")
@@ -43,212 +54,183 @@
 --           tier (and the global budget) leaves after the request
 -- ARGV[18]  K, the number of windowed tiers; then 7 values per tier:
 --           location (0 = tenant hash, i = KEYS[i]), field prefix in the
---           hash, algorithm code, limit, window_ms, burst, cost
+--           hash, algorithm code (1 fixed window, 2 sliding window,
+--           3 token bucket, 4 sliding log), limit, window_ms, burst, cost
 -- then      triplets epoch, P, N: this region's actors in the broadcast
 --
--- Returns name, value pairs (parsed by name in script.rs):
---   allowed 1|0; denied '' | 'tier' | 'global' | 'expired'; denied_tier
---   (1-based, when 'tier'); retry_ms (-1 = never); now_ms (Redis TIME);
---   tiers {remaining, reset_ms, ...} in call order; own_p, own_n, epoch, day
---   (this region's PN counter); global_remaining (absent: no global tier);
---   raised (units the rollback check added to P, see below); refunded
---   (global units given back by a refund), duplicate (1: the handle was
---   used already, nothing given back); granted (units of lease charged
---   beyond the request's cost, every tier and the PN counter alike).
+-- Reply: a list in fixed positions (parsed in script.rs, which checks [1]):
+--   [1] layout version (3)          [9]  day
+--   [2] allowed 1|0                 [10] raised (units the rollback check
+--   [3] denied: 0 none, 1 tier,          added to P, see below)
+--       2 global, 3 expired         [11] refunded (global units a refund
+--   [4] denied tier (1-based)            gave back)
+--   [5] retry_ms (-1 = never)       [12] duplicate (1: the handle was used
+--   [6] now_ms (Redis TIME)              already, nothing given back)
+--   [7] own_p                       [13] granted (units of lease charged
+--   [8] own_n                            beyond the request's cost)
+--                                   [14] global remaining (-1: no global tier)
+--   [15] epoch, naming this region's actor of the day's PN counter
+--   then remaining, reset_ms of each tier, in call order.
 --
--- Numbers are Lua doubles: exact integers up to 2^53. Integers are written
--- back with %.0f so no precision is lost to tostring's 14 digits.
+-- Numbers are Lua doubles: exact integers up to 2^53.
 
-local op = ARGV[1]
+local A = ARGV
+local call = redis.call
+local floor = math.floor
+local VERSION = 3
+
 local t = redis.call('TIME')
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local now_ms = math.floor(now_us / 1000)
+local now_us = t[1] * 1000000 + t[2]
+local now_ms = floor(now_us / 1000)
 
 local function int(x) return string.format('%.0f', x) end
 
-local deadline = tonumber(ARGV[2])
+local deadline = A[2] + 0
 if deadline > 0 and now_ms > deadline then
-  return { 'allowed', 0, 'denied', 'expired', 'now_ms', now_ms }
+  return { VERSION, 0, 3, 0, 0, now_ms, 0, 0, 0, 0, 0, 0, 0, -1, '' }
 end
 
-local day = math.floor(now_ms / 86400000)
-local node_day = tonumber(ARGV[4])
-if math.abs(day - node_day) > 1 then
+local op = A[1]
+local day = floor(now_ms / 86400000)
+local node_day = A[4] + 0
+if day - node_day > 1 or node_day - day > 1 then
   return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
 end
 
--- Algorithms. Each `eval` reads its state from `s` (the values of its
--- `fields`, false when absent) and returns the decision with the numbers
--- its `commit` and `refund` turn into the values to write back (`refund`
--- answers nil when there is nothing to give back); `ttl_ms` is the life its
--- state needs when kept in a key of its own. Nothing here writes, and
--- nothing is formatted before it is written: most calls write one of the
--- two, and a denied call neither. Small integers (window indexes, counts)
--- go to Redis as Lua numbers; microsecond times need int() (tostring keeps
--- only 14 digits).
-
-local fixed_window = { fields = { 'w', 'c' } }
-function fixed_window.eval(s, limit, w, _burst, c)
-  local idx = math.floor(now_ms / w)
-  local used = 0
-  if tonumber(s[1]) == idx then used = tonumber(s[2]) or 0 end
-  local reset = (idx + 1) * w - now_ms
-  local r = { ok = used + c <= limit, remaining = limit - used, reset = reset, retry = 0,
-    ttl_ms = reset + 1000, idx = idx, used = used }
-  if not r.ok then
-    if c > limit then r.retry = -1 else r.retry = reset end
-  end
-  return r
-end
-function fixed_window.commit(r, c) return { r.idx, r.used + c } end
-function fixed_window.refund(r, c)
-  if r.used > 0 then return { r.idx, math.max(0, r.used - c) } end
-end
-
-local sliding_window = { fields = { 'w', 'c', 'p' } }
-function sliding_window.eval(s, limit, w, _burst, c)
-  local idx = math.floor(now_ms / w)
-  local sw = tonumber(s[1])
-  local cur, prev = 0, 0
-  if sw == idx then
-    cur = tonumber(s[2]) or 0; prev = tonumber(s[3]) or 0
-  elseif sw == idx - 1 then
-    prev = tonumber(s[2]) or 0
-  end
-  local elapsed = now_ms - idx * w
-  local est = prev * ((w - elapsed) / w) + cur
-  local remaining = math.floor(limit - est)
-  if remaining < 0 then remaining = 0 end
-  local reset = (idx + 1) * w - now_ms
-  local r = { ok = est + c <= limit, remaining = remaining, reset = reset, retry = 0,
-    ttl_ms = 2 * w + 1000, idx = idx, cur = cur, prev = prev }
-  if not r.ok then
-    if c > limit then
-      r.retry = -1
-    elseif cur + c <= limit then
-      -- blocked by the weighted previous window: wait until it fades enough
-      r.retry = math.ceil(w * (1 - (limit - c - cur) / prev) - elapsed)
-    else
-      -- blocked by the current window: wait into the next one until
-      -- cur * (1 - t/w) + c <= limit
-      r.retry = reset + math.ceil(w * (1 - (limit - c) / cur))
-    end
-    if r.retry ~= -1 and r.retry < 1 then r.retry = 1 end
-  end
-  return r
-end
-function sliding_window.commit(r, c) return { r.idx, r.cur + c, r.prev } end
-function sliding_window.refund(r, c)
-  if r.cur > 0 then return { r.idx, math.max(0, r.cur - c), r.prev } end
-end
-
--- GCRA: the theoretical arrival time (TAT). One unit is emitted every
--- e = w/limit; up to `burst` units may be spent ahead of time (tau = e*burst).
--- The TAT is kept as whole microseconds `t` plus a fraction `f`, and all
--- comparisons are made on `ahead` = TAT − now, a small number: absolute
--- times (~1.8e15 µs) are only 0.25 µs apart as doubles, which would make a
--- full burst fail by a rounding error when e is not a whole number.
-local token_bucket = { fields = { 't', 'f' } }
-function token_bucket.eval(s, limit, w, burst, c)
-  local e = (w * 1000) / limit
-  local tau = e * burst
-  local ahead = 0
-  local tat = tonumber(s[1])
-  if tat and tat >= now_us then ahead = (tat - now_us) + (tonumber(s[2]) or 0) end
-  local new_ahead = ahead + c * e
-  local remaining = math.floor((tau - ahead) / e)
-  if remaining < 0 then remaining = 0 end
-  local r = { ok = new_ahead <= tau, remaining = remaining, retry = 0, e = e, ahead = ahead,
-    new_ahead = new_ahead, had = tat ~= nil, ttl_ms = math.ceil(new_ahead / 1000) + 1000 }
-  if not r.ok then
-    if c > burst then r.retry = -1 else r.retry = math.max(1, math.ceil((new_ahead - tau) / 1000)) end
-  end
-  r.reset = math.ceil((r.ok and new_ahead or ahead) / 1000)
-  return r
-end
-local function tat_state(a)
-  local whole = math.floor(a)
-  return { int(now_us + whole), string.format('%.17g', a - whole) }
-end
-function token_bucket.commit(r, _c) return tat_state(r.new_ahead) end
-function token_bucket.refund(r, c)
-  if r.had then return tat_state(math.max(0, r.ahead - c * r.e)) end
-end
-
--- Exact sliding log: one zset entry per unit, scored by its time in ms.
--- Always in a key of its own; reads and writes it directly.
-local sliding_log = { zset = true }
-function sliding_log.eval_key(key, limit, w, _burst, c)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', int(now_ms - w))
-  local used = redis.call('ZCARD', key)
-  local r = { ok = used + c <= limit, remaining = limit - used, reset = w, retry = 0 }
-  if not r.ok then
-    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    if newest[2] then r.reset = tonumber(newest[2]) + w - now_ms end
-    if c > limit then
-      r.retry = -1
-    else
-      -- the (used + c - limit)-th oldest entry must leave the window
-      local nth = redis.call('ZRANGE', key, used + c - limit - 1, used + c - limit - 1, 'WITHSCORES')
-      r.retry = math.max(1, tonumber(nth[2]) + w - now_ms)
-    end
-  end
-  function r.do_commit()
-    -- Members are unique per call (the epoch candidate is a fresh random
-    -- id), added in chunks: Lua's unpack() takes at most ~8000 values.
-    local args = {}
-    local tag = int(now_us) .. ':' .. ARGV[5] .. ':'
-    for i = 1, c do
-      args[#args + 1] = int(now_ms)
-      args[#args + 1] = tag .. i
-      if #args >= 1000 then
-        redis.call('ZADD', key, unpack(args))
-        args = {}
-      end
-    end
-    if #args > 0 then redis.call('ZADD', key, unpack(args)) end
-    redis.call('PEXPIRE', key, int(w + 1000))
-  end
-  function r.do_refund()
-    if used > 0 then redis.call('ZPOPMAX', key, c) end
-  end
-  return r
-end
-
-local algorithms = { fixed_window, sliding_window, token_bucket, sliding_log }
-
 -- Read: one HMGET of the tenant hash for the day's counter and every tier
--- kept there; one HMGET per tier kept in a key of its own.
+-- kept there; one HMGET per tier kept in a key of its own. Field names per
+-- algorithm code (the sliding log is a zset of its own and has none).
+local FIELDS = { { 'w', 'c' }, { 'w', 'c', 'p' }, { 't', 'f' } }
 local gp = 'g:' .. day .. ':'
-local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', gp .. 's' }
-local K = tonumber(ARGV[18])
+local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', false, false, false, false, false, false, false, false }
+local nf = 4
+local K = A[18] + 0
 local tiers = {}
 for i = 1, K do
-  local a = 18 + (i - 1) * 7
-  local tier = { loc = tonumber(ARGV[a + 1]), prefix = ARGV[a + 2], alg = algorithms[tonumber(ARGV[a + 3])],
-    limit = tonumber(ARGV[a + 4]), w = tonumber(ARGV[a + 5]), burst = tonumber(ARGV[a + 6]),
-    cost = tonumber(ARGV[a + 7]) }
+  local a = 11 + i * 7
+  local alg = A[a + 3] + 0
+  -- Every field a tier will hold, so the table is allocated once.
+  local tier = { loc = A[a + 1] + 0, alg = alg, limit = A[a + 4] + 0, w = A[a + 5] + 0, cost = A[a + 7] + 0,
+    burst = 0, prefix = false, first = 0, ok = false, remaining = 0, reset = 0, retry = 0, ttl_ms = 0,
+    idx = 0, used = 0, cur = 0, prev = 0, s1 = false, s3 = false, e = 0, ahead = 0, new_ahead = 0, had = false }
+  if alg == 3 then tier.burst = A[a + 6] + 0 end
   if tier.loc == 0 then
-    tier.first = #fields
-    for _, f in ipairs(tier.alg.fields) do fields[#fields + 1] = tier.prefix .. f end
+    local prefix = A[a + 2]
+    tier.prefix = prefix
+    tier.first = nf
+    local f = FIELDS[alg]
+    for j = 1, #f do nf = nf + 1; fields[nf] = prefix .. f[j] end
   end
   tiers[i] = tier
 end
-local h = redis.call('HMGET', KEYS[1], unpack(fields))
+local h = call('HMGET', KEYS[1], unpack(fields, 1, nf))
+
+-- Algorithms: `eval` reads a tier's state (s1, s2, s3: its fields, false
+-- when absent) and sets on the tier the decision (ok, remaining, reset,
+-- retry) and what `commit` and `refund` need; nothing here writes.
+--
+-- Fixed window: w = window index, c = units in it.
+-- Sliding window: the current window's c and the previous one's p, the
+-- previous weighted by how much of it still overlaps.
+-- GCRA (token bucket): the theoretical arrival time (TAT). One unit is
+-- emitted every e = w/limit; up to `burst` units may be spent ahead of time
+-- (tau = e*burst). The TAT is kept as whole microseconds `t` plus a
+-- fraction `f`, and all comparisons are made on `ahead` = TAT − now, a
+-- small number: absolute times (~1.8e15 µs) are only 0.25 µs apart as
+-- doubles, which would make a full burst fail by a rounding error when e is
+-- not a whole number.
+-- Exact sliding log: one zset entry per unit, scored by its time in ms.
+local function eval(tier, s1, s2, s3)
+  local alg, limit, w, c = tier.alg, tier.limit, tier.w, tier.cost
+  if alg == 1 then
+    local idx = floor(now_ms / w)
+    local used = 0
+    if s1 and s1 + 0 == idx then used = (s2 and s2 + 0) or 0; tier.s1 = s1 end
+    local reset = (idx + 1) * w - now_ms
+    tier.idx = idx; tier.used = used
+    tier.ok = used + c <= limit; tier.remaining = limit - used; tier.reset = reset; tier.retry = 0
+    tier.ttl_ms = reset + 1000
+    if not tier.ok then
+      if c > limit then tier.retry = -1 else tier.retry = reset end
+    end
+  elseif alg == 2 then
+    local idx = floor(now_ms / w)
+    local sw = s1 and s1 + 0
+    local cur, prev = 0, 0
+    if sw == idx then
+      cur = (s2 and s2 + 0) or 0; prev = (s3 and s3 + 0) or 0
+      tier.s1 = s1; tier.s3 = s3
+    elseif sw == idx - 1 then
+      prev = (s2 and s2 + 0) or 0
+      tier.s3 = s2
+    end
+    local elapsed = now_ms - idx * w
+    local est = prev * ((w - elapsed) / w) + cur
+    local remaining = floor(limit - est)
+    if remaining < 0 then remaining = 0 end
+    local reset = (idx + 1) * w - now_ms
+    tier.idx = idx; tier.cur = cur; tier.prev = prev
+    tier.ok = est + c <= limit; tier.remaining = remaining; tier.reset = reset; tier.retry = 0
+    tier.ttl_ms = 2 * w + 1000
+    if not tier.ok then
+      if c > limit then
+        tier.retry = -1
+      elseif cur + c <= limit then
+        -- blocked by the weighted previous window: wait until it fades enough
+        tier.retry = math.ceil(w * (1 - (limit - c - cur) / prev) - elapsed)
+      else
+        -- blocked by the current window: wait into the next one until
+        -- cur * (1 - t/w) + c <= limit
+        tier.retry = reset + math.ceil(w * (1 - (limit - c) / cur))
+      end
+      if tier.retry ~= -1 and tier.retry < 1 then tier.retry = 1 end
+    end
+  elseif alg == 3 then
+    local burst = tier.burst
+    local e = (w * 1000) / limit
+    local tau = e * burst
+    local ahead = 0
+    local tat = s1 and s1 + 0
+    if tat and tat >= now_us then ahead = (tat - now_us) + ((s2 and s2 + 0) or 0) end
+    local new_ahead = ahead + c * e
+    local remaining = floor((tau - ahead) / e)
+    if remaining < 0 then remaining = 0 end
+    tier.e = e; tier.ahead = ahead; tier.new_ahead = new_ahead; tier.had = tat and true or false
+    tier.ok = new_ahead <= tau; tier.remaining = remaining; tier.retry = 0
+    tier.ttl_ms = math.ceil(new_ahead / 1000) + 1000
+    if not tier.ok then
+      if c > burst then tier.retry = -1 else tier.retry = math.max(1, math.ceil((new_ahead - tau) / 1000)) end
+    end
+    tier.reset = math.ceil((tier.ok and new_ahead or ahead) / 1000)
+  else
+    local key = KEYS[tier.loc]
+    call('ZREMRANGEBYSCORE', key, '-inf', int(now_ms - w))
+    local used = call('ZCARD', key)
+    tier.used = used
+    tier.ok = used + c <= limit; tier.remaining = limit - used; tier.reset = w; tier.retry = 0
+    if not tier.ok then
+      local newest = call('ZRANGE', key, -1, -1, 'WITHSCORES')
+      if newest[2] then tier.reset = newest[2] + w - now_ms end
+      if c > limit then
+        tier.retry = -1
+      else
+        -- the (used + c - limit)-th oldest entry must leave the window
+        local nth = call('ZRANGE', key, used + c - limit - 1, used + c - limit - 1, 'WITHSCORES')
+        tier.retry = math.max(1, nth[2] + w - now_ms)
+      end
+    end
+  end
+end
 
 for _, tier in ipairs(tiers) do
-  local alg = tier.alg
-  if alg.zset then
-    tier.r = alg.eval_key(KEYS[tier.loc], tier.limit, tier.w, tier.burst, tier.cost)
+  if tier.alg == 4 then
+    eval(tier)
+  elseif tier.loc == 0 then
+    local f = tier.first
+    eval(tier, h[f + 1], h[f + 2], h[f + 3])
   else
-    local s
-    if tier.loc == 0 then
-      s = {}
-      for j = 1, #alg.fields do s[j] = h[tier.first + j] end
-    else
-      s = redis.call('HMGET', KEYS[tier.loc], unpack(alg.fields))
-    end
-    tier.r = alg.eval(s, tier.limit, tier.w, tier.burst, tier.cost)
+    local s = call('HMGET', KEYS[tier.loc], unpack(FIELDS[tier.alg]))
+    eval(tier, s[1], s[2], s[3])
   end
 end
 
@@ -256,10 +238,11 @@ end
 -- beside it, so a Redis that lost the tenant starts a new actor atomically
 -- with the first charge.
 local new_day = not h[1]
-local epoch = h[1] or ARGV[5]
-local own_p = tonumber(h[2]) or 0
-local own_n = tonumber(h[3]) or 0
-local dstate = tonumber(h[4]) or 0
+local epoch = h[1] or A[5]
+local own_p = (h[2] and h[2] + 0) or 0
+local own_n = (h[3] and h[3] + 0) or 0
+local n_read = own_n
+local dstate = (h[4] and h[4] + 0) or 0
 
 -- This region's actors in the broadcast. The part of the current epoch is
 -- what the aggregator already holds from us: Redis below it has rolled back
@@ -268,11 +251,10 @@ local dstate = tonumber(h[4]) or 0
 -- re-admit what it already spent, and the aggregator, whose max-merge
 -- ignores a counter below what it saw, would stay short for good.
 local mine_p, mine_n = 0, 0
-local parts_from = 19 + K * 7
 if day == node_day then
-  for i = parts_from, #ARGV, 3 do
-    if ARGV[i] == epoch then
-      mine_p = tonumber(ARGV[i + 1]); mine_n = tonumber(ARGV[i + 2])
+  for i = 19 + K * 7, #A, 3 do
+    if A[i] == epoch then
+      mine_p = A[i + 1] + 0; mine_n = A[i + 2] + 0
     end
   end
 end
@@ -283,17 +265,17 @@ if mine_p > own_p or mine_n > own_n then
   own_n = math.max(own_n, mine_n)
 end
 
-local glimit = tonumber(ARGV[7])
-local gcost = tonumber(ARGV[8])
+local glimit = A[7] + 0
+local gcost = A[8] + 0
 local global_ok, global_remaining, global_retry = true, -1, 0
 if glimit > 0 then
   local others = 0
   if day == node_day then
-    others = math.max(0, tonumber(ARGV[9]) - (mine_p - mine_n))
+    others = math.max(0, A[9] - (mine_p - mine_n))
   end
   local own = own_p - own_n
   global_remaining = glimit - others - own
-  local cap = tonumber(ARGV[10])
+  local cap = A[10] + 0
   if cap >= 0 and cap - own < global_remaining then global_remaining = cap - own end
   if global_remaining < 0 then global_remaining = 0 end
   if op == 'check' then
@@ -304,33 +286,85 @@ end
 
 local refunded, duplicate, granted = 0, 0, 0
 local function reply(allowed, denied, denied_tier, retry)
-  local out = { 'allowed', allowed, 'denied', denied, 'denied_tier', denied_tier, 'retry_ms', retry,
-    'now_ms', now_ms, 'own_p', own_p, 'own_n', own_n, 'epoch', epoch, 'day', day, 'raised', raised,
-    'refunded', refunded, 'duplicate', duplicate, 'granted', granted }
-  local tr = {}
-  for i, tier in ipairs(tiers) do
-    tr[2 * i - 1] = tier.r.remaining; tr[2 * i] = tier.r.reset
-  end
-  out[#out + 1] = 'tiers'; out[#out + 1] = tr
-  if global_remaining >= 0 then
-    out[#out + 1] = 'global_remaining'; out[#out + 1] = global_remaining
+  local out = { VERSION, allowed, denied, denied_tier, retry, now_ms, own_p, own_n, day, raised, refunded,
+    duplicate, granted, global_remaining, epoch, nil, nil, nil, nil }
+  local n = 15
+  for _, tier in ipairs(tiers) do
+    out[n + 1] = tier.remaining; out[n + 2] = tier.reset; n = n + 2
   end
   return out
 end
 
 -- Writes: one HSET of the tenant hash; keys of their own are written apart.
-local hset = {}
-local function put(f, v) hset[#hset + 1] = f; hset[#hset + 1] = v end
-local function write(tier, values)
-  if not values then return end
-  local f = tier.alg.fields
+-- Window indexes and counts go to Redis as Lua numbers (Redis formats them
+-- exactly); microsecond times and the PN counter need %.0f.
+local hset = { false, false, false, false, false, false, false, false, false, false, false, false, false, false,
+  false, false }
+local nh = 0
+local function put(f, v) hset[nh + 1] = f; hset[nh + 2] = v; nh = nh + 2 end
+local function write(tier, v1, v2, v3)
   if tier.loc == 0 then
-    for j = 1, #f do put(tier.prefix .. f[j], values[j]) end
+    local f = FIELDS[tier.alg]
+    local prefix = tier.prefix
+    put(prefix .. f[1], v1); put(prefix .. f[2], v2)
+    if v3 then put(prefix .. f[3], v3) end
   else
+    local f = FIELDS[tier.alg]
+    if v3 then
+      call('HSET', KEYS[tier.loc], f[1], v1, f[2], v2, f[3], v3)
+    else
+      call('HSET', KEYS[tier.loc], f[1], v1, f[2], v2)
+    end
+    call('PEXPIRE', KEYS[tier.loc], int(tier.ttl_ms))
+  end
+end
+local function tat(a)
+  local whole = floor(a)
+  return int(now_us + whole), string.format('%.17g', a - whole)
+end
+
+-- Charges c units to a tier.
+local function commit(tier, c)
+  local alg = tier.alg
+  if alg == 1 then
+    write(tier, tier.s1 or tier.idx, tier.used + c)
+  elseif alg == 2 then
+    write(tier, tier.s1 or tier.idx, tier.cur + c, tier.s3 or tier.prev)
+  elseif alg == 3 then
+    local t1, t2 = tat(tier.new_ahead); write(tier, t1, t2)
+  else
+    -- Members are unique per call (the epoch candidate is a fresh random
+    -- id), added in chunks: Lua's unpack() takes at most ~8000 values.
+    local key = KEYS[tier.loc]
     local args = {}
-    for j = 1, #f do args[#args + 1] = f[j]; args[#args + 1] = values[j] end
-    redis.call('HSET', KEYS[tier.loc], unpack(args))
-    redis.call('PEXPIRE', KEYS[tier.loc], int(tier.r.ttl_ms or 1000))
+    local tag = int(now_us) .. ':' .. A[5] .. ':'
+    local score = int(now_ms)
+    for i = 1, c do
+      args[#args + 1] = score
+      args[#args + 1] = tag .. i
+      if #args >= 1000 then
+        call('ZADD', key, unpack(args))
+        args = {}
+      end
+    end
+    if #args > 0 then call('ZADD', key, unpack(args)) end
+    call('PEXPIRE', key, int(tier.w + 1000))
+  end
+end
+
+-- Gives c units back to a tier (never below zero).
+local function refund(tier, c)
+  local alg = tier.alg
+  if alg == 1 then
+    if tier.used > 0 then write(tier, tier.idx, math.max(0, tier.used - c)) end
+  elseif alg == 2 then
+    if tier.cur > 0 then write(tier, tier.idx, math.max(0, tier.cur - c), tier.prev) end
+  elseif alg == 3 then
+    if tier.had then
+      local t1, t2 = tat(math.max(0, tier.ahead - c * tier.e)); write(tier, t1, t2)
+    end
+  else
+    if tier.used > 0 then call('ZPOPMAX', KEYS[tier.loc], c) end
   end
 end
 
@@ -344,106 +378,108 @@ end
 -- once) is due at a point of the relaxed interval fixed by the tenant's
 -- hash, so the region's publishes after midnight spread over the interval
 -- instead of all falling due at the first flush; urgency is unaffected.
-local rolled_over = false
 local function counter_changed()
-  put(gp .. 'p', int(own_p)); put(gp .. 'n', int(own_n))
+  put(fields[2], int(own_p))
+  if own_n == n_read then put(fields[3], h[3] or '0') else put(fields[3], int(own_n)) end
+  local rolled_over = false
   if new_day then
-    put(gp .. 'e', epoch)
+    put(fields[1], epoch)
     -- A new day: forget days past retention, and give the hash its TTL.
-    local ttl = tonumber(ARGV[6])
-    local keep_from = day - math.floor(ttl / 86400)
+    local ttl = A[6] + 0
+    local keep_from = day - floor(ttl / 86400)
     local kept = { int(day) }
-    local listed = redis.call('HGET', KEYS[1], 'gd')
+    local listed = call('HGET', KEYS[1], 'gd')
     if listed then
       for d in string.gmatch(listed, '%d+') do
-        if tonumber(d) < day then rolled_over = true end
-        if tonumber(d) >= keep_from then
-          if tonumber(d) ~= day then kept[#kept + 1] = d end
+        local dn = d + 0
+        if dn < day then rolled_over = true end
+        if dn >= keep_from then
+          if dn ~= day then kept[#kept + 1] = d end
         else
-          redis.call('HDEL', KEYS[1], 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d',
+          call('HDEL', KEYS[1], 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d',
             'g:' .. d .. ':s')
         end
       end
     end
     put('gd', table.concat(kept, ','))
-    redis.call('EXPIRE', KEYS[1], ttl)
+    call('EXPIRE', KEYS[1], ttl)
   end
-  local urgent_at = tonumber(ARGV[11])
+  local urgent_at = A[11] + 0
   local want = 1
   if urgent_at >= 0 and own_p - own_n >= urgent_at then want = 2 end
   if dstate == 0 or (want == 2 and dstate ~= 2) then
     local score = 0
     if want == 1 then
-      local relaxed = tonumber(ARGV[12])
-      score = math.max(now_ms, (tonumber(h[5]) or 0) + relaxed)
+      local relaxed = A[12] + 0
+      local stamped = call('HGET', KEYS[1], gp .. 's')
+      score = math.max(now_ms, ((stamped and stamped + 0) or 0) + relaxed)
       if rolled_over and relaxed > 0 then
-        score = now_ms + tonumber(string.sub(redis.sha1hex(ARGV[3]), 1, 8), 16) % relaxed
+        score = now_ms + tonumber(string.sub(redis.sha1hex(A[3]), 1, 8), 16) % relaxed
       end
     end
-    redis.call('ZADD', KEYS[2], score, ARGV[3] .. '|' .. int(day))
-    put(gp .. 'd', want)
+    call('ZADD', KEYS[2], score, A[3] .. '|' .. int(day))
+    put(fields[4], want)
   end
 end
 
 local function flush()
-  if #hset > 0 then redis.call('HSET', KEYS[1], unpack(hset)) end
+  if nh > 0 then call('HSET', KEYS[1], unpack(hset, 1, nh)) end
 end
 
 if op == 'peek' then
   -- A peek charges nothing, but persists a rollback raise: the publisher
   -- raises a counter it found below its broadcast part this way.
   if raised > 0 then counter_changed(); flush() end
-  return reply(1, '', 0, 0)
+  return reply(1, 0, 0, 0)
 end
 
 if op == 'refund' then
   -- A refund by handle: once per handle, and only into what the charge was
   -- in (its windows, its day). The record of used handles is written only
   -- here, so checks stay cheap; it lives as long as the day's counter.
-  local by_handle = tonumber(ARGV[13]) > 0
-  local charged_at = tonumber(ARGV[15])
+  local by_handle = A[13] + 0 > 0
+  local charged_at = A[15] + 0
   if by_handle then
-    local rf = KEYS[tonumber(ARGV[13])]
-    if redis.call('SADD', rf, ARGV[14]) == 0 then
+    local rf = KEYS[A[13] + 0]
+    if call('SADD', rf, A[14]) == 0 then
       duplicate = 1
-      return reply(1, '', 0, 0)
+      return reply(1, 0, 0, 0)
     end
-    redis.call('EXPIRE', rf, ARGV[6])
-  end
-  local function same_window(tier)
-    if not by_handle then return true end
-    if tier.alg == token_bucket or tier.alg == sliding_log then
-      return now_ms - charged_at < tier.w
-    end
-    return math.floor(charged_at / tier.w) == math.floor(now_ms / tier.w)
+    call('EXPIRE', rf, A[6])
   end
   for _, tier in ipairs(tiers) do
-    if same_window(tier) then
-      if tier.alg.zset then tier.r.do_refund() else write(tier, tier.alg.refund(tier.r, tier.cost)) end
+    local same_window = true
+    if by_handle then
+      if tier.alg >= 3 then
+        same_window = now_ms - charged_at < tier.w
+      else
+        same_window = floor(charged_at / tier.w) == floor(now_ms / tier.w)
+      end
     end
+    if same_window then refund(tier, tier.cost) end
   end
   -- N never exceeds P: the counter cannot go below zero.
   local back = math.min(gcost, own_p - own_n)
-  if by_handle and math.floor(charged_at / 86400000) ~= day then back = 0 end
+  if by_handle and floor(charged_at / 86400000) ~= day then back = 0 end
   refunded = math.max(0, back)
   if back > 0 or raised > 0 then
     own_n = own_n + math.max(0, back)
     counter_changed()
   end
   flush()
-  return reply(1, '', 0, 0)
+  return reply(1, 0, 0, 0)
 end
 
 -- op == 'check': deny if any tier denies; retry after the longest wait.
-local denied, denied_tier, retry = '', 0, 0
+local denied, denied_tier, retry = 0, 0, 0
 local function deny(what, i, r)
-  if denied == '' then denied = what; denied_tier = i end
+  if denied == 0 then denied = what; denied_tier = i end
   if r < 0 or retry < 0 then retry = -1 elseif r > retry then retry = r end
 end
 for i, tier in ipairs(tiers) do
-  if not tier.r.ok then deny('tier', i, tier.r.retry) end
+  if not tier.ok then deny(1, i, tier.retry) end
 end
-if not global_ok then deny('global', 0, global_retry) end
+if not global_ok then deny(2, 0, global_retry) end
 
 -- Leases. An allowed check may charge `granted` more units, which the node
 -- then spends in process (region-node/src/lease.rs) until the first of its
@@ -454,26 +490,26 @@ if not global_ok then deny('global', 0, global_retry) end
 -- windows lease: a unit charged to them now belongs to the current window,
 -- which is what the lease's lifetime follows (GCRA and the exact log keep
 -- no window a lease could die with).
-if denied == '' then
-  local lease_max = tonumber(ARGV[16])
+if denied == 0 then
+  local lease_max = A[16] + 0
   if lease_max > 0 and K > 0 then
-    local share = math.max(1, tonumber(ARGV[17]))
+    local share = math.max(1, A[17] + 0)
     local room = lease_max * share
     for _, tier in ipairs(tiers) do
-      if tier.alg ~= fixed_window and tier.alg ~= sliding_window then room = 0; break end
-      room = math.min(room, tier.r.remaining - tier.cost)
+      if tier.alg > 2 then room = 0; break end
+      room = math.min(room, tier.remaining - tier.cost)
     end
     if global_remaining >= 0 then room = math.min(room, global_remaining - gcost) end
-    granted = math.min(lease_max, math.floor(math.max(0, room) / share))
+    granted = math.min(lease_max, floor(math.max(0, room) / share))
   end
 end
 
 -- Remaining units are reported after this request only if it was charged.
-if denied == '' then
+if denied == 0 then
   for _, tier in ipairs(tiers) do
     local c = tier.cost + granted
-    if tier.alg.zset then tier.r.do_commit() else write(tier, tier.alg.commit(tier.r, c)) end
-    tier.r.remaining = math.max(0, tier.r.remaining - c)
+    commit(tier, c)
+    tier.remaining = math.max(0, tier.remaining - c)
   end
   if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - gcost - granted) end
   own_p = own_p + gcost + granted
@@ -483,4 +519,4 @@ elseif raised > 0 then
 end
 flush()
 
-return reply(denied == '' and 1 or 0, denied, denied_tier, retry)
+return reply(denied == 0 and 1 or 0, denied, denied_tier, retry)

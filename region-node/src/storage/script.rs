@@ -1,13 +1,17 @@
 //! The typed interface of the decision script (`lua/decide.lua`): what a
 //! call carries ([`DecideCall`]), how it is laid out as KEYS and ARGV
-//! ([`encode`]), and what comes back ([`DecideReply`], parsed by field name).
+//! ([`encode`]), and what comes back ([`DecideReply`], in fixed positions
+//! behind a layout version).
 //!
 //! Everything that knows the script's argument positions is in this module,
 //! so the decision path, the `local` fail mode, the load generator and the
-//! script tests all speak in named fields. The reply is a flat list of
-//! name/value pairs rather than positions: a field added to the script does
-//! not shift the others, and a reader of an older layout fails loudly
-//! (`missing field`) instead of misreading a number.
+//! script tests all speak in named fields. The reply is a list in fixed
+//! positions whose first item is its layout version, so a reader of another
+//! layout fails loudly instead of misreading a number. (It used to be
+//! name/value pairs; Redis converts a reply item by item, and the names cost
+//! as much as the values.) Nodes of two releases sharing a Redis each run
+//! their own script by its SHA1 and read its own reply; the script's storage
+//! layout is what they share.
 
 use redis::Value;
 
@@ -305,141 +309,86 @@ pub enum ReplyError {
     Malformed(String),
 }
 
+/// The reply layout `decide.lua` writes in its first position. A reply of
+/// another layout (an older script under the same SHA cannot happen, but a
+/// hand-loaded one can) is refused instead of misread.
+pub const REPLY_LAYOUT: i64 = 3;
+
+/// Positions of the reply (0-based; the script documents them 1-based).
+const HEADER: usize = 15;
+
 impl DecideReply {
-    /// Parses the script's name/value list.
+    /// Parses the script's reply: integers in fixed positions, the epoch at
+    /// [`HEADER`] − 1, then two integers per tier. Positions, not names:
+    /// Redis converts a script's reply element by element, and the names
+    /// doubled that cost (BENCHMARKS.md, "Where the decision script's
+    /// instructions go"); the version in the first position keeps a reply
+    /// of another layout from being misread.
     pub fn parse(reply: Vec<Value>) -> Result<DecideReply, ReplyError> {
-        if !reply.len().is_multiple_of(2) {
+        if reply.len() < HEADER || !(reply.len() - HEADER).is_multiple_of(2) {
             return Err(ReplyError::Malformed(format!(
-                "odd number of items ({})",
+                "{} items, expected {HEADER} + 2 per tier",
                 reply.len()
             )));
         }
-        let mut f = Fields::default();
-        let mut it = reply.into_iter();
-        while let (Some(name), Some(value)) = (it.next(), it.next()) {
-            let name = match name {
-                Value::BulkString(b) => b,
-                Value::SimpleString(s) => s.into_bytes(),
-                other => return Err(ReplyError::Malformed(format!("field name {other:?}"))),
-            };
-            f.set(&name, value)?;
+        let at = |i: usize| {
+            int(&reply[i]).ok_or_else(|| {
+                ReplyError::Malformed(format!("item {} is not an integer: {:?}", i + 1, reply[i]))
+            })
+        };
+        let layout = at(0)?;
+        if layout != REPLY_LAYOUT {
+            return Err(ReplyError::Malformed(format!(
+                "reply layout {layout}, expected {REPLY_LAYOUT}"
+            )));
         }
-        f.finish()
-    }
-}
-
-/// The fields as they arrive, before the required ones are checked.
-#[derive(Default)]
-struct Fields {
-    allowed: Option<i64>,
-    denied: Option<String>,
-    denied_tier: Option<i64>,
-    retry_ms: Option<i64>,
-    now_ms: Option<i64>,
-    tiers: Option<Vec<i64>>,
-    own_p: Option<i64>,
-    own_n: Option<i64>,
-    epoch: Option<String>,
-    day: Option<i64>,
-    global_remaining: Option<i64>,
-    raised: Option<i64>,
-    refunded: Option<i64>,
-    duplicate: Option<i64>,
-    granted: Option<i64>,
-}
-
-impl Fields {
-    fn set(&mut self, name: &[u8], v: Value) -> Result<(), ReplyError> {
-        let bad = |v: &Value| {
-            ReplyError::Malformed(format!(
-                "{} is not an integer: {v:?}",
-                String::from_utf8_lossy(name)
-            ))
-        };
-        let slot = match name {
-            b"allowed" => &mut self.allowed,
-            b"denied_tier" => &mut self.denied_tier,
-            b"retry_ms" => &mut self.retry_ms,
-            b"now_ms" => &mut self.now_ms,
-            b"own_p" => &mut self.own_p,
-            b"own_n" => &mut self.own_n,
-            b"day" => &mut self.day,
-            b"global_remaining" => &mut self.global_remaining,
-            b"raised" => &mut self.raised,
-            b"refunded" => &mut self.refunded,
-            b"duplicate" => &mut self.duplicate,
-            b"granted" => &mut self.granted,
-            b"denied" => {
-                self.denied = Some(text(v));
-                return Ok(());
-            }
-            b"epoch" => {
-                self.epoch = Some(text(v));
-                return Ok(());
-            }
-            b"tiers" => {
-                let Value::Array(items) = v else {
-                    return Err(ReplyError::Malformed(format!("tiers is not a list: {v:?}")));
-                };
-                let values = items
-                    .iter()
-                    .map(|i| int(i).ok_or_else(|| bad(i)))
-                    .collect::<Result<_, _>>()?;
-                self.tiers = Some(values);
-                return Ok(());
-            }
-            // A field of a newer script: ignored, so nodes of both
-            // versions can share a Redis during a rolling upgrade.
-            _ => return Ok(()),
-        };
-        *slot = Some(int(&v).ok_or_else(|| bad(&v))?);
-        Ok(())
-    }
-
-    fn finish(self) -> Result<DecideReply, ReplyError> {
-        let need = |v: Option<i64>, name: &str| {
-            v.ok_or_else(|| ReplyError::Malformed(format!("missing field {name}")))
-        };
-        let now_ms = need(self.now_ms, "now_ms")?;
-        let denied = match self.denied.as_deref() {
-            Some("") => None,
-            Some("tier") => {
-                let i = need(self.denied_tier, "denied_tier")?;
+        let now_ms = at(5)?;
+        let denied = match at(2)? {
+            0 => None,
+            1 => {
+                let i = at(3)?;
                 if i < 1 {
-                    return Err(ReplyError::Malformed(format!("denied_tier = {i}")));
+                    return Err(ReplyError::Malformed(format!("denied tier {i}")));
                 }
                 Some(Denied::Tier(i as usize - 1))
             }
-            Some("global") => Some(Denied::Global),
-            Some("expired") => return Err(ReplyError::Expired { now_ms }),
-            Some(other) => return Err(ReplyError::Malformed(format!("denied = {other:?}"))),
-            None => return Err(ReplyError::Malformed("missing field denied".into())),
+            2 => Some(Denied::Global),
+            3 => return Err(ReplyError::Expired { now_ms }),
+            other => return Err(ReplyError::Malformed(format!("denied = {other}"))),
         };
-        let tiers = self
-            .tiers
-            .ok_or_else(|| ReplyError::Malformed("missing field tiers".into()))?
-            .chunks(2)
-            .map(|c| TierReply {
-                remaining: c[0].max(0) as u64,
-                reset_ms: c.get(1).copied().unwrap_or(0).max(0) as u64,
+        let tiers = (HEADER..reply.len())
+            .step_by(2)
+            .map(|i| {
+                Ok(TierReply {
+                    remaining: at(i)?.max(0) as u64,
+                    reset_ms: at(i + 1)?.max(0) as u64,
+                })
             })
-            .collect();
-        let retry = need(self.retry_ms, "retry_ms")?;
+            .collect::<Result<_, ReplyError>>()?;
+        let retry = at(4)?;
+        let global = at(13)?;
+        let unsigned = |i: usize| at(i).map(|v| v.max(0) as u64);
+        let (own_p, own_n, day) = (unsigned(6)?, unsigned(7)?, unsigned(8)? as u32);
+        let (raised, refunded, duplicate, granted) =
+            (unsigned(9)?, unsigned(10)?, at(11)? == 1, unsigned(12)?);
+        let allowed = at(1)? == 1;
+        let mut reply = reply;
+        let epoch = text(std::mem::replace(&mut reply[HEADER - 1], Value::Nil));
         Ok(DecideReply {
-            allowed: need(self.allowed, "allowed")? == 1,
+            allowed,
             denied,
             retry_ms: (retry >= 0).then_some(retry as u64),
             now_ms,
             tiers,
-            own_p: need(self.own_p, "own_p")?.max(0) as u64,
-            own_n: need(self.own_n, "own_n")?.max(0) as u64,
-            epoch: self.epoch.unwrap_or_default(),
-            day: need(self.day, "day")?.max(0) as u32,
-            global_remaining: self.global_remaining.map(|g| g.max(0) as u64),
-            raised: self.raised.unwrap_or(0).max(0) as u64,
-            refunded: self.refunded.unwrap_or(0).max(0) as u64,
-            duplicate: self.duplicate == Some(1),
-            granted: self.granted.unwrap_or(0).max(0) as u64,
+            own_p,
+            own_n,
+            epoch,
+            day,
+            global_remaining: (global >= 0).then_some(global as u64),
+            raised,
+            refunded,
+            duplicate,
+            granted,
         })
     }
 }
@@ -467,44 +416,30 @@ fn text(v: Value) -> String {
 mod tests {
     use super::*;
 
-    fn pairs(items: &[(&str, Value)]) -> Vec<Value> {
-        items
-            .iter()
-            .flat_map(|(k, v)| [Value::BulkString(k.as_bytes().to_vec()), v.clone()])
-            .collect()
-    }
-
     fn s(x: &str) -> Value {
         Value::BulkString(x.as_bytes().to_vec())
     }
 
+    /// A reply as `decide.lua` lays it out: the header, then two integers
+    /// per tier.
+    fn reply(header: [i64; 14], epoch: &str, tiers: &[i64]) -> Vec<Value> {
+        let mut v: Vec<Value> = header.iter().map(|i| Value::Int(*i)).collect();
+        v.push(s(epoch));
+        v.extend(tiers.iter().map(|i| Value::Int(*i)));
+        v
+    }
+
     #[test]
-    fn a_denial_parses_by_name_in_any_order() {
-        let r = DecideReply::parse(pairs(&[
-            ("denied", s("tier")),
-            ("denied_tier", Value::Int(2)),
-            ("allowed", Value::Int(0)),
-            ("retry_ms", Value::Int(250)),
-            ("now_ms", Value::Int(1_700_000_000_000)),
-            ("own_p", Value::Int(7)),
-            ("own_n", Value::Int(1)),
-            ("epoch", s("abc")),
-            ("day", Value::Int(20_000)),
-            (
-                "tiers",
-                Value::Array(vec![
-                    Value::Int(4),
-                    Value::Int(100),
-                    Value::Int(0),
-                    Value::Int(900),
-                ]),
-            ),
-            ("a_field_of_a_newer_script", Value::Int(3)),
-        ]))
-        .unwrap();
+    fn a_denial_parses_from_its_positions() {
+        // layout, allowed, denied (1 tier), tier, retry, now_ms, p, n, day, raised,
+        // refunded, duplicate, granted, global (-1 none)
+        let now = 1_700_000_000_000;
+        let header = [3, 0, 1, 2, 250, now, 7, 1, 20_000, 0, 0, 0, 0, -1];
+        let r = DecideReply::parse(reply(header, "abc", &[4, 100, 0, 900])).unwrap();
         assert!(!r.allowed);
         assert_eq!(r.denied, Some(Denied::Tier(1)), "1-based on the wire");
         assert_eq!(r.retry_ms, Some(250));
+        assert_eq!(r.now_ms, 1_700_000_000_000);
         assert_eq!(
             r.tiers,
             [
@@ -518,41 +453,57 @@ mod tests {
                 }
             ]
         );
-        assert_eq!((r.own_p, r.own_n, r.epoch.as_str()), (7, 1, "abc"));
+        assert_eq!(
+            (r.own_p, r.own_n, r.epoch.as_str(), r.day),
+            (7, 1, "abc", 20_000)
+        );
         assert_eq!((r.global_remaining, r.raised), (None, 0));
+
+        let header = [3, 1, 0, 0, 0, 5, 9, 2, 1, 4, 3, 1, 6, 17];
+        let r = DecideReply::parse(reply(header, "e", &[])).unwrap();
+        assert!(r.allowed && r.denied.is_none() && r.duplicate);
+        assert_eq!(
+            (r.raised, r.refunded, r.granted, r.global_remaining),
+            (4, 3, 6, Some(17))
+        );
     }
 
     #[test]
     fn never_is_a_negative_retry_and_expired_is_an_error() {
-        let mut base = vec![
-            ("allowed", Value::Int(0)),
-            ("denied", s("global")),
-            ("retry_ms", Value::Int(-1)),
-            ("now_ms", Value::Int(5)),
-            ("own_p", Value::Int(0)),
-            ("own_n", Value::Int(0)),
-            ("day", Value::Int(1)),
-            ("tiers", Value::Array(vec![])),
-        ];
-        assert_eq!(DecideReply::parse(pairs(&base)).unwrap().retry_ms, None);
-        base[1].1 = s("expired");
+        let mut header = [3, 0, 2, 0, -1, 5, 0, 0, 1, 0, 0, 0, 0, 0];
+        let r = DecideReply::parse(reply(header, "", &[])).unwrap();
+        assert_eq!((r.denied, r.retry_ms), (Some(Denied::Global), None));
+        header[2] = 3;
         assert_eq!(
-            DecideReply::parse(pairs(&base)),
+            DecideReply::parse(reply(header, "", &[])),
             Err(ReplyError::Expired { now_ms: 5 })
         );
     }
 
     #[test]
     fn a_reply_of_another_layout_is_refused() {
-        let positional = vec![Value::Int(1), Value::Int(0), Value::Int(0), Value::Int(5)];
+        // The name/value pairs of the previous script.
+        let named = vec![
+            s("allowed"),
+            Value::Int(1),
+            s("denied"),
+            s(""),
+            s("now_ms"),
+            Value::Int(5),
+        ];
         assert!(matches!(
-            DecideReply::parse(positional),
+            DecideReply::parse(named),
             Err(ReplyError::Malformed(_))
         ));
-        let missing = pairs(&[("allowed", Value::Int(1)), ("denied", s(""))]);
+        let other_version = reply([4, 1, 0, 0, 0, 5, 0, 0, 1, 0, 0, 0, 0, -1], "e", &[]);
         assert!(matches!(
-            DecideReply::parse(missing),
-            Err(ReplyError::Malformed(m)) if m.contains("now_ms")
+            DecideReply::parse(other_version),
+            Err(ReplyError::Malformed(m)) if m.contains("layout 4")
+        ));
+        let odd_tiers = reply([3, 1, 0, 0, 0, 5, 0, 0, 1, 0, 0, 0, 0, -1], "e", &[1]);
+        assert!(matches!(
+            DecideReply::parse(odd_tiers),
+            Err(ReplyError::Malformed(_))
         ));
     }
 
