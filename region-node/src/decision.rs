@@ -30,7 +30,7 @@ use tierlimit_shared::reload::Live;
 use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
 
-use crate::admission::Admission;
+use crate::admission::{Admission, Shed};
 use crate::lease::{Leases, Leftover, Take};
 use crate::local::Local;
 use crate::metrics::Metrics;
@@ -166,6 +166,10 @@ pub enum DecideError {
     UnknownTenant(String),
     #[error("the region's Redis is unavailable and the plan fails closed")]
     Unavailable,
+    /// Redis serves, but this request's call waited past `store_timeout`
+    /// behind others: shed like a full admission queue, not failed over.
+    #[error(transparent)]
+    Shed(#[from] Shed),
     #[error(transparent)]
     Handle(#[from] HandleError),
     #[error("refunds must name a refund handle on this region (node.free_form_refunds = false)")]
@@ -939,6 +943,13 @@ impl Decider {
         call: &DecideCall<'_>,
         error: StoreError,
     ) -> Result<Decision, DecideError> {
+        if error.is_backlog() {
+            // Saturation, not an outage: shed (its late charge, if any, is
+            // undone by the store), whatever the plan's fail mode.
+            let shed = Shed::StoreBacklog;
+            self.metrics.shed.with_label_values(&[shed.reason()]).inc();
+            return Err(shed.into());
+        }
         if !matches!(error, StoreError::Down) {
             tracing::debug!(%error, tenant = req.tenant, "decision script failed; using on_store_error");
         }

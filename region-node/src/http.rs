@@ -152,6 +152,7 @@ impl From<DecideError> for Problem {
                 .with("violated-policy", r.reason.name())
                 .with_header(header::RETRY_AFTER, HeaderValue::from(secs))
             }
+            DecideError::Shed(shed) => shed.problem(),
             DecideError::Unavailable => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",

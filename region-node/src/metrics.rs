@@ -377,7 +377,7 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "tierlimit_shed_total",
-                        "Requests shed by admission control (503, nothing charged), by reason: queue_full, queue_timeout",
+                        "Requests shed (503, nothing charged), by reason: queue_full and queue_timeout (admission control), store_backlog (the Redis call waited past store_timeout behind others while Redis kept answering)",
                     ),
                     &["reason"],
                 )
@@ -461,7 +461,7 @@ impl Metrics {
         for result in ["ok", "refused"] {
             self.config_reloads.with_label_values(&[result]);
         }
-        for reason in ["queue_full", "queue_timeout"] {
+        for reason in ["queue_full", "queue_timeout", "store_backlog"] {
             self.shed.with_label_values(&[reason]);
         }
         for reason in ["connection", "stalled", "readonly"] {

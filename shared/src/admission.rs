@@ -65,6 +65,14 @@ pub enum Shed {
     QueueFull { in_flight: usize, queued: usize },
     #[error("saturated: no slot freed within {0:?}")]
     QueueTimeout(Duration),
+    /// The request had a slot, but its store call waited past the store
+    /// timeout while the store kept answering others (or reached it past
+    /// its deadline): a backlog, not an outage, so no fail mode. Whatever
+    /// the late call charged is undone by the node.
+    #[error(
+        "saturated: the store serves, but this call waited past the store timeout behind others"
+    )]
+    StoreBacklog,
 }
 
 impl Shed {
@@ -73,6 +81,7 @@ impl Shed {
         match self {
             Shed::QueueFull { .. } => "queue_full",
             Shed::QueueTimeout(_) => "queue_timeout",
+            Shed::StoreBacklog => "store_backlog",
         }
     }
 

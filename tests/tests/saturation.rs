@@ -4,6 +4,10 @@
 //! - A load well above what Redis serves is shed (503 problem+json with
 //!   `Retry-After`, nothing charged), and no decision falls into the fail
 //!   mode while Redis is merely busy.
+//! - Without the admission bound, calls that wait past `store_timeout`
+//!   behind others while Redis keeps answering are shed too
+//!   (`store_backlog`), not failed over, and what Redis charged for them
+//!   is undone.
 //! - Redis silent past `node.store_unavailable_after` opens the breaker: the
 //!   fail mode engages, and the node returns to Redis by itself.
 //! - A check Redis charged after the node gave up on it is refunded when its
@@ -15,7 +19,7 @@
 //! cycles (each one ended by Redis itself, observed through a blocked
 //! write), SIGSTOP/SIGCONT, and a TCP proxy that holds Redis' replies.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,14 +70,25 @@ fn sample(text: &str, name: &str) -> f64 {
 /// The region tier's remaining units and this region's P − N for `tenant`.
 async fn region_count(node: &RegionNode, tenant: &str) -> (u64, u64) {
     let u = harness::get_json(&node.http, &node.url(&format!("/v1/tenants/{tenant}"))).await;
+    read_count(&u).unwrap_or_else(|| panic!("no region tier in {u}"))
+}
+
+/// The same, `None` when the node could not read Redis in time (its
+/// answer then has no tiers).
+async fn try_region_count(node: &RegionNode, tenant: &str) -> Option<(u64, u64)> {
+    let u = harness::get_json(&node.http, &node.url(&format!("/v1/tenants/{tenant}"))).await;
+    read_count(&u)
+}
+
+fn read_count(u: &Value) -> Option<(u64, u64)> {
     let remaining = u["tiers"]
-        .as_array()
-        .and_then(|ts| ts.iter().find(|t| t["tier"] == "region"))
-        .and_then(|t| t["remaining"].as_u64())
-        .unwrap_or_else(|| panic!("no region tier in {u}"));
-    let p = u["region_p"].as_u64().unwrap();
-    let n = u["region_n"].as_u64().unwrap();
-    (remaining, p - n)
+        .as_array()?
+        .iter()
+        .find(|t| t["tier"] == "region")?["remaining"]
+        .as_u64()?;
+    let p = u["region_p"].as_u64()?;
+    let n = u["region_n"].as_u64()?;
+    Some((remaining, p - n))
 }
 
 /// What one request of the open-loop load saw.
@@ -254,7 +269,8 @@ plan = "p"
     }
     assert_eq!(sample(&m, "tierlimit_store_up"), 1.0);
     let shed_total = sample(&m, "tierlimit_shed_total{reason=\"queue_full\"}")
-        + sample(&m, "tierlimit_shed_total{reason=\"queue_timeout\"}");
+        + sample(&m, "tierlimit_shed_total{reason=\"queue_timeout\"}")
+        + sample(&m, "tierlimit_shed_total{reason=\"store_backlog\"}");
     assert_eq!(
         shed_total as usize,
         shed.len(),
@@ -367,18 +383,25 @@ plan = "p"
     );
 }
 
-/// A TCP proxy to Redis whose replies can be held: the script runs (and
-/// charges) at once, its reply waits in the proxy until released.
+/// A TCP proxy to Redis whose replies can be held (the script runs, and
+/// charges, at once; its reply waits in the proxy until released) or
+/// throttled (replies keep coming, at most `throttle` bytes every
+/// [`HeldReplies::TICK`]: a Redis that serves, slower than the load).
 struct HeldReplies {
     port: u16,
     open: watch::Sender<bool>,
+    throttle: Arc<AtomicUsize>,
 }
 
 impl HeldReplies {
+    const TICK: Duration = Duration::from_millis(10);
+
     async fn start(upstream: u16) -> HeldReplies {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let (open, gate) = watch::channel(true);
+        let throttle = Arc::new(AtomicUsize::new(0));
+        let limit = Arc::clone(&throttle);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
@@ -388,6 +411,7 @@ impl HeldReplies {
                 let (mut sr, mut sw) = server.into_split();
                 tokio::spawn(async move { tokio::io::copy(&mut cr, &mut sw).await });
                 let mut gate = gate.clone();
+                let limit = Arc::clone(&limit);
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 64 * 1024];
                     loop {
@@ -396,16 +420,33 @@ impl HeldReplies {
                             Ok(n) => n,
                         };
                         // Bytes read while held are written only once released.
-                        if gate.wait_for(|open| *open).await.is_err()
-                            || cw.write_all(&buf[..n]).await.is_err()
-                        {
+                        if gate.wait_for(|open| *open).await.is_err() {
+                            break;
+                        }
+                        let throttled = limit.load(Ordering::Relaxed);
+                        let per_tick = if throttled == 0 { n } else { throttled };
+                        let mut failed = false;
+                        for chunk in buf[..n].chunks(per_tick) {
+                            failed = cw.write_all(chunk).await.is_err();
+                            if failed {
+                                break;
+                            }
+                            if throttled > 0 {
+                                tokio::time::sleep(HeldReplies::TICK).await;
+                            }
+                        }
+                        if failed {
                             break;
                         }
                     }
                 });
             }
         });
-        HeldReplies { port, open }
+        HeldReplies {
+            port,
+            open,
+            throttle,
+        }
     }
 
     fn url(&self) -> String {
@@ -418,6 +459,11 @@ impl HeldReplies {
 
     fn release(&self) {
         self.open.send_replace(true);
+    }
+
+    /// At most `bytes` of replies per tick from now on (0: no limit).
+    fn throttle(&self, bytes: usize) {
+        self.throttle.store(bytes, Ordering::Relaxed);
     }
 }
 
@@ -508,4 +554,117 @@ plan = "p"
         "{body}"
     );
     assert_eq!(region_count(&node, "t").await, (8, 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waiting_behind_a_backlog_is_shed_not_failed_over() {
+    let redis = Redis::start();
+    let proxy = HeldReplies::start(redis.port()).await;
+    let dir = temp_dir();
+    // No admission bound to speak of: every request's call goes to Redis,
+    // so the backlog builds in the connection and in Redis, not in the
+    // node's queue.
+    let node_cfg = r#"
+store_timeout = "100ms"
+store_unavailable_after = "2s"
+max_in_flight = 10000
+max_queue = 0
+"#;
+    let plans = r#"
+[plans.p]
+region = { limit = 1000000, window = "1h", algorithm = "fixed_window" }
+on_store_error = "local"
+[tenants.t]
+plan = "p"
+"#;
+    let cfg = write_config(dir.path(), &config(&proxy.url(), node_cfg, plans));
+    let node = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
+    // The first call also loads the script (NOSCRIPT, SCRIPT LOAD, again):
+    // wait until one is decided by Redis.
+    wait_for(
+        "a check decided by Redis",
+        Duration::from_secs(10),
+        || async {
+            let (status, body) = check(&node, "t").await;
+            (status == 200 && body["mode"] == "redis").then_some(())
+        },
+    )
+    .await;
+    let (_, before) = region_count(&node, "t").await;
+
+    // About 100 bytes per reply: Redis' answers come back at about 200 a
+    // second, one every few ms, against a load of 400 a second.
+    proxy.throttle(200);
+    let seen = open_loop(&node, "t", 400, Duration::from_millis(1500)).await;
+    proxy.throttle(0);
+
+    let allowed = seen.iter().filter(|s| s.status == 200).count();
+    let shed: Vec<&Seen> = seen.iter().filter(|s| s.status == 503).collect();
+    let mut modes = std::collections::BTreeMap::<String, usize>::new();
+    for s in &seen {
+        *modes.entry(s.body["mode"].to_string()).or_default() += 1;
+    }
+    println!(
+        "{} requests: {allowed} allowed, {} shed; modes {modes:?}",
+        seen.len(),
+        shed.len()
+    );
+    assert_eq!(allowed + shed.len(), seen.len(), "only 200 or 503");
+    assert!(allowed > 0, "what Redis answers in time is served");
+    assert!(
+        shed.len() > seen.len() / 4,
+        "the backlog made calls wait past store_timeout ({} of {} shed)",
+        shed.len(),
+        seen.len()
+    );
+    for s in &shed {
+        assert_eq!(s.retry_after.as_deref(), Some("1"), "{:?}", s.body);
+        assert_eq!(
+            (s.body["type"].as_str(), s.body["reason"].as_str()),
+            (
+                Some("https://tierlimit.dev/problems/overloaded"),
+                Some("store_backlog")
+            ),
+            "shed behind the backlog, not a store failure: {}",
+            s.body
+        );
+    }
+    let m = metrics(&node).await;
+    for mode in ["open", "closed", "local"] {
+        assert_eq!(
+            sample(
+                &m,
+                &format!("tierlimit_fail_mode_decisions_total{{mode=\"{mode}\"}}")
+            ),
+            0.0,
+            "no fail-mode decision while Redis answers ({mode})"
+        );
+    }
+    assert_eq!(
+        sample(&m, "tierlimit_shed_total{reason=\"store_backlog\"}") as usize,
+        shed.len()
+    );
+    assert_eq!(sample(&m, "tierlimit_store_up"), 1.0);
+
+    // What Redis charged for the shed calls is refunded as their replies
+    // arrive: the region's count ends at exactly what was allowed.
+    let counted = wait_for(
+        "the late charges of shed calls are undone",
+        Duration::from_secs(40),
+        || async {
+            let (_, pn) = try_region_count(&node, "t").await?;
+            (pn as usize == allowed + before as usize).then_some(pn)
+        },
+    )
+    .await;
+    assert_eq!(counted as usize, allowed + before as usize);
+    let m = metrics(&node).await;
+    assert_eq!(
+        sample(&m, "tierlimit_uncompensated_total{reason=\"no_reply\"}")
+            + sample(
+                &m,
+                "tierlimit_uncompensated_total{reason=\"refund_failed\"}"
+            ),
+        0.0
+    );
 }

@@ -221,6 +221,7 @@ impl Service {
                     "the region's Redis is unavailable and the plan fails closed",
                 ),
                 e @ DecideError::Newcomer(_) => Status::resource_exhausted(e.to_string()),
+                DecideError::Shed(shed) => Status::unavailable(format!("overloaded: {shed}")),
                 other => Status::invalid_argument(other.to_string()),
             });
         }

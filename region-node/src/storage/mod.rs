@@ -61,6 +61,11 @@ pub enum StoreError {
     Down,
     #[error("Redis did not answer within {0:?}")]
     Timeout(Duration),
+    /// The call was not answered within the store timeout, but Redis
+    /// answered other calls meanwhile: it waited behind a backlog. Not an
+    /// outage (see [`StoreError::is_backlog`]).
+    #[error("Redis answered other calls but not this one within {0:?}")]
+    Backlog(Duration),
     /// The call reached Redis after its deadline and did nothing: for the
     /// caller, a timeout that is known not to have charged.
     #[error("the call reached Redis after its deadline and did nothing")]
@@ -85,6 +90,7 @@ impl StoreError {
         match self {
             StoreError::Down => "down",
             StoreError::Timeout(_) | StoreError::Expired => "timeout",
+            StoreError::Backlog(_) => "backlog",
             StoreError::NotMaster => "readonly",
             StoreError::Redis(_) => "redis",
             StoreError::Reply(_) => "reply",
@@ -92,10 +98,21 @@ impl StoreError {
         }
     }
 
+    /// A call that waited behind others while Redis kept serving: too
+    /// late, but no sign of an outage. The decision path sheds it (503
+    /// `overloaded`) instead of taking the plan's fail mode, so a load
+    /// above what Redis serves is answered by shedding, never by the fail
+    /// mode. `Expired` is one too: the script answered, only after the
+    /// call's deadline.
+    pub fn is_backlog(&self) -> bool {
+        matches!(self, StoreError::Backlog(_) | StoreError::Expired)
+    }
+
     /// Errors that mean "this server cannot serve us now" (as opposed to a
     /// bad reply to one call).
     pub fn is_unavailability(&self) -> bool {
         match self {
+            StoreError::Backlog(_) => false,
             StoreError::Down | StoreError::Timeout(_) | StoreError::Expired => true,
             StoreError::NotMaster => true,
             StoreError::Redis(e) => {

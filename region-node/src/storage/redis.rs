@@ -620,7 +620,7 @@ impl RedisStore {
             }
             Err(_) => {
                 self.abandon(reply, call);
-                Err(StoreError::Timeout(self.timeout))
+                Err(self.timed_out())
             }
         };
         self.decide_seconds.observe(started.elapsed().as_secs_f64());
@@ -652,6 +652,17 @@ impl RedisStore {
                 Err(StoreError::Expired)
             }
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Why a call sent `store_timeout` ago has no reply: if Redis answered
+    /// anything since it was sent (the silence began after it), it waited
+    /// behind a backlog; if nothing came back all that time, Redis is slow
+    /// or unreachable.
+    fn timed_out(&self) -> StoreError {
+        match self.progress.silence() {
+            Some(quiet) if quiet >= self.timeout => StoreError::Timeout(self.timeout),
+            _ => StoreError::Backlog(self.timeout),
         }
     }
 
@@ -903,8 +914,9 @@ impl RedisStore {
                 .progress
                 .silence()
                 .is_some_and(|quiet| quiet >= self.unavailable_after),
-            // The script answered: Redis serves, only this call was late.
-            StoreError::Expired => false,
+            // The script answered, or Redis answered others: Redis serves,
+            // only this call was late.
+            StoreError::Expired | StoreError::Backlog(_) => false,
             // Behind Sentinel a demoted master means "ask again", not "down".
             StoreError::NotMaster if self.follows_failovers() => {
                 self.request_resolve();
