@@ -21,6 +21,7 @@ pub const SCENARIOS: &[&str] = &[
     "peer",
     "cluster",
     "leases",
+    "baseline",
     "envoy",
 ];
 
@@ -50,6 +51,9 @@ pub const SCENARIOS: &[&str] = &[
 ///                 (its rounds alternate with ceiling's)
 ///   cluster    8: standalone vs 3-master Redis Cluster; failovers
 ///   leases     9: node.lease_max = 0 vs 64, uniform and Zipf tenants
+///   baseline   9b: region-node before the hot-path issue
+///                 (BENCH_BASELINE_REV, built once) vs today's, leases off
+///                 and on: CPU per decision and decisions/s
 ///   envoy     10: Envoy without the filter, Envoy + region-node's RLS over
 ///                 gRPC, region-node's HTTP check: same concurrency
 #[derive(Debug, Clone, Parser, Serialize, Deserialize)]
@@ -111,6 +115,10 @@ pub struct Knobs {
     /// 6b: RUST_LOG of the faked region-node and aggregator.
     #[arg(long, env = "ROLLOVER_LOG", default_value = "warn")]
     pub rollover_log: String,
+    /// 9b: the commit whose region-node is "before" (built once into
+    /// ~/.cache/tierlimit/baseline).
+    #[arg(long, env = "BENCH_BASELINE_REV", default_value = crate::scenario::baseline::DEFAULT_REV)]
+    pub baseline_rev: String,
     /// Only these scenarios, comma-separated (names above); `latency` runs
     /// `ceiling` too, whose saturated rate it halves.
     #[arg(long, env = "BENCH_ONLY", value_delimiter = ',')]

@@ -32,8 +32,8 @@ use crate::knobs::{Knobs, KAFKA_SIDE};
 use crate::report::{Machine, Results};
 use crate::run::Run;
 use crate::scenario::{
-    accuracy, ceiling, cluster, crossings, envoy, fast_path, kafka, latency, leases, rollover,
-    saturation, scale,
+    accuracy, baseline, ceiling, cluster, crossings, envoy, fast_path, kafka, latency, leases,
+    rollover, saturation, scale,
 };
 use crate::world::{start_node, Region};
 
@@ -267,6 +267,15 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
         match leases::run(&run, &k).await {
             Ok(l) => r.leases = Some(l),
             Err(e) => run.say(&format!("the leases run failed: {e:#}")),
+        }
+    }
+
+    if k.runs("baseline") {
+        // Its own Redis servers and nodes, like scenario 9; builds the old
+        // region-node once.
+        match baseline::run(&run, &k).await {
+            Ok(b) => r.baseline = Some(b),
+            Err(e) => run.say(&format!("the baseline run failed: {e:#}")),
         }
     }
 

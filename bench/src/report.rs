@@ -48,6 +48,7 @@ pub struct Results {
     pub cluster: Option<crate::scenario::cluster::ClusterBench>,
     #[serde(default)]
     pub leases: Option<crate::scenario::leases::LeaseBench>,
+    pub baseline: Option<crate::scenario::baseline::BaselineBench>,
     #[serde(default)]
     pub envoy: Option<crate::scenario::envoy::EnvoyBench>,
     pub commands: Vec<String>,
@@ -81,6 +82,7 @@ impl Results {
             peer: None,
             cluster: None,
             leases: None,
+            baseline: None,
             envoy: None,
             commands: Vec::new(),
             config: None,

@@ -7,7 +7,6 @@
 //! are measured in the one run, so their ratio is what leases bought.
 
 use serde::{Deserialize, Serialize};
-use testkit::RegionNode;
 
 use crate::knobs::Knobs;
 use crate::loadgen::Summary;
@@ -65,7 +64,7 @@ fn config(redis_url: &str, lease_max: u64) -> String {
     solo_config("9", redis_url, &format!("lease_max = {lease_max}"), "")
 }
 
-fn variant(rounds: Vec<Round>) -> Variant {
+pub fn variant(rounds: Vec<Round>) -> Variant {
     let med = |f: fn(&Round) -> f64| median(rounds.iter().map(f).collect());
     let pct = |f: fn(&Round) -> f64| med(f) / 1000.0;
     Variant {
@@ -79,23 +78,22 @@ fn variant(rounds: Vec<Round>) -> Variant {
     }
 }
 
+/// One closed-loop round against the check at `url`, served by the
+/// process `node_pid` on the Redis `redis_pid`.
 #[allow(clippy::too_many_arguments)]
-async fn round(
+pub async fn round(
     run: &Run,
     k: &Knobs,
     name: &str,
-    node: &RegionNode,
+    url: &str,
+    node_pid: u32,
     redis_pid: u32,
     conn: &RedisConn,
     zipf: bool,
 ) -> anyhow::Result<Round> {
     let ticks = |p| testkit::cpu_ticks(p).unwrap_or(0);
-    let (n0, r0, c0) = (
-        ticks(node.proc.pid()),
-        ticks(redis_pid),
-        conn.counts().await?,
-    );
-    let mut args = strings(["--url".to_string(), node.url("/v1/check")]);
+    let (n0, r0, c0) = (ticks(node_pid), ticks(redis_pid), conn.counts().await?);
+    let mut args = strings(["--url".to_string(), url.to_string()]);
     args.extend(crate::loadgen::closed(
         k.connections,
         k.tenants,
@@ -108,7 +106,7 @@ async fn round(
         ]));
     }
     let summary = run.http(name, &args).await?;
-    let (n1, r1) = (ticks(node.proc.pid()), ticks(redis_pid));
+    let (n1, r1) = (ticks(node_pid), ticks(redis_pid));
     let calls = conn.counts().await?.since(c0).evalsha;
     // Ticks are 1/100 s; the warm-up's requests are in the ticks too.
     let decisions = (summary.throughput_rps * (k.duration + WARMUP) as f64).max(1.0);
@@ -148,7 +146,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
                 run,
                 k,
                 &format!("s9_off_{tag}_{i}"),
-                &off,
+                &off.url("/v1/check"),
+                off.proc.pid(),
                 redis_off.proc.pid(),
                 &conn_off,
                 zipf,
@@ -158,7 +157,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
                 run,
                 k,
                 &format!("s9_on_{tag}_{i}"),
-                &on,
+                &on.url("/v1/check"),
+                on.proc.pid(),
                 redis_on.proc.pid(),
                 &conn_on,
                 zipf,

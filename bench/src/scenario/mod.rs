@@ -3,6 +3,7 @@
 //! figures as a typed result, also written as JSON into `$TMP/results`.
 
 pub mod accuracy;
+pub mod baseline;
 pub mod ceiling;
 pub mod cluster;
 pub mod crossings;

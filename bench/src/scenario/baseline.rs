@@ -1,0 +1,245 @@
+//! Scenario 9b, before and after: region-node as it was before the hot-path
+//! issue (`BENCH_BASELINE_REV`, default [`DEFAULT_REV`]: the decision
+//! script of twelve commands that the issue measured) and today's, both
+//! built and measured in this one run. The same closed loop as scenario 9
+//! (bench plan, uniform tenants, Kafka detached) through three region-nodes,
+//! each on a Redis of its own, in alternating rounds: the old one, today's
+//! with leases off, today's with `node.lease_max` = [`LEASE_MAX`]. CPU per
+//! decision (region-node + Redis, from `/proc`) and decisions/s, today ÷
+//! before, with and without leases: what came from the rest of the decision
+//! path and what from leases.
+//!
+//! The old code is exported with `git archive` into the bench cache
+//! (`~/.cache/tierlimit/baseline/<rev>`) and built there once with its own
+//! `Cargo.lock` (`cargo build --release --locked -p region-node`, a few
+//! minutes the first time); later runs reuse the binary.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+
+use crate::knobs::Knobs;
+use crate::run::Run;
+use crate::scenario::leases::{round, variant, Round, Variant, LEASE_MAX};
+use crate::world::{solo_config, start_node, RedisConn};
+
+/// The last commit before the round that redesigned the decision path: its
+/// script runs TIME, 3 HMGET, 3 HSET, 2 PEXPIRE, EXPIRE and ZADD per
+/// check, as the issue measured.
+pub const DEFAULT_REV: &str = "fa857dc";
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct BaselineBench {
+    /// The old code's commit, as given and as resolved.
+    pub rev: String,
+    pub commit: String,
+    pub rounds: u64,
+    pub duration: u64,
+    pub connections: u64,
+    pub tenants: u64,
+    pub lease_max: u64,
+    pub before: Variant,
+    pub after: Variant,
+    pub after_leases: Variant,
+    /// (region-node + Redis CPU per decision) today ÷ before.
+    pub cpu_ratio: f64,
+    pub cpu_ratio_leases: f64,
+    /// Decisions/s today ÷ before.
+    pub rps_ratio: f64,
+    pub rps_ratio_leases: f64,
+}
+
+/// The old region-node binary, built once per commit.
+fn build(rev: &str) -> anyhow::Result<(String, PathBuf)> {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new("git")
+        .args(["rev-parse", "--verify", &format!("{rev}^{{commit}}")])
+        .current_dir(&repo)
+        .output()
+        .context("git rev-parse")?;
+    if !out.status.success() {
+        bail!(
+            "BENCH_BASELINE_REV {rev:?} is not a commit of this repository: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let commit = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let home = std::env::var_os("HOME").context("HOME is not set")?;
+    let cache = PathBuf::from(home).join(".cache/tierlimit/baseline");
+    let bin = cache.join(format!("region-node-{commit}"));
+    if bin.is_file() {
+        return Ok((commit, bin));
+    }
+    let src = cache.join(&commit);
+    if !src.join("Cargo.toml").is_file() {
+        std::fs::create_dir_all(&src)?;
+        let status = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "git archive {commit} | tar -x -C '{}'",
+                src.display()
+            ))
+            .current_dir(&repo)
+            .status()
+            .context("git archive")?;
+        if !status.success() {
+            bail!("git archive {commit} failed");
+        }
+    }
+    let target = cache.join("target");
+    let status = Command::new("cargo")
+        .args(["build", "--release", "--locked", "-p", "region-node"])
+        .env("CARGO_TARGET_DIR", &target)
+        .current_dir(&src)
+        .status()
+        .context("cargo build of the baseline")?;
+    if !status.success() {
+        bail!("building region-node at {commit} failed");
+    }
+    std::fs::copy(target.join("release/region-node"), &bin)?;
+    Ok((commit, bin))
+}
+
+/// The old region-node: no admin listener, `/healthz` on its API port.
+async fn start_old(run: &Run, bin: &Path, config: &Path) -> anyhow::Result<(testkit::Proc, u16)> {
+    let port = testkit::free_port();
+    let port_arg = format!("127.0.0.1:{port}");
+    let args: [&std::ffi::OsStr; 8] = [
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--region".as_ref(),
+        "eu".as_ref(),
+        "--node-id".as_ref(),
+        "eu-1".as_ref(),
+        "--listen".as_ref(),
+        port_arg.as_ref(),
+    ];
+    let mut proc = testkit::Proc::spawn(bin, args, &[("RUST_LOG", "warn")]);
+    run.record(format!(
+        "RUST_LOG=warn {} --config {} --region eu --node-id eu-1 --listen {port_arg} &   # the baseline",
+        bin.display(),
+        config.display()
+    ));
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    loop {
+        if let Some(status) = proc.poll_exit() {
+            bail!("the baseline region-node exited: {status}\n{}", proc.log());
+        }
+        let ok = http
+            .get(format!("http://{port_arg}/healthz"))
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ok {
+            return Ok((proc, port));
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            bail!("the baseline region-node did not answer /healthz within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
+    let rev = k.baseline_rev.as_str();
+    run.scenario(&format!(
+        "9b before and after: region-node at {rev} vs today's, leases off and lease_max = {LEASE_MAX}"
+    ));
+    run.say(&format!("building region-node at {rev} (once per commit)"));
+    let (commit, old_bin) = tokio::task::spawn_blocking({
+        let rev = rev.to_string();
+        move || build(&rev)
+    })
+    .await??;
+    let dir = testkit::temp_dir();
+    let redis = [
+        testkit::Redis::start(),
+        testkit::Redis::start(),
+        testkit::Redis::start(),
+    ];
+    let mut conns = Vec::new();
+    for r in &redis {
+        conns.push(RedisConn::open(&r.url()).await?);
+    }
+    let write = |name: &str, toml: String| -> anyhow::Result<PathBuf> {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d)?;
+        Ok(testkit::write_config(&d, &toml))
+    };
+    // The old configuration has no newcomer gate and no `[wire]` keys (which
+    // testkit's write_config adds), and refuses unknown keys: written as is.
+    let old_cfg =
+        solo_config("9b", &redis[0].url(), "", "").replace("max_new_per_second = 1000000\n", "");
+    let cfg_old = dir.path().join("before.toml");
+    std::fs::write(&cfg_old, old_cfg)?;
+    let cfg_off = write(
+        "after",
+        solo_config("9b", &redis[1].url(), "lease_max = 0", ""),
+    )?;
+    let cfg_on = write(
+        "after-leases",
+        solo_config(
+            "9b",
+            &redis[2].url(),
+            &format!("lease_max = {LEASE_MAX}"),
+            "",
+        ),
+    )?;
+    run.record(format!("# scenario 9b: {}", cfg_old.display()));
+    let (old, old_port) = start_old(run, &old_bin, &cfg_old).await?;
+    let off = start_node(run, &cfg_off, "eu", "eu-1", "/healthz", &[]).await;
+    let on = start_node(run, &cfg_on, "eu", "eu-1", "/healthz", &[]).await;
+    let old_url = format!("http://127.0.0.1:{old_port}/v1/check");
+    let (off_url, on_url) = (off.url("/v1/check"), on.url("/v1/check"));
+    let (mut before, mut after, mut after_leases): (Vec<Round>, Vec<Round>, Vec<Round>) =
+        (vec![], vec![], vec![]);
+    for i in 0..k.rounds {
+        let pids = [old.pid(), off.proc.pid(), on.proc.pid()];
+        let urls = [&old_url, &off_url, &on_url];
+        let names = ["before", "after", "after_leases"];
+        for (j, out) in [&mut before, &mut after, &mut after_leases]
+            .into_iter()
+            .enumerate()
+        {
+            let name = format!("s9b_{}_{i}", names[j]);
+            let r = round(
+                run,
+                k,
+                &name,
+                urls[j],
+                pids[j],
+                redis[j].proc.pid(),
+                &conns[j],
+                false,
+            )
+            .await?;
+            out.push(r);
+        }
+    }
+    let (before, after, after_leases) = (variant(before), variant(after), variant(after_leases));
+    let cpu = |v: &Variant| v.node_cpu_us + v.redis_cpu_us;
+    let r = BaselineBench {
+        rev: rev.to_string(),
+        commit,
+        rounds: k.rounds,
+        duration: k.duration,
+        connections: k.connections,
+        tenants: k.tenants,
+        lease_max: LEASE_MAX,
+        cpu_ratio: cpu(&after) / cpu(&before).max(0.001),
+        cpu_ratio_leases: cpu(&after_leases) / cpu(&before).max(0.001),
+        rps_ratio: after.rps / before.rps.max(1.0),
+        rps_ratio_leases: after_leases.rps / before.rps.max(1.0),
+        before,
+        after,
+        after_leases,
+    };
+    drop(old);
+    run.save("s9b_baseline", &r)?;
+    Ok(r)
+}
