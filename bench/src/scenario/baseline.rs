@@ -103,6 +103,13 @@ fn build(rev: &str) -> anyhow::Result<(String, PathBuf)> {
     Ok((commit, bin))
 }
 
+/// The one-region bench configuration as the old region-node reads it: it
+/// refuses unknown keys, and has no newcomer gate (`max_new_per_second`)
+/// and no `[wire]` section.
+fn old_config(redis_url: &str) -> String {
+    solo_config("9b", redis_url, "", "").replace("max_new_per_second = 1000000\n", "")
+}
+
 /// The old region-node: no admin listener, `/healthz` on its API port.
 async fn start_old(run: &Run, bin: &Path, config: &Path) -> anyhow::Result<(testkit::Proc, u16)> {
     let port = testkit::free_port();
@@ -171,12 +178,9 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
         std::fs::create_dir_all(&d)?;
         Ok(testkit::write_config(&d, &toml))
     };
-    // The old configuration has no newcomer gate and no `[wire]` keys (which
-    // testkit's write_config adds), and refuses unknown keys: written as is.
-    let old_cfg =
-        solo_config("9b", &redis[0].url(), "", "").replace("max_new_per_second = 1000000\n", "");
+    // Written as is: testkit's write_config would add `[wire]` keys.
     let cfg_old = dir.path().join("before.toml");
-    std::fs::write(&cfg_old, old_cfg)?;
+    std::fs::write(&cfg_old, old_config(&redis[0].url()))?;
     let cfg_off = write(
         "after",
         solo_config("9b", &redis[1].url(), "lease_max = 0", ""),
@@ -242,4 +246,36 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
     drop(old);
     run.save("s9b_baseline", &r)?;
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_old_configuration_has_only_keys_the_old_code_knows() {
+        let toml = old_config("redis://127.0.0.1:1");
+        let tree: toml::Table = toml.parse().unwrap();
+        let top: Vec<&str> = tree.keys().map(String::as_str).collect();
+        for key in &top {
+            assert!(
+                [
+                    "cluster",
+                    "kafka",
+                    "node",
+                    "regions",
+                    "plans",
+                    "unknown_tenants"
+                ]
+                .contains(key),
+                "{key} is not a key of the old configuration"
+            );
+        }
+        let unknown = tree["unknown_tenants"].as_table().unwrap();
+        let keys: Vec<&str> = unknown.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["plan", "policy"], "no newcomer gate");
+        let node = tree["node"].as_table().unwrap();
+        let keys: Vec<&str> = node.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["store_retry_interval", "store_timeout"]);
+    }
 }
