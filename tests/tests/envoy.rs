@@ -582,6 +582,78 @@ async fn grpc_listener_with_tls_serves_the_rls_and_health() {
     assert!(refused, "a plaintext call on the TLS listener must fail");
 }
 
+/// The plaintext listener (hyper's HTTP/2 server, not tonic's transport)
+/// answers the RLS, both health services, and UNIMPLEMENTED for a method
+/// it does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plaintext_grpc_listener_serves_the_rls_health_and_unimplemented() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(dir.path(), &config(&redis, MULTI));
+    let (_node, port) = node(&cfg).await;
+    let channel = tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("plaintext connection to the RLS");
+    let mut health = HealthClient::new(channel.clone());
+    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+        let r = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("health of {service:?}: {e}"))
+            .into_inner();
+        assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
+    }
+    let unknown = health
+        .check(HealthCheckRequest {
+            service: "no.such.Service".into(),
+        })
+        .await
+        .expect_err("an unknown service has no health");
+    assert_eq!(unknown.code(), tonic::Code::NotFound);
+
+    let mut c = RateLimitServiceClient::new(channel.clone());
+    let r = ask(
+        &mut c,
+        "multi",
+        0,
+        vec![desc(&[("tenant", "t"), ("kind", "a")])],
+    )
+    .await;
+    assert_eq!(codes(&r), vec![Code::Ok]);
+    let r = ask(
+        &mut c,
+        "multi",
+        0,
+        vec![desc(&[("tenant", "t"), ("kind", "a")])],
+    )
+    .await;
+    assert_eq!(codes(&r), vec![Code::OverLimit]);
+
+    // A method the listener does not serve: UNIMPLEMENTED, not a hang or a
+    // reset connection.
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let status = grpc
+        .unary::<_, RateLimitResponse, _>(
+            tonic::Request::new(RateLimitRequest::default()),
+            tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/envoy.service.ratelimit.v3.RateLimitService/NoSuchMethod",
+            ),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await
+        .expect_err("no such method");
+    assert_eq!(status.code(), tonic::Code::Unimplemented);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_regions_behind_two_envoys_share_a_global_limit() {
     let tansu = harness::Tansu::start();

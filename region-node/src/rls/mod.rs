@@ -11,6 +11,15 @@
 //! The messages and the service trait come from the `envoy-types` crate
 //! (generated from envoy's data-plane-api), never written by hand. The
 //! descriptor configuration is `tierlimit_shared::rls`.
+//!
+//! **Two transports.** With TLS, tonic's server serves the listener. In
+//! plaintext (a gateway beside the node, the common deployment), hyper's
+//! HTTP/2 server calls the same generated services directly
+//! ([`serve_plaintext`]): tonic's transport adds a router and per-request
+//! layers (timeout, error recovery) that cost about a tenth of region-node's
+//! CPU per RLS decision (BENCHMARKS.md §10), and Envoy enforces the call's
+//! deadline itself. Both answer the RLS and the health service, and drain
+//! in-flight calls on shutdown.
 
 pub mod key;
 pub mod metrics;
@@ -86,6 +95,15 @@ impl Listener {
         });
         let (reporter, health) = tonic_health::server::health_reporter();
         reporter.set_serving::<RateLimitServiceServer<Rls>>().await;
+        if self.tls.is_none() {
+            return serve_plaintext(
+                self.listener,
+                RateLimitServiceServer::new(Rls(svc)),
+                health,
+                shutdown,
+            )
+            .await;
+        }
         let mut builder = Server::builder();
         if let Some(tls) = self.tls {
             builder = builder.tls_config(tls).context("grpc TLS configuration")?;
@@ -100,4 +118,75 @@ impl Listener {
             .context("serving gRPC")?;
         Ok(())
     }
+}
+
+/// How long a shutdown waits for in-flight calls on the plaintext listener.
+const DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Serves `rls` and `health` on `listener` with hyper's HTTP/2 server, no
+/// tonic transport in between (see the module docs). A call to the health
+/// service goes to `health`, anything else to `rls` (whose generated code
+/// answers UNIMPLEMENTED for a method it does not have). On `shutdown` it
+/// stops accepting and waits up to [`DRAIN`] for open calls.
+async fn serve_plaintext<H>(
+    listener: tokio::net::TcpListener,
+    rls: RateLimitServiceServer<Rls>,
+    health: H,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()>
+where
+    H: tonic::codegen::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+            Future = tonic::codegen::BoxFuture<
+                http::Response<tonic::body::Body>,
+                std::convert::Infallible,
+            >,
+        > + Clone
+        + Send
+        + 'static,
+{
+    use tonic::codegen::Service as _;
+    const HEALTH: &str = "/grpc.health.v1.Health/";
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors and the like: the listener stays.
+                    tracing::warn!(error = %e, "gRPC listener: accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let (rls, health) = (rls.clone(), health.clone());
+        let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+            if req.uri().path().starts_with(HEALTH) {
+                health.clone().call(req)
+            } else {
+                rls.clone().call(req)
+            }
+        });
+        let conn = http2.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "gRPC connection ended");
+            }
+        });
+    }
+    if tokio::time::timeout(DRAIN, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("gRPC listener: calls still open {DRAIN:?} after shutdown");
+    }
+    Ok(())
 }
