@@ -503,40 +503,13 @@ async fn envoy_ratelimit_fixture_loaded_directly_and_imported_decides_identicall
     assert!(over >= 6, "only {over} denials");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn grpc_listener_with_tls_serves_the_rls_and_health() {
-    use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+/// On `channel`: both health services SERVING, and tenant `t` of domain
+/// `multi` (kind `a`: limit 1) allowed once, then over its limit.
+async fn serves_rls_and_health(channel: tonic::transport::Channel) {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
 
-    let tls = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tls");
-    let redis = Redis::start();
-    let dir = temp_dir();
-    let cfg = write_config(
-        dir.path(),
-        &config(
-            &redis,
-            &format!(
-                "{MULTI}\n[grpc]\ntls_cert = {:?}\ntls_key = {:?}\n",
-                tls.join("grpc.crt").display().to_string(),
-                tls.join("grpc.key").display().to_string()
-            ),
-        ),
-    );
-    let (_node, port) = node(&cfg).await;
-    let ca = Certificate::from_pem(std::fs::read(tls.join("ca.crt")).unwrap());
-    let channel = Channel::from_shared(format!("https://127.0.0.1:{port}"))
-        .unwrap()
-        .tls_config(
-            ClientTlsConfig::new()
-                .ca_certificate(ca)
-                .domain_name("localhost"),
-        )
-        .unwrap()
-        .connect()
-        .await
-        .expect("TLS connection to the RLS");
     let mut health = HealthClient::new(channel.clone());
     for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
         let r = health
@@ -565,6 +538,40 @@ async fn grpc_listener_with_tls_serves_the_rls_and_health() {
     )
     .await;
     assert_eq!(codes(&r), vec![Code::OverLimit]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_listener_with_tls_serves_the_rls_and_health() {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+
+    let tls = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tls");
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            &format!(
+                "{MULTI}\n[grpc]\ntls_cert = {:?}\ntls_key = {:?}\n",
+                tls.join("grpc.crt").display().to_string(),
+                tls.join("grpc.key").display().to_string()
+            ),
+        ),
+    );
+    let (_node, port) = node(&cfg).await;
+    let ca = Certificate::from_pem(std::fs::read(tls.join("ca.crt")).unwrap());
+    let channel = Channel::from_shared(format!("https://127.0.0.1:{port}"))
+        .unwrap()
+        .tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(ca)
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connection to the RLS");
+    serves_rls_and_health(channel).await;
 
     // Plaintext is refused on a TLS listener.
     let plain = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}")).await;
@@ -587,7 +594,6 @@ async fn grpc_listener_with_tls_serves_the_rls_and_health() {
 /// it does not have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plaintext_grpc_listener_serves_the_rls_health_and_unimplemented() {
-    use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
 
@@ -600,17 +606,8 @@ async fn plaintext_grpc_listener_serves_the_rls_health_and_unimplemented() {
         .connect()
         .await
         .expect("plaintext connection to the RLS");
+    serves_rls_and_health(channel.clone()).await;
     let mut health = HealthClient::new(channel.clone());
-    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
-        let r = health
-            .check(HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("health of {service:?}: {e}"))
-            .into_inner();
-        assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
-    }
     let unknown = health
         .check(HealthCheckRequest {
             service: "no.such.Service".into(),
@@ -618,24 +615,6 @@ async fn plaintext_grpc_listener_serves_the_rls_health_and_unimplemented() {
         .await
         .expect_err("an unknown service has no health");
     assert_eq!(unknown.code(), tonic::Code::NotFound);
-
-    let mut c = RateLimitServiceClient::new(channel.clone());
-    let r = ask(
-        &mut c,
-        "multi",
-        0,
-        vec![desc(&[("tenant", "t"), ("kind", "a")])],
-    )
-    .await;
-    assert_eq!(codes(&r), vec![Code::Ok]);
-    let r = ask(
-        &mut c,
-        "multi",
-        0,
-        vec![desc(&[("tenant", "t"), ("kind", "a")])],
-    )
-    .await;
-    assert_eq!(codes(&r), vec![Code::OverLimit]);
 
     // A method the listener does not serve: UNIMPLEMENTED, not a hang or a
     // reset connection.

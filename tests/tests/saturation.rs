@@ -47,6 +47,20 @@ policy = "deny"
     )
 }
 
+/// Tenant `t` on plan `p`: a region tier of `limit` per hour (fixed
+/// window) and the given `on_store_error`.
+fn plan_t(limit: u64, on_store_error: &str) -> String {
+    format!(
+        r#"
+[plans.p]
+region = {{ limit = {limit}, window = "1h", algorithm = "fixed_window" }}
+on_store_error = "{on_store_error}"
+[tenants.t]
+plan = "p"
+"#
+    )
+}
+
 async fn check(node: &RegionNode, tenant: &str) -> (u16, Value) {
     let r = node
         .http
@@ -193,14 +207,8 @@ max_in_flight = 4
 max_queue = 16
 queue_timeout = "100ms"
 "#;
-    let plans = r#"
-[plans.p]
-region = { limit = 1000000, window = "1h", algorithm = "fixed_window" }
-on_store_error = "local"
-[tenants.t]
-plan = "p"
-"#;
-    let cfg = write_config(dir.path(), &config(&redis.url(), node_cfg, plans));
+    let plans = plan_t(1_000_000, "local");
+    let cfg = write_config(dir.path(), &config(&redis.url(), node_cfg, &plans));
     let node = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
     assert_eq!(check(&node, "t").await.0, 200);
 
@@ -291,14 +299,8 @@ async fn redis_silent_past_the_threshold_engages_the_fail_mode() {
 store_timeout = "100ms"
 store_unavailable_after = "400ms"
 "#;
-    let plans = r#"
-[plans.p]
-region = { limit = 1000, window = "1h", algorithm = "fixed_window" }
-on_store_error = "open"
-[tenants.t]
-plan = "p"
-"#;
-    let cfg = write_config(dir.path(), &config(&redis.url(), node_cfg, plans));
+    let plans = plan_t(1000, "open");
+    let cfg = write_config(dir.path(), &config(&redis.url(), node_cfg, &plans));
     let node = RegionNode::start(&cfg, "eu", "a").await;
     assert_eq!(check(&node, "t").await.1["mode"], "redis");
 
@@ -477,14 +479,8 @@ async fn a_check_charged_after_the_node_gave_up_is_undone() {
 store_timeout = "400ms"
 store_unavailable_after = "30s"
 "#;
-    let plans = r#"
-[plans.p]
-region = { limit = 10, window = "1h", algorithm = "fixed_window" }
-on_store_error = "closed"
-[tenants.t]
-plan = "p"
-"#;
-    let cfg = write_config(dir.path(), &config(&proxy.url(), node_cfg, plans));
+    let plans = plan_t(10, "closed");
+    let cfg = write_config(dir.path(), &config(&proxy.url(), node_cfg, &plans));
     let node = RegionNode::start(&cfg, "eu", "a").await;
     assert_eq!(check(&node, "t").await.0, 200);
     assert_eq!(region_count(&node, "t").await, (9, 1));
@@ -570,14 +566,8 @@ store_unavailable_after = "2s"
 max_in_flight = 10000
 max_queue = 0
 "#;
-    let plans = r#"
-[plans.p]
-region = { limit = 1000000, window = "1h", algorithm = "fixed_window" }
-on_store_error = "local"
-[tenants.t]
-plan = "p"
-"#;
-    let cfg = write_config(dir.path(), &config(&proxy.url(), node_cfg, plans));
+    let plans = plan_t(1_000_000, "local");
+    let cfg = write_config(dir.path(), &config(&proxy.url(), node_cfg, &plans));
     let node = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
     // The first call also loads the script (NOSCRIPT, SCRIPT LOAD, again):
     // wait until one is decided by Redis.
