@@ -889,11 +889,12 @@ mod tests {
         );
         assert_eq!(&args[5..9], ["check", "0", "acme", "20000"]);
         assert_eq!(args[10], "259200");
-        // No lease asked (max 0, share 1); then two tiers of seven values
-        // after the eighteen fixed arguments.
-        assert_eq!(&args[20..22], ["0", "1"]);
-        assert_eq!(args[22], "2");
-        assert_eq!(args.len(), 5 + 18 + 2 * 7);
+        // Two tiers of five values after the thirteen fixed arguments, then
+        // the check's lease: none asked (max 0, share 1).
+        assert_eq!(args[17], "2");
+        assert_eq!(&args[18..20], ["n:n1:_:1:", "1"]);
+        assert_eq!(&args[28..30], ["0", "1"]);
+        assert_eq!(args.len(), 5 + 13 + 2 * 5 + 2);
     }
 
     #[test]

@@ -375,8 +375,8 @@ async fn a_new_days_first_publications_spread_over_the_relaxed_interval() {
     let redis = Redis::start();
     let mut con = redis.client().await;
     let (yesterday, old) = (today() - 1, today() - 10);
-    let (now_s, _): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
-    let now = now_s * 1000;
+    let (now_s, now_us): (i64, i64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+    let now = now_s * 1000 + now_us / 1000;
     let tenants: Vec<String> = (0..20).map(|i| format!("t{i}")).collect();
     let mut scores = Vec::new();
     for t in &tenants {

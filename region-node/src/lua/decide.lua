@@ -7,25 +7,29 @@
 --
 -- It runs on every decision that reaches Redis, so it is written for Redis'
 -- CPU (BENCHMARKS.md, "Where the decision script's instructions go"): three
--- commands on the common path (TIME, one HMGET, one HSET); one table per
--- tier, allocated once with every field it will hold; numbers read from ARGV
--- only on the path that needs them; values read from Redis written back as
--- the same strings when unchanged (Redis formats a Lua number with
--- snprintf, which costs more than the rest of a field); a reply of integers
--- in fixed positions (Redis converts a reply element by element, so names
--- beside the values doubled its cost).
+-- commands on the common path (TIME, one HMGET, one HSET); no closures
+-- (each call would allocate them and capture their upvalues) and no C
+-- calls where an operator does (x - x % w is floor's work); one array per
+-- tier, allocated once; numbers read from ARGV only on the path that needs
+-- them, sentinels compared as strings, and as few arguments as the call
+-- needs (Redis makes a Lua string of each); values that did not change are
+-- not written back, and numbers are written formatted with %d (Redis
+-- formats a Lua number with %.17g, which costs more than the rest of the
+-- field); a reply of integers in fixed positions (Redis converts a reply
+-- element by element, so names beside the values doubled its cost).
 --
 -- KEYS[1]   the tenant hash   tl:{B}:t:T   (whole-tenant tier states, the
 --           PN counter of each day, its publish state)
 -- KEYS[2]   the bucket's dirty set   tl:{B}:dirty
 -- KEYS[3..] tiers kept outside the tenant hash (key-scoped, windows over a
---           day, the sliding log), in the order their tiers name them
+--           day, the sliding log), in the order their tiers name them;
+--           then, for a refund by handle, the set of used handles
 --
 -- ARGV[1]   op: "check" | "refund" | "peek"
 -- ARGV[2]   deadline in Redis' clock, ms (0 = none): a call that reaches
---           Redis after it does nothing and answers denied = expired (the
---           node gave up at its store_timeout and answered from its fail
---           mode, so charging now would count the request twice)
+--           Redis after it does nothing and answers outcome -2 (expired:
+--           the node gave up at its store_timeout and answered from its
+--           fail mode, so charging now would count the request twice)
 -- ARGV[3]   tenant id (the dirty-set member is "T|day")
 -- ARGV[4]   the day the node computed; if Redis' clock says otherwise the
 --           broadcast is not for this day (others = 0)
@@ -42,34 +46,32 @@
 --           published at the next flush (-1 = never)
 -- ARGV[12]  relaxed_ms: how long after its last publication a (T, day)
 --           that is not urgent is due again (relaxed_flush_interval)
--- ARGV[13]  refund record: index in KEYS of the set of refund handles used
---           for the charge's day (0 = a free-form refund, or not a refund)
--- ARGV[14]  refund handle id (unique per charge; "-" when none)
--- ARGV[15]  the charge's Redis time, ms: a refund by handle gives back only
---           to a window the charge was in, and to the global count only on
---           the charge's day
--- ARGV[16]  lease_max: a check that is allowed may also take a lease of up
---           to this many more units (0 = no lease; see "Leases" below)
--- ARGV[17]  lease_share: a lease takes at most 1/lease_share of what every
---           tier (and the global budget) leaves after the request
--- ARGV[18]  K, the number of windowed tiers; then 7 values per tier:
---           location (0 = tenant hash, i = KEYS[i]), field prefix in the
---           hash, algorithm code (1 fixed window, 2 sliding window,
---           3 token bucket, 4 sliding log), limit, window_ms, burst, cost
+-- ARGV[13]  K, the number of windowed tiers; then per tier: where its
+--           state is (its field prefix in the tenant hash, or "#i" for
+--           KEYS[i]), algorithm code (1 fixed window, 2 sliding window,
+--           3 token bucket, 4 sliding log), limit, window_ms, cost, and for
+--           the token bucket its burst
+-- then      the op's own: a check's lease_max and lease_share (see "Leases"
+--           below; 0 = no lease); a refund's index in KEYS of the set of
+--           used refund handles (0 = a free-form refund), its handle id
+--           ("-" when none) and the charge's Redis time in ms (a refund by
+--           handle gives back only to a window the charge was in, and to
+--           the global count only on the charge's day); a peek's none
 -- then      triplets epoch, P, N: this region's actors in the broadcast
 --
 -- Reply: a list in fixed positions (parsed in script.rs, which checks [1]):
---   [1] layout version (3)          [9]  day
---   [2] allowed 1|0                 [10] raised (units the rollback check
---   [3] denied: 0 none, 1 tier,          added to P, see below)
---       2 global, 3 expired         [11] refunded (global units a refund
---   [4] denied tier (1-based)            gave back)
---   [5] retry_ms (-1 = never)       [12] duplicate (1: the handle was used
---   [6] now_ms (Redis TIME)              already, nothing given back)
---   [7] own_p                       [13] granted (units of lease charged
---   [8] own_n                            beyond the request's cost)
---                                   [14] global remaining (-1: no global tier)
---   [15] epoch, naming this region's actor of the day's PN counter
+--   [1] layout version (4)
+--   [2] outcome: 0 allowed (a refund and a peek always are), i > 0 denied
+--       by tier i, -1 denied by the global tier, -2 expired (nothing done)
+--   [3] retry_ms when denied (-1 = never)
+--   [4] now_ms (Redis TIME; the day is now_ms / 86400000)
+--   [5] own_p   [6] own_n: this region's PN counter for the day
+--   [7] raised: units the rollback check added to P (see below)
+--   [8] refunded: global units a refund gave back (-1: the handle was
+--       used already, nothing given back)
+--   [9] granted: units of lease charged beyond the request's cost
+--   [10] global remaining (-1: no global tier)
+--   [11] epoch, naming this region's actor of the day's PN counter
 --   then remaining, reset_ms of each tier, in call order.
 --
 -- Numbers are Lua doubles: exact integers up to 2^53.
@@ -77,57 +79,74 @@
 local A = ARGV
 local call = redis.call
 local floor = math.floor
-local VERSION = 3
+local fmt = string.format
+local VERSION = 4
+
+-- A tier is an array with every field it will hold, allocated once; these
+-- name its positions. (With named fields, a table of string keys, the
+-- script ran 10 k instructions more per call.) loc: 0 = the tenant hash,
+-- i = KEYS[i]; first: its fields' offset in the HMGET; ok, remaining,
+-- reset, retry: the decision; s1, s3: fields as read that are written back
+-- unchanged (false when they change); idx, n1, n2: what the algorithm
+-- computed (window index, count, previous count; for GCRA the time ahead
+-- before and after the request, and emit, the time one unit takes).
+local LOC, ALG, LIMIT, WIN, COST, BURST, FIRST = 1, 2, 3, 4, 5, 6, 7
+local OK, REMAINING, RESET, RETRY, TTL_MS = 8, 9, 10, 11, 12
+local IDX, N1, N2, EMIT, S1, S3 = 13, 14, 15, 16, 17, 18
 
 local t = redis.call('TIME')
 local now_us = t[1] * 1000000 + t[2]
-local now_ms = floor(now_us / 1000)
+local now_ms = (now_us - now_us % 1000) / 1000
 
-local function int(x) return string.format('%.0f', x) end
-
-local deadline = A[2] + 0
-if deadline > 0 and now_ms > deadline then
-  return { VERSION, 0, 3, 0, 0, now_ms, 0, 0, 0, 0, 0, 0, 0, -1, '' }
+-- Sentinel arguments ('0', '-1') are compared as strings: Lua interns
+-- strings, so that is a pointer comparison, where a number costs a strtod.
+if A[2] ~= '0' and now_ms > A[2] + 0 then
+  return { VERSION, -2, 0, now_ms, 0, 0, 0, 0, 0, -1, '' }
 end
 
 local op = A[1]
-local day = floor(now_ms / 86400000)
+local day = (now_ms - now_ms % 86400000) / 86400000
 local node_day = A[4] + 0
 if day - node_day > 1 or node_day - day > 1 then
   return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
 end
+-- The day as text: the node's own when it agrees, since formatting a
+-- number costs more than the rest of a field name.
+local gp = 'g:' .. (day == node_day and A[4] or fmt('%d', day)) .. ':'
 
 -- Read: one HMGET of the tenant hash for the day's counter and every tier
--- kept there; one HMGET per tier kept in a key of its own. Field names per
--- algorithm code (the sliding log is a zset of its own and has none).
-local FIELDS = { { 'w', 'c' }, { 'w', 'c', 'p' }, { 't', 'f' } }
-local gp = 'g:' .. day .. ':'
+-- kept there; one HMGET per tier kept in a key of its own. A tier's fields
+-- are <prefix>w, <prefix>c and <prefix>p (fixed and sliding windows: the
+-- window index, its count, the previous window's count) or <prefix>t and
+-- <prefix>f (GCRA); the sliding log is a zset of its own and has none.
 local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', false, false, false, false, false, false, false, false }
 local nf = 4
-local K = A[18] + 0
-local tiers = {}
+local K = A[13] + 0
+local tiers = { false, false, false, false }
+local a = 14
 for i = 1, K do
-  local a = 11 + i * 7
-  local alg = A[a + 3] + 0
-  -- Every field a tier will hold, so the table is allocated once.
-  local tier = { loc = A[a + 1] + 0, alg = alg, limit = A[a + 4] + 0, w = A[a + 5] + 0, cost = A[a + 7] + 0,
-    burst = 0, prefix = false, first = 0, ok = false, remaining = 0, reset = 0, retry = 0, ttl_ms = 0,
-    idx = 0, used = 0, cur = 0, prev = 0, s1 = false, s3 = false, e = 0, ahead = 0, new_ahead = 0, had = false }
-  if alg == 3 then tier.burst = A[a + 6] + 0 end
-  if tier.loc == 0 then
-    local prefix = A[a + 2]
-    tier.prefix = prefix
-    tier.first = nf
-    local f = FIELDS[alg]
-    for j = 1, #f do nf = nf + 1; fields[nf] = prefix .. f[j] end
+  local spec = A[a]
+  local alg = A[a + 1] + 0
+  local loc = 0
+  if string.byte(spec) == 35 then loc = string.sub(spec, 2) + 0 end -- '#<index in KEYS>'
+  local tier = { loc, alg, A[a + 2] + 0, A[a + 3] + 0, A[a + 4] + 0, 0, nf, true, 0, 0, 0, 0, 0, 0, 0, 0, false, false }
+  if alg == 3 then tier[BURST] = A[a + 5] + 0; a = a + 6 else a = a + 5 end
+  if loc == 0 then
+    local prefix = spec -- <tier id>:
+    if alg == 3 then
+      fields[nf + 1] = prefix .. 't'; fields[nf + 2] = prefix .. 'f'; nf = nf + 2
+    else
+      fields[nf + 1] = prefix .. 'w'; fields[nf + 2] = prefix .. 'c'; nf = nf + 2
+      if alg == 2 then fields[nf + 1] = prefix .. 'p'; nf = nf + 1 end
+    end
   end
   tiers[i] = tier
 end
+-- `a` is now the first of the op's own arguments.
 local h = call('HMGET', KEYS[1], unpack(fields, 1, nf))
 
--- Algorithms: `eval` reads a tier's state (s1, s2, s3: its fields, false
--- when absent) and sets on the tier the decision (ok, remaining, reset,
--- retry) and what `commit` and `refund` need; nothing here writes.
+-- Evaluate every tier: the decision (ok, remaining, reset, retry) and what
+-- the writes below need; nothing here writes.
 --
 -- Fixed window: w = window index, c = units in it.
 -- Sliding window: the current window's c and the previous one's p, the
@@ -140,53 +159,71 @@ local h = call('HMGET', KEYS[1], unpack(fields, 1, nf))
 -- doubles, which would make a full burst fail by a rounding error when e is
 -- not a whole number.
 -- Exact sliding log: one zset entry per unit, scored by its time in ms.
-local function eval(tier, s1, s2, s3)
-  local alg, limit, w, c = tier.alg, tier.limit, tier.w, tier.cost
+for i = 1, K do
+  local tier = tiers[i]
+  local alg, limit, w, c = tier[ALG], tier[LIMIT], tier[WIN], tier[COST]
+  local s1, s2, s3
+  if alg == 4 then
+    -- no fields
+  elseif tier[LOC] == 0 then
+    local f = tier[FIRST]
+    s1, s2, s3 = h[f + 1], h[f + 2], h[f + 3]
+  elseif alg == 3 then
+    local s = call('HMGET', KEYS[tier[LOC]], 't', 'f')
+    s1, s2 = s[1], s[2]
+  else
+    local s = call('HMGET', KEYS[tier[LOC]], 'w', 'c', 'p')
+    s1, s2, s3 = s[1], s[2], s[3]
+  end
   if alg == 1 then
-    local idx = floor(now_ms / w)
+    local idx = (now_ms - now_ms % w) / w
     local used = 0
-    if s1 and s1 + 0 == idx then used = (s2 and s2 + 0) or 0; tier.s1 = s1 end
+    if s1 and s1 + 0 == idx then used = (s2 and s2 + 0) or 0; tier[S1] = s1 end
     local reset = (idx + 1) * w - now_ms
-    tier.idx = idx; tier.used = used
-    tier.ok = used + c <= limit; tier.remaining = limit - used; tier.reset = reset; tier.retry = 0
-    tier.ttl_ms = reset + 1000
-    if not tier.ok then
-      if c > limit then tier.retry = -1 else tier.retry = reset end
+    tier[IDX] = idx; tier[N1] = used
+    tier[REMAINING] = limit - used; tier[RESET] = reset
+    tier[TTL_MS] = reset + 1000
+    if used + c > limit then
+      tier[OK] = false
+      if c > limit then tier[RETRY] = -1 else tier[RETRY] = reset end
     end
   elseif alg == 2 then
-    local idx = floor(now_ms / w)
+    local idx = (now_ms - now_ms % w) / w
     local sw = s1 and s1 + 0
     local cur, prev = 0, 0
     if sw == idx then
       cur = (s2 and s2 + 0) or 0; prev = (s3 and s3 + 0) or 0
-      tier.s1 = s1; tier.s3 = s3
+      tier[S1] = s1; tier[S3] = s3
     elseif sw == idx - 1 then
       prev = (s2 and s2 + 0) or 0
-      tier.s3 = s2
+      tier[S3] = s2
     end
     local elapsed = now_ms - idx * w
     local est = prev * ((w - elapsed) / w) + cur
-    local remaining = floor(limit - est)
-    if remaining < 0 then remaining = 0 end
+    local remaining = 0
+    if est < limit then remaining = limit - est; remaining = remaining - remaining % 1 end
     local reset = (idx + 1) * w - now_ms
-    tier.idx = idx; tier.cur = cur; tier.prev = prev
-    tier.ok = est + c <= limit; tier.remaining = remaining; tier.reset = reset; tier.retry = 0
-    tier.ttl_ms = 2 * w + 1000
-    if not tier.ok then
+    tier[IDX] = idx; tier[N1] = cur; tier[N2] = prev
+    tier[REMAINING] = remaining; tier[RESET] = reset
+    tier[TTL_MS] = 2 * w + 1000
+    if est + c > limit then
+      tier[OK] = false
+      local r
       if c > limit then
-        tier.retry = -1
+        r = -1
       elseif cur + c <= limit then
         -- blocked by the weighted previous window: wait until it fades enough
-        tier.retry = math.ceil(w * (1 - (limit - c - cur) / prev) - elapsed)
+        r = math.ceil(w * (1 - (limit - c - cur) / prev) - elapsed)
       else
         -- blocked by the current window: wait into the next one until
         -- cur * (1 - t/w) + c <= limit
-        tier.retry = reset + math.ceil(w * (1 - (limit - c) / cur))
+        r = reset + math.ceil(w * (1 - (limit - c) / cur))
       end
-      if tier.retry ~= -1 and tier.retry < 1 then tier.retry = 1 end
+      if r ~= -1 and r < 1 then r = 1 end
+      tier[RETRY] = r
     end
   elseif alg == 3 then
-    local burst = tier.burst
+    local burst = tier[BURST]
     local e = (w * 1000) / limit
     local tau = e * burst
     local ahead = 0
@@ -195,42 +232,34 @@ local function eval(tier, s1, s2, s3)
     local new_ahead = ahead + c * e
     local remaining = floor((tau - ahead) / e)
     if remaining < 0 then remaining = 0 end
-    tier.e = e; tier.ahead = ahead; tier.new_ahead = new_ahead; tier.had = tat and true or false
-    tier.ok = new_ahead <= tau; tier.remaining = remaining; tier.retry = 0
-    tier.ttl_ms = math.ceil(new_ahead / 1000) + 1000
-    if not tier.ok then
-      if c > burst then tier.retry = -1 else tier.retry = math.max(1, math.ceil((new_ahead - tau) / 1000)) end
+    tier[EMIT] = e; tier[N1] = ahead; tier[N2] = new_ahead; tier[S1] = tat and s1 or false
+    tier[REMAINING] = remaining
+    tier[TTL_MS] = math.ceil(new_ahead / 1000) + 1000
+    if new_ahead > tau then
+      tier[OK] = false
+      if c > burst then tier[RETRY] = -1 else tier[RETRY] = math.max(1, math.ceil((new_ahead - tau) / 1000)) end
+      tier[RESET] = math.ceil(ahead / 1000)
+    else
+      tier[RESET] = math.ceil(new_ahead / 1000)
     end
-    tier.reset = math.ceil((tier.ok and new_ahead or ahead) / 1000)
   else
-    local key = KEYS[tier.loc]
-    call('ZREMRANGEBYSCORE', key, '-inf', int(now_ms - w))
+    local key = KEYS[tier[LOC]]
+    call('ZREMRANGEBYSCORE', key, '-inf', fmt('%d', now_ms - w))
     local used = call('ZCARD', key)
-    tier.used = used
-    tier.ok = used + c <= limit; tier.remaining = limit - used; tier.reset = w; tier.retry = 0
-    if not tier.ok then
+    tier[N1] = used
+    tier[REMAINING] = limit - used; tier[RESET] = w
+    if used + c > limit then
+      tier[OK] = false
       local newest = call('ZRANGE', key, -1, -1, 'WITHSCORES')
-      if newest[2] then tier.reset = newest[2] + w - now_ms end
+      if newest[2] then tier[RESET] = newest[2] + w - now_ms end
       if c > limit then
-        tier.retry = -1
+        tier[RETRY] = -1
       else
         -- the (used + c - limit)-th oldest entry must leave the window
         local nth = call('ZRANGE', key, used + c - limit - 1, used + c - limit - 1, 'WITHSCORES')
-        tier.retry = math.max(1, nth[2] + w - now_ms)
+        tier[RETRY] = math.max(1, nth[2] + w - now_ms)
       end
     end
-  end
-end
-
-for _, tier in ipairs(tiers) do
-  if tier.alg == 4 then
-    eval(tier)
-  elseif tier.loc == 0 then
-    local f = tier.first
-    eval(tier, h[f + 1], h[f + 2], h[f + 3])
-  else
-    local s = call('HMGET', KEYS[tier.loc], unpack(FIELDS[tier.alg]))
-    eval(tier, s[1], s[2], s[3])
   end
 end
 
@@ -240,9 +269,10 @@ end
 local new_day = not h[1]
 local epoch = h[1] or A[5]
 local own_p = (h[2] and h[2] + 0) or 0
-local own_n = (h[3] and h[3] + 0) or 0
+local own_n = 0
+if h[3] and h[3] ~= '0' then own_n = h[3] + 0 end
 local n_read = own_n
-local dstate = (h[4] and h[4] + 0) or 0
+local dstate = h[4] -- false (clean), '1' (dirty) or '2' (urgent)
 
 -- This region's actors in the broadcast. The part of the current epoch is
 -- what the aggregator already holds from us: Redis below it has rolled back
@@ -252,7 +282,9 @@ local dstate = (h[4] and h[4] + 0) or 0
 -- ignores a counter below what it saw, would stay short for good.
 local mine_p, mine_n = 0, 0
 if day == node_day then
-  for i = 19 + K * 7, #A, 3 do
+  local from = a
+  if op == 'check' then from = a + 2 elseif op == 'refund' then from = a + 3 end
+  for i = from, #A, 3 do
     if A[i] == epoch then
       mine_p = A[i + 1] + 0; mine_n = A[i + 2] + 0
     end
@@ -271,12 +303,15 @@ local global_ok, global_remaining, global_retry = true, -1, 0
 if glimit > 0 then
   local others = 0
   if day == node_day then
-    others = math.max(0, A[9] - (mine_p - mine_n))
+    others = A[9] - (mine_p - mine_n)
+    if others < 0 then others = 0 end
   end
   local own = own_p - own_n
   global_remaining = glimit - others - own
-  local cap = A[10] + 0
-  if cap >= 0 and cap - own < global_remaining then global_remaining = cap - own end
+  if A[10] ~= '-1' then
+    local cap = A[10] + 0
+    if cap - own < global_remaining then global_remaining = cap - own end
+  end
   if global_remaining < 0 then global_remaining = 0 end
   if op == 'check' then
     global_ok = gcost <= global_remaining
@@ -284,89 +319,199 @@ if glimit > 0 then
   end
 end
 
-local refunded, duplicate, granted = 0, 0, 0
-local function reply(allowed, denied, denied_tier, retry)
-  local out = { VERSION, allowed, denied, denied_tier, retry, now_ms, own_p, own_n, day, raised, refunded,
-    duplicate, granted, global_remaining, epoch, nil, nil, nil, nil }
-  local n = 15
-  for _, tier in ipairs(tiers) do
-    out[n + 1] = tier.remaining; out[n + 2] = tier.reset; n = n + 2
-  end
-  return out
-end
-
--- Writes: one HSET of the tenant hash; keys of their own are written apart.
--- Window indexes and counts go to Redis as Lua numbers (Redis formats them
--- exactly); microsecond times and the PN counter need %.0f.
-local hset = { false, false, false, false, false, false, false, false, false, false, false, false, false, false,
-  false, false }
+-- Writes: pairs for one HSET of the tenant hash (`hs`, `nh` values);
+-- tiers in keys of their own are written apart. Numbers are formatted
+-- with %d (Redis would format a Lua number with %.17g, which costs more);
+-- values that did not change (a window's index, the previous count) are
+-- not written again.
+local hs = { false, false, false, false, false, false, false, false, false, false, false, false }
 local nh = 0
-local function put(f, v) hset[nh + 1] = f; hset[nh + 2] = v; nh = nh + 2 end
-local function write(tier, v1, v2, v3)
-  if tier.loc == 0 then
-    local f = FIELDS[tier.alg]
-    local prefix = tier.prefix
-    put(prefix .. f[1], v1); put(prefix .. f[2], v2)
-    if v3 then put(prefix .. f[3], v3) end
-  else
-    local f = FIELDS[tier.alg]
-    if v3 then
-      call('HSET', KEYS[tier.loc], f[1], v1, f[2], v2, f[3], v3)
-    else
-      call('HSET', KEYS[tier.loc], f[1], v1, f[2], v2)
-    end
-    call('PEXPIRE', KEYS[tier.loc], int(tier.ttl_ms))
-  end
-end
-local function tat(a)
-  local whole = floor(a)
-  return int(now_us + whole), string.format('%.17g', a - whole)
-end
+local outcome, retry = 0, 0
+local refunded, granted = 0, 0
+local changed = raised > 0
 
--- Charges c units to a tier.
-local function commit(tier, c)
-  local alg = tier.alg
-  if alg == 1 then
-    write(tier, tier.s1 or tier.idx, tier.used + c)
-  elseif alg == 2 then
-    write(tier, tier.s1 or tier.idx, tier.cur + c, tier.s3 or tier.prev)
-  elseif alg == 3 then
-    local t1, t2 = tat(tier.new_ahead); write(tier, t1, t2)
-  else
-    -- Members are unique per call (the epoch candidate is a fresh random
-    -- id), added in chunks: Lua's unpack() takes at most ~8000 values.
-    local key = KEYS[tier.loc]
-    local args = {}
-    local tag = int(now_us) .. ':' .. A[5] .. ':'
-    local score = int(now_ms)
-    for i = 1, c do
-      args[#args + 1] = score
-      args[#args + 1] = tag .. i
-      if #args >= 1000 then
-        call('ZADD', key, unpack(args))
-        args = {}
+if op == 'refund' then
+  -- A refund by handle: once per handle, and only into what the charge was
+  -- in (its windows, its day). The record of used handles is written only
+  -- here, so checks stay cheap; it lives as long as the day's counter.
+  local by_handle = A[a] + 0 > 0
+  local charged_at = A[a + 2] + 0
+  if by_handle then
+    local rf = KEYS[A[a] + 0]
+    if call('SADD', rf, A[a + 1]) == 0 then
+      local out = { VERSION, 0, 0, now_ms, own_p, own_n, raised, -1, 0, global_remaining, epoch }
+      for i = 1, K do
+        out[10 + 2 * i] = tiers[i][REMAINING]; out[11 + 2 * i] = tiers[i][RESET]
+      end
+      return out
+    end
+    call('EXPIRE', rf, A[6])
+  end
+  -- Gives a tier its cost back (never below zero).
+  for i = 1, K do
+    local tier = tiers[i]
+    local alg, w, c = tier[ALG], tier[WIN], tier[COST]
+    local same_window = true
+    if by_handle then
+      if alg >= 3 then
+        same_window = now_ms - charged_at < w
+      else
+        same_window = floor(charged_at / w) == floor(now_ms / w)
       end
     end
-    if #args > 0 then call('ZADD', key, unpack(args)) end
-    call('PEXPIRE', key, int(tier.w + 1000))
-  end
-end
-
--- Gives c units back to a tier (never below zero).
-local function refund(tier, c)
-  local alg = tier.alg
-  if alg == 1 then
-    if tier.used > 0 then write(tier, tier.idx, math.max(0, tier.used - c)) end
-  elseif alg == 2 then
-    if tier.cur > 0 then write(tier, tier.idx, math.max(0, tier.cur - c), tier.prev) end
-  elseif alg == 3 then
-    if tier.had then
-      local t1, t2 = tat(math.max(0, tier.ahead - c * tier.e)); write(tier, t1, t2)
+    if same_window then
+      local v1, v2, v3 = nil, nil, nil
+      if alg == 1 then
+        if tier[N1] > 0 then v1 = tier[IDX]; v2 = math.max(0, tier[N1] - c) end
+      elseif alg == 2 then
+        if tier[N1] > 0 then v1 = tier[IDX]; v2 = math.max(0, tier[N1] - c); v3 = tier[N2] end
+      elseif alg == 3 then
+        if tier[S1] then
+          local a = math.max(0, tier[N1] - c * tier[EMIT])
+          local whole = floor(a)
+          v1 = fmt('%d', now_us + whole); v2 = fmt('%.17g', a - whole)
+        end
+      elseif tier[N1] > 0 then
+        call('ZPOPMAX', KEYS[tier[LOC]], c)
+      end
+      if v2 then
+        if alg < 3 then v2 = fmt('%d', v2) end
+        if tier[LOC] == 0 then
+          -- a count above zero means the window was the current one: its
+          -- index and previous count are in Redis already
+          local f = tier[FIRST]
+          if alg == 3 then
+            hs[nh + 1] = fields[f + 1]; hs[nh + 2] = v1; nh = nh + 2
+          end
+          hs[nh + 1] = fields[f + 2]; hs[nh + 2] = v2; nh = nh + 2
+        elseif alg == 3 then
+          call('HSET', KEYS[tier[LOC]], 't', v1, 'f', v2)
+          call('PEXPIRE', KEYS[tier[LOC]], fmt('%d', tier[TTL_MS]))
+        else
+          if v3 then
+            call('HSET', KEYS[tier[LOC]], 'w', v1, 'c', v2, 'p', v3)
+          else
+            call('HSET', KEYS[tier[LOC]], 'w', v1, 'c', v2)
+          end
+          call('PEXPIRE', KEYS[tier[LOC]], fmt('%d', tier[TTL_MS]))
+        end
+      end
     end
-  else
-    if tier.used > 0 then call('ZPOPMAX', KEYS[tier.loc], c) end
+  end
+  -- N never exceeds P: the counter cannot go below zero.
+  local back = math.min(gcost, own_p - own_n)
+  if by_handle and floor(charged_at / 86400000) ~= day then back = 0 end
+  if back > 0 then
+    refunded = back
+    own_n = own_n + back
+    changed = true
+  end
+elseif op == 'check' then
+  -- Deny if any tier denies; retry after the longest wait.
+  for i = 1, K do
+    local tier = tiers[i]
+    if not tier[OK] then
+      local r = tier[RETRY]
+      if outcome == 0 then outcome = i end
+      if r < 0 or retry < 0 then retry = -1 elseif r > retry then retry = r end
+    end
+  end
+  if not global_ok then
+    if outcome == 0 then outcome = -1 end
+    if retry >= 0 and global_retry > retry then retry = global_retry end
+  end
+
+  if outcome == 0 then
+    -- Leases. An allowed check may charge `granted` more units, which the
+    -- node then spends in process (region-node/src/lease.rs) until the
+    -- first of its tiers' windows ends. They are charged here like any
+    -- other unit, so the sum of outstanding leases never exceeds what the
+    -- limits leave; a lease takes at most 1/lease_share of what is left,
+    -- so near the limit leases shrink to nothing and every decision comes
+    -- here again. Only fixed and sliding windows lease: a unit charged to
+    -- them now belongs to the current window, which is what the lease's
+    -- lifetime follows (GCRA and the exact log keep no window a lease could
+    -- die with).
+    if A[a] ~= '0' and K > 0 then
+      local lease_max = A[a] + 0
+      local share = math.max(1, A[a + 1] + 0)
+      local room = lease_max * share
+      for i = 1, K do
+        local tier = tiers[i]
+        if tier[ALG] > 2 then room = 0; break end
+        room = math.min(room, tier[REMAINING] - tier[COST])
+      end
+      if global_remaining >= 0 then room = math.min(room, global_remaining - gcost) end
+      granted = math.min(lease_max, floor(math.max(0, room) / share))
+    end
+
+    -- Charge every tier. Remaining units are reported after this request
+    -- only if it was charged.
+    for i = 1, K do
+      local tier = tiers[i]
+      local alg, c = tier[ALG], tier[COST] + granted
+      if alg <= 2 then
+        local count = fmt('%d', tier[N1] + c)
+        if tier[LOC] == 0 then
+          local f = tier[FIRST]
+          if not tier[S1] then
+            -- a new window: its index, and the previous count it rolled over
+            hs[nh + 1] = fields[f + 1]; hs[nh + 2] = tier[IDX]; nh = nh + 2
+            if alg == 2 then hs[nh + 1] = fields[f + 3]; hs[nh + 2] = tier[S3] or tier[N2]; nh = nh + 2 end
+          end
+          hs[nh + 1] = fields[f + 2]; hs[nh + 2] = count; nh = nh + 2
+        else
+          if alg == 2 then
+            call('HSET', KEYS[tier[LOC]], 'w', tier[S1] or tier[IDX], 'c', count, 'p', tier[S3] or tier[N2])
+          else
+            call('HSET', KEYS[tier[LOC]], 'w', tier[S1] or tier[IDX], 'c', count)
+          end
+          call('PEXPIRE', KEYS[tier[LOC]], fmt('%d', tier[TTL_MS]))
+        end
+      elseif alg == 3 then
+        local a = tier[N2]
+        local whole = floor(a)
+        local t1, t2 = fmt('%d', now_us + whole), fmt('%.17g', a - whole)
+        if tier[LOC] == 0 then
+          local f = tier[FIRST]
+          hs[nh + 1] = fields[f + 1]; hs[nh + 2] = t1; hs[nh + 3] = fields[f + 2]; hs[nh + 4] = t2; nh = nh + 4
+        else
+          call('HSET', KEYS[tier[LOC]], 't', t1, 'f', t2)
+          call('PEXPIRE', KEYS[tier[LOC]], fmt('%d', tier[TTL_MS]))
+        end
+      else
+        -- Members are unique per call (the epoch candidate is a fresh
+        -- random id), added in chunks: Lua's unpack() takes at most ~8000
+        -- values.
+        local key = KEYS[tier[LOC]]
+        local args = {}
+        local tag = fmt('%d', now_us) .. ':' .. A[5] .. ':'
+        local score = fmt('%d', now_ms)
+        for j = 1, c do
+          args[#args + 1] = score
+          args[#args + 1] = tag .. j
+          if #args >= 1000 then
+            call('ZADD', key, unpack(args))
+            args = {}
+          end
+        end
+        if #args > 0 then call('ZADD', key, unpack(args)) end
+        call('PEXPIRE', key, fmt('%d', tier[WIN] + 1000))
+      end
+      local left = tier[REMAINING] - c
+      if left < 0 then left = 0 end
+      tier[REMAINING] = left
+    end
+    if global_remaining >= 0 then
+      global_remaining = global_remaining - gcost - granted
+      if global_remaining < 0 then global_remaining = 0 end
+    end
+    own_p = own_p + gcost + granted
+    changed = true
   end
 end
+-- op == 'peek' charges nothing, but persists a rollback raise: the
+-- publisher raises a counter it found below its broadcast part this way.
 
 -- The counter changed: write it, and mark (T, day) dirty in the bucket's
 -- set only when its publish state changes (clean → dirty, or → urgent), so a
@@ -378,16 +523,16 @@ end
 -- once) is due at a point of the relaxed interval fixed by the tenant's
 -- hash, so the region's publishes after midnight spread over the interval
 -- instead of all falling due at the first flush; urgency is unaffected.
-local function counter_changed()
-  put(fields[2], int(own_p))
-  if own_n == n_read then put(fields[3], h[3] or '0') else put(fields[3], int(own_n)) end
+if changed then
+  hs[nh + 1] = fields[2]; hs[nh + 2] = fmt('%d', own_p); nh = nh + 2
+  if own_n ~= n_read or new_day then hs[nh + 1] = fields[3]; hs[nh + 2] = fmt('%d', own_n); nh = nh + 2 end
   local rolled_over = false
   if new_day then
-    put(fields[1], epoch)
+    hs[nh + 1] = fields[1]; hs[nh + 2] = epoch; nh = nh + 2
     -- A new day: forget days past retention, and give the hash its TTL.
     local ttl = A[6] + 0
     local keep_from = day - floor(ttl / 86400)
-    local kept = { int(day) }
+    local kept = { fmt('%d', day) }
     local listed = call('HGET', KEYS[1], 'gd')
     if listed then
       for d in string.gmatch(listed, '%d+') do
@@ -401,13 +546,12 @@ local function counter_changed()
         end
       end
     end
-    put('gd', table.concat(kept, ','))
+    hs[nh + 1] = 'gd'; hs[nh + 2] = table.concat(kept, ','); nh = nh + 2
     call('EXPIRE', KEYS[1], ttl)
   end
-  local urgent_at = A[11] + 0
   local want = 1
-  if urgent_at >= 0 and own_p - own_n >= urgent_at then want = 2 end
-  if dstate == 0 or (want == 2 and dstate ~= 2) then
+  if A[11] ~= '-1' and own_p - own_n >= A[11] + 0 then want = 2 end
+  if not dstate or (want == 2 and dstate ~= '2') then
     local score = 0
     if want == 1 then
       local relaxed = A[12] + 0
@@ -417,106 +561,15 @@ local function counter_changed()
         score = now_ms + tonumber(string.sub(redis.sha1hex(A[3]), 1, 8), 16) % relaxed
       end
     end
-    call('ZADD', KEYS[2], score, A[3] .. '|' .. int(day))
-    put(fields[4], want)
+    call('ZADD', KEYS[2], score, A[3] .. '|' .. gp:sub(3, -2))
+    hs[nh + 1] = fields[4]; hs[nh + 2] = want; nh = nh + 2
   end
 end
+if nh > 0 then call('HSET', KEYS[1], unpack(hs, 1, nh)) end
 
-local function flush()
-  if nh > 0 then call('HSET', KEYS[1], unpack(hset, 1, nh)) end
+local out = { VERSION, outcome, retry, now_ms, own_p, own_n, raised, refunded, granted, global_remaining, epoch,
+  nil, nil, nil, nil }
+for i = 1, K do
+  out[10 + 2 * i] = tiers[i][REMAINING]; out[11 + 2 * i] = tiers[i][RESET]
 end
-
-if op == 'peek' then
-  -- A peek charges nothing, but persists a rollback raise: the publisher
-  -- raises a counter it found below its broadcast part this way.
-  if raised > 0 then counter_changed(); flush() end
-  return reply(1, 0, 0, 0)
-end
-
-if op == 'refund' then
-  -- A refund by handle: once per handle, and only into what the charge was
-  -- in (its windows, its day). The record of used handles is written only
-  -- here, so checks stay cheap; it lives as long as the day's counter.
-  local by_handle = A[13] + 0 > 0
-  local charged_at = A[15] + 0
-  if by_handle then
-    local rf = KEYS[A[13] + 0]
-    if call('SADD', rf, A[14]) == 0 then
-      duplicate = 1
-      return reply(1, 0, 0, 0)
-    end
-    call('EXPIRE', rf, A[6])
-  end
-  for _, tier in ipairs(tiers) do
-    local same_window = true
-    if by_handle then
-      if tier.alg >= 3 then
-        same_window = now_ms - charged_at < tier.w
-      else
-        same_window = floor(charged_at / tier.w) == floor(now_ms / tier.w)
-      end
-    end
-    if same_window then refund(tier, tier.cost) end
-  end
-  -- N never exceeds P: the counter cannot go below zero.
-  local back = math.min(gcost, own_p - own_n)
-  if by_handle and floor(charged_at / 86400000) ~= day then back = 0 end
-  refunded = math.max(0, back)
-  if back > 0 or raised > 0 then
-    own_n = own_n + math.max(0, back)
-    counter_changed()
-  end
-  flush()
-  return reply(1, 0, 0, 0)
-end
-
--- op == 'check': deny if any tier denies; retry after the longest wait.
-local denied, denied_tier, retry = 0, 0, 0
-local function deny(what, i, r)
-  if denied == 0 then denied = what; denied_tier = i end
-  if r < 0 or retry < 0 then retry = -1 elseif r > retry then retry = r end
-end
-for i, tier in ipairs(tiers) do
-  if not tier.ok then deny(1, i, tier.retry) end
-end
-if not global_ok then deny(2, 0, global_retry) end
-
--- Leases. An allowed check may charge `granted` more units, which the node
--- then spends in process (region-node/src/lease.rs) until the first of its
--- tiers' windows ends. They are charged here like any other unit, so the sum
--- of outstanding leases never exceeds what the limits leave; a lease takes
--- at most 1/lease_share of what is left, so near the limit leases shrink to
--- nothing and every decision comes here again. Only fixed and sliding
--- windows lease: a unit charged to them now belongs to the current window,
--- which is what the lease's lifetime follows (GCRA and the exact log keep
--- no window a lease could die with).
-if denied == 0 then
-  local lease_max = A[16] + 0
-  if lease_max > 0 and K > 0 then
-    local share = math.max(1, A[17] + 0)
-    local room = lease_max * share
-    for _, tier in ipairs(tiers) do
-      if tier.alg > 2 then room = 0; break end
-      room = math.min(room, tier.remaining - tier.cost)
-    end
-    if global_remaining >= 0 then room = math.min(room, global_remaining - gcost) end
-    granted = math.min(lease_max, floor(math.max(0, room) / share))
-  end
-end
-
--- Remaining units are reported after this request only if it was charged.
-if denied == 0 then
-  for _, tier in ipairs(tiers) do
-    local c = tier.cost + granted
-    commit(tier, c)
-    tier.remaining = math.max(0, tier.remaining - c)
-  end
-  if global_remaining >= 0 then global_remaining = math.max(0, global_remaining - gcost - granted) end
-  own_p = own_p + gcost + granted
-  counter_changed()
-elseif raised > 0 then
-  counter_changed()
-end
-flush()
-
-return reply(denied == 0 and 1 or 0, denied, denied_tier, retry)
+return out

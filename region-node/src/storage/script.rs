@@ -215,35 +215,41 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
         Some(u) => cmd.arg(u),
         None => cmd.arg(-1i64),
     };
-    cmd.arg(call.relaxed_ms);
-    match refund {
-        Some(r) => cmd.arg(3 + outside.len()).arg(&r.id).arg(r.charged_at_ms),
-        // No empty arguments: a tool that splits the command on spaces
-        // (redis-benchmark in scripts/bench) would drop them.
-        None => cmd.arg(0u8).arg("-").arg(0u8),
-    };
-    match call.lease.filter(|_| call.op == Op::Check) {
-        Some(l) => cmd.arg(l.max).arg(l.share.max(1)),
-        None => cmd.arg(0u8).arg(1u8),
-    };
-    cmd.arg(call.tiers.len());
+    cmd.arg(call.relaxed_ms).arg(call.tiers.len());
     let mut next_key = 3;
     for (i, tier) in call.tiers.iter().enumerate() {
         let l = tier.limit;
         if outside.iter().any(|(j, _)| *j == i) {
-            cmd.arg(next_key).arg("-");
+            cmd.arg(format!("#{next_key}"));
             next_key += 1;
         } else {
             let mut prefix = tier.tier_id(call.node_id);
             prefix.push(':');
-            cmd.arg(0u8).arg(prefix);
+            cmd.arg(prefix);
         }
         cmd.arg(l.algorithm.code())
             .arg(l.limit)
             .arg(l.window_ms)
-            .arg(l.burst)
             .arg(tier.cost);
+        if l.algorithm == Algorithm::TokenBucket {
+            cmd.arg(l.burst);
+        }
     }
+    // The op's own arguments: a check's lease, a refund's handle, a peek's
+    // none (every argument costs the script a Lua string).
+    match call.op {
+        Op::Check => match call.lease {
+            Some(l) => cmd.arg(l.max).arg(l.share.max(1)),
+            None => cmd.arg(0u8).arg(1u8),
+        },
+        Op::Refund => match refund {
+            Some(r) => cmd.arg(3 + outside.len()).arg(&r.id).arg(r.charged_at_ms),
+            // No empty arguments: a tool that splits the command on spaces
+            // (redis-benchmark in scripts/bench) would drop them.
+            None => cmd.arg(0u8).arg("-").arg(0u8),
+        },
+        Op::Peek => cmd,
+    };
     if let Some(g) = g {
         for (epoch, p, n) in &g.own_parts {
             cmd.arg(epoch).arg(p).arg(n);
@@ -312,10 +318,10 @@ pub enum ReplyError {
 /// The reply layout `decide.lua` writes in its first position. A reply of
 /// another layout (an older script under the same SHA cannot happen, but a
 /// hand-loaded one can) is refused instead of misread.
-pub const REPLY_LAYOUT: i64 = 3;
+pub const REPLY_LAYOUT: i64 = 4;
 
 /// Positions of the reply (0-based; the script documents them 1-based).
-const HEADER: usize = 15;
+const HEADER: usize = 11;
 
 impl DecideReply {
     /// Parses the script's reply: integers in fixed positions, the epoch at
@@ -342,19 +348,15 @@ impl DecideReply {
                 "reply layout {layout}, expected {REPLY_LAYOUT}"
             )));
         }
-        let now_ms = at(5)?;
-        let denied = match at(2)? {
+        let now_ms = at(3)?;
+        let denied = match at(1)? {
             0 => None,
-            1 => {
-                let i = at(3)?;
-                if i < 1 {
-                    return Err(ReplyError::Malformed(format!("denied tier {i}")));
-                }
+            -1 => Some(Denied::Global),
+            -2 => return Err(ReplyError::Expired { now_ms }),
+            i if i > 0 && (i as usize) <= (reply.len() - HEADER) / 2 => {
                 Some(Denied::Tier(i as usize - 1))
             }
-            2 => Some(Denied::Global),
-            3 => return Err(ReplyError::Expired { now_ms }),
-            other => return Err(ReplyError::Malformed(format!("denied = {other}"))),
+            other => return Err(ReplyError::Malformed(format!("outcome {other}"))),
         };
         let tiers = (HEADER..reply.len())
             .step_by(2)
@@ -365,17 +367,16 @@ impl DecideReply {
                 })
             })
             .collect::<Result<_, ReplyError>>()?;
-        let retry = at(4)?;
-        let global = at(13)?;
+        let retry = at(2)?;
+        let global = at(9)?;
         let unsigned = |i: usize| at(i).map(|v| v.max(0) as u64);
-        let (own_p, own_n, day) = (unsigned(6)?, unsigned(7)?, unsigned(8)? as u32);
-        let (raised, refunded, duplicate, granted) =
-            (unsigned(9)?, unsigned(10)?, at(11)? == 1, unsigned(12)?);
-        let allowed = at(1)? == 1;
+        let (own_p, own_n, raised, granted) =
+            (unsigned(4)?, unsigned(5)?, unsigned(6)?, unsigned(8)?);
+        let refunded = at(7)?;
         let mut reply = reply;
         let epoch = text(std::mem::replace(&mut reply[HEADER - 1], Value::Nil));
         Ok(DecideReply {
-            allowed,
+            allowed: denied.is_none(),
             denied,
             retry_ms: (retry >= 0).then_some(retry as u64),
             now_ms,
@@ -383,11 +384,11 @@ impl DecideReply {
             own_p,
             own_n,
             epoch,
-            day,
+            day: (now_ms.max(0) as u64 / (SECS_PER_DAY * 1000)) as u32,
             global_remaining: (global >= 0).then_some(global as u64),
             raised,
-            refunded,
-            duplicate,
+            refunded: refunded.max(0) as u64,
+            duplicate: refunded == -1,
             granted,
         })
     }
@@ -422,7 +423,7 @@ mod tests {
 
     /// A reply as `decide.lua` lays it out: the header, then two integers
     /// per tier.
-    fn reply(header: [i64; 14], epoch: &str, tiers: &[i64]) -> Vec<Value> {
+    fn reply(header: [i64; 10], epoch: &str, tiers: &[i64]) -> Vec<Value> {
         let mut v: Vec<Value> = header.iter().map(|i| Value::Int(*i)).collect();
         v.push(s(epoch));
         v.extend(tiers.iter().map(|i| Value::Int(*i)));
@@ -431,10 +432,10 @@ mod tests {
 
     #[test]
     fn a_denial_parses_from_its_positions() {
-        // layout, allowed, denied (1 tier), tier, retry, now_ms, p, n, day, raised,
-        // refunded, duplicate, granted, global (-1 none)
+        // layout, outcome (tier 2), retry, now_ms, p, n, raised, refunded,
+        // granted, global (-1 none)
         let now = 1_700_000_000_000;
-        let header = [3, 0, 1, 2, 250, now, 7, 1, 20_000, 0, 0, 0, 0, -1];
+        let header = [4, 2, 250, now, 7, 1, 0, 0, 0, -1];
         let r = DecideReply::parse(reply(header, "abc", &[4, 100, 0, 900])).unwrap();
         assert!(!r.allowed);
         assert_eq!(r.denied, Some(Denied::Tier(1)), "1-based on the wire");
@@ -455,34 +456,46 @@ mod tests {
         );
         assert_eq!(
             (r.own_p, r.own_n, r.epoch.as_str(), r.day),
-            (7, 1, "abc", 20_000)
+            (7, 1, "abc", 19_675),
+            "the day is Redis' now_ms in UTC days"
         );
         assert_eq!((r.global_remaining, r.raised), (None, 0));
 
-        let header = [3, 1, 0, 0, 0, 5, 9, 2, 1, 4, 3, 1, 6, 17];
+        let header = [4, 0, 0, 5, 9, 2, 4, 3, 6, 17];
         let r = DecideReply::parse(reply(header, "e", &[])).unwrap();
-        assert!(r.allowed && r.denied.is_none() && r.duplicate);
+        assert!(r.allowed && r.denied.is_none() && !r.duplicate);
         assert_eq!(
             (r.raised, r.refunded, r.granted, r.global_remaining),
             (4, 3, 6, Some(17))
+        );
+        let header = [4, 0, 0, 5, 9, 2, 0, -1, 0, 17];
+        let r = DecideReply::parse(reply(header, "e", &[])).unwrap();
+        assert!(
+            r.allowed && r.duplicate && r.refunded == 0,
+            "-1: a used handle"
         );
     }
 
     #[test]
     fn never_is_a_negative_retry_and_expired_is_an_error() {
-        let mut header = [3, 0, 2, 0, -1, 5, 0, 0, 1, 0, 0, 0, 0, 0];
+        let mut header = [4, -1, -1, 5, 0, 0, 0, 0, 0, 0];
         let r = DecideReply::parse(reply(header, "", &[])).unwrap();
         assert_eq!((r.denied, r.retry_ms), (Some(Denied::Global), None));
-        header[2] = 3;
+        header[1] = -2;
         assert_eq!(
             DecideReply::parse(reply(header, "", &[])),
             Err(ReplyError::Expired { now_ms: 5 })
+        );
+        header[1] = 3;
+        assert!(
+            matches!(DecideReply::parse(reply(header, "", &[1, 2])), Err(ReplyError::Malformed(m)) if m.contains("outcome 3")),
+            "a denied tier the call does not have"
         );
     }
 
     #[test]
     fn a_reply_of_another_layout_is_refused() {
-        // The name/value pairs of the previous script.
+        // The name/value pairs of an old script.
         let named = vec![
             s("allowed"),
             Value::Int(1),
@@ -495,12 +508,17 @@ mod tests {
             DecideReply::parse(named),
             Err(ReplyError::Malformed(_))
         ));
-        let other_version = reply([4, 1, 0, 0, 0, 5, 0, 0, 1, 0, 0, 0, 0, -1], "e", &[]);
+        // Layout 3 (15 header items) read as 4 would shift every number.
+        let mut v3: Vec<Value> = [3, 1, 0, 0, 0, 5, 0, 0, 1, 0, 0, 0, 0, -1]
+            .iter()
+            .map(|i| Value::Int(*i))
+            .collect();
+        v3.push(s("e"));
         assert!(matches!(
-            DecideReply::parse(other_version),
-            Err(ReplyError::Malformed(m)) if m.contains("layout 4")
+            DecideReply::parse(v3),
+            Err(ReplyError::Malformed(m)) if m.contains("layout 3")
         ));
-        let odd_tiers = reply([3, 1, 0, 0, 0, 5, 0, 0, 1, 0, 0, 0, 0, -1], "e", &[1]);
+        let odd_tiers = reply([4, 0, 0, 5, 0, 0, 0, 0, 0, -1], "e", &[1]);
         assert!(matches!(
             DecideReply::parse(odd_tiers),
             Err(ReplyError::Malformed(_))
@@ -588,26 +606,19 @@ mod tests {
             "-1",
             "30",   // global
             "2000", // relaxed
-            "0",
-            "-",
-            "0", // no refund record
-            "0",
-            "1", // no lease
-            "2", // tiers
-            "0",
+            "2",    // tiers
             "n:n1:_:1:",
             "1",
             "10",
             "1000",
-            "10",
             "2", // node, in the hash
-            "3",
-            "-",
+            "#3",
             "4",
             "10",
             "1000",
-            "10",
             "3", // region, KEYS[3]
+            "0",
+            "1", // a check's lease: none
             "e1",
             "9",
             "1", // own parts
