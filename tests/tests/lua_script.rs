@@ -784,3 +784,88 @@ async fn a_lease_takes_a_share_of_what_is_left_and_nothing_near_the_limit() {
         assert_eq!((r.allowed, r.granted), (true, 0), "{alg:?}");
     }
 }
+
+/// The previous release's decision script (reply layout 3, 35 arguments for
+/// this plan), kept as it shipped: during a rolling upgrade its nodes and
+/// this release's share one Redis.
+const PREVIOUS_RELEASE: &str = include_str!("../fixtures/decide_previous_release.lua");
+
+/// A rolling upgrade: nodes of the previous release and of this one charge
+/// the same tenant in one region, taking turns. The storage layout is what
+/// they share (each runs its own script by its SHA and reads its own
+/// reply), so each sees every charge the other made: the tiers' remaining
+/// units and the region's PN counter count all of them, and the region tier
+/// denies at its limit whichever release asks.
+#[tokio::test]
+async fn nodes_of_the_previous_release_share_the_counts() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let node = limit(Algorithm::FixedWindow, 1000, 3_600_000, 1000);
+    let region = limit(Algorithm::SlidingWindow, 12, 3_600_000, 12);
+    let mut c = check("upgrade", 1);
+    c.tiers = vec![tier(Scope::Node, &node, 1), tier(Scope::Region, &region, 1)];
+    c.global = global(100);
+    let old_sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(PREVIOUS_RELEASE)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    // The previous release's arguments for the same check (its layout:
+    // 18 fixed values, then 7 per tier).
+    let prefix = |t: &TierCall<'_>| format!("{}:", t.tier_id("n1"));
+    let old_call = |cost: u64| {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&old_sha)
+            .arg(2)
+            .arg(keys::tenant_hash("upgrade"))
+            .arg(keys::dirty(keys::bucket_of("upgrade")))
+            .arg(&["check", "0", "upgrade"][..])
+            .arg(today())
+            .arg(&["epochold", "259200", "100"][..])
+            .arg(cost)
+            .arg(&["0", "-1", "-1", "2000", "0", "-", "0", "0", "1", "2"][..]);
+        for (t, code) in [(&c.tiers[0], 1), (&c.tiers[1], 2)] {
+            cmd.arg(0).arg(prefix(t)).arg(code);
+            cmd.arg(t.limit.limit)
+                .arg(t.limit.window_ms)
+                .arg(0)
+                .arg(cost);
+        }
+        cmd
+    };
+    // Layout 3: [2] allowed, [7] own_p, then remaining/reset from [16].
+    let old_reply = |v: Vec<Value>| {
+        let int = |i: usize| match &v[i - 1] {
+            Value::Int(n) => *n,
+            other => panic!("item {i}: {other:?}"),
+        };
+        assert_eq!(int(1), 3, "the previous release's reply layout");
+        (int(2) == 1, int(7), int(16), int(18))
+    };
+    for i in 0..12u64 {
+        let (allowed, own_p, node_left, region_left) = if i % 2 == 0 {
+            let r = decide(&mut con, &c).await;
+            assert_eq!(r.epoch, "epochcand", "the first charge named the actor");
+            (
+                r.allowed,
+                r.own_p as i64,
+                r.tiers[0].remaining,
+                r.tiers[1].remaining,
+            )
+        } else {
+            let v: Vec<Value> = old_call(1).query_async(&mut con).await.unwrap();
+            let (allowed, p, n, r) = old_reply(v);
+            (allowed, p, n as u64, r as u64)
+        };
+        assert!(allowed, "charge {i}");
+        assert_eq!(own_p, i as i64 + 1, "P counts both releases' charges");
+        assert_eq!(node_left, 1000 - (i + 1), "node tier after charge {i}");
+        assert_eq!(region_left, 12 - (i + 1), "region tier after charge {i}");
+    }
+    let r = decide(&mut con, &c).await;
+    assert_eq!(r.denied, Some(Denied::Tier(1)), "the region tier is full");
+    let v: Vec<Value> = old_call(1).query_async(&mut con).await.unwrap();
+    assert!(!old_reply(v).0, "for the previous release too");
+    assert_eq!(counter(&mut con, "upgrade", today()).await.1, Some(12));
+}
