@@ -411,6 +411,22 @@ impl Topology {
         }
     }
 
+    /// Cuts `a` from `b` as a real network cut does: each namespace drops
+    /// what arrives from the other, nothing on the way out. [`partition`]
+    /// also drops outgoing packets, which the kernel reports to the sender
+    /// at once (`EPERM` on a connect or send), so a client retries at its
+    /// own pace; here its SYN leaves and is never answered, and it waits on
+    /// the kernel's retransmissions (1, 3, 7, 15, 31 s) as it would behind
+    /// a failed link.
+    ///
+    /// [`partition`]: Topology::partition
+    pub fn blackhole(&self, a: &str, b: &str) {
+        let (ha, hb) = (self.host(a).clone(), self.host(b).clone());
+        for (me, other) in [(&ha, &hb), (&hb, &ha)] {
+            self.fault_rule(me, &["-s", &other.ip.to_string(), "-j", "DROP"]);
+        }
+    }
+
     /// Drops each packet between `a` and `b` with `probability`, in each
     /// direction (rules in `a`'s namespace).
     pub fn lossy(&self, a: &str, b: &str, probability: f64) {
