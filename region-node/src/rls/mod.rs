@@ -180,7 +180,6 @@ where
     use tonic::codegen::Service as _;
     const HEALTH: &str = "/grpc.health.v1.Health/";
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -218,8 +217,10 @@ where
             };
             call
         });
-        let conn = http2.serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn);
+        let streams = ConnStreams::default();
+        let conn = hyper::server::conn::http2::Builder::new(streams.clone())
+            .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+        let conn = Driven::new(graceful.watch(conn), streams);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "gRPC connection ended");
@@ -233,4 +234,106 @@ where
         tracing::warn!("gRPC listener: calls still open {DRAIN:?} after shutdown");
     }
     Ok(())
+}
+
+/// One future per HTTP/2 stream, as hyper hands them to its executor.
+type StreamFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// hyper's executor for the streams of one connection: instead of a task
+/// per stream (`tokio::spawn`: a task allocated and scheduled, often on the
+/// other worker thread, which must be woken for it), each stream's future
+/// is queued here and polled by the connection's own task ([`Driven`]).
+/// Envoy multiplexes its calls on one connection, so this is every call:
+/// it cut region-node's /proc CPU per RLS decision by about a fifth
+/// (BENCHMARKS.md §10), mostly in the kernel (fewer wake-ups). A stream
+/// that panics ends alone, as its own task would have.
+#[derive(Clone, Default)]
+struct ConnStreams(Arc<std::sync::Mutex<Vec<StreamFuture>>>);
+
+impl<F> hyper::rt::Executor<F> for ConnStreams
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    fn execute(&self, fut: F) {
+        use futures_util::FutureExt as _;
+        let fut = std::panic::AssertUnwindSafe(fut)
+            .catch_unwind()
+            .map(|_panicked| ());
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(Box::pin(fut));
+    }
+}
+
+/// A connection and its streams, polled together by one task: the
+/// connection (reads frames, starts streams, writes what streams send),
+/// then the streams it started, then the connection again when a stream
+/// finished (so its answer is written in the same poll). Done when the
+/// connection is and its last stream ended.
+struct Driven<C> {
+    conn: std::pin::Pin<Box<C>>,
+    result: Option<Result<(), hyper::Error>>,
+    queued: ConnStreams,
+    streams: futures_util::stream::FuturesUnordered<StreamFuture>,
+}
+
+impl<C> Driven<C> {
+    fn new(conn: C, queued: ConnStreams) -> Driven<C> {
+        Driven {
+            conn: Box::pin(conn),
+            result: None,
+            queued,
+            streams: futures_util::stream::FuturesUnordered::new(),
+        }
+    }
+}
+
+impl<C> std::future::Future for Driven<C>
+where
+    C: std::future::Future<Output = Result<(), hyper::Error>>,
+{
+    type Output = Result<(), hyper::Error>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        use futures_util::StreamExt as _;
+        let me = &mut *self;
+        loop {
+            if me.result.is_none() {
+                if let std::task::Poll::Ready(r) = me.conn.as_mut().poll(cx) {
+                    me.result = Some(r);
+                }
+            }
+            let mut started = false;
+            for f in me
+                .queued
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .drain(..)
+            {
+                me.streams.push(f);
+                started = true;
+            }
+            let mut ended = false;
+            while let std::task::Poll::Ready(Some(())) = me.streams.poll_next_unpin(cx) {
+                ended = true;
+            }
+            // New streams were polled (and registered their wakers); one
+            // that ended queued its answer for the connection to write.
+            if !(started || ended) || me.result.is_some() {
+                break;
+            }
+        }
+        match me.result.take() {
+            Some(r) if me.streams.is_empty() => std::task::Poll::Ready(r),
+            r => {
+                me.result = r;
+                std::task::Poll::Pending
+            }
+        }
+    }
 }
