@@ -633,6 +633,236 @@ async fn plaintext_grpc_listener_serves_the_rls_health_and_unimplemented() {
     assert_eq!(status.code(), tonic::Code::Unimplemented);
 }
 
+/// A gRPC codec that sends and receives message bytes as they are: the
+/// client of a call whose body is not a valid `RateLimitRequest`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Raw;
+
+impl tonic::codec::Codec for Raw {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = Raw;
+    type Decoder = Raw;
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl tonic::codec::Encoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use tonic_prost::prost::bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<Vec<u8>>, tonic::Status> {
+        use tonic_prost::prost::bytes::Buf;
+        Ok(Some(src.copy_to_bytes(src.remaining()).to_vec()))
+    }
+}
+
+/// `r` without what depends on the moment of the call: reset times (in the
+/// statuses, `RateLimit`'s `t=` and `Retry-After`).
+fn without_reset(mut r: RateLimitResponse) -> RateLimitResponse {
+    for s in &mut r.statuses {
+        s.duration_until_reset = None;
+    }
+    for h in &mut r.response_headers_to_add {
+        if h.key.eq_ignore_ascii_case("retry-after") {
+            h.value.clear();
+        }
+        let mut out = String::new();
+        for (i, part) in h.value.split(";t=").enumerate() {
+            if i > 0 {
+                out.push_str(";t=");
+                out.push_str(part.trim_start_matches(|c: char| c.is_ascii_digit()));
+            } else {
+                out.push_str(part);
+            }
+        }
+        h.value = out;
+    }
+    r
+}
+
+/// The plaintext listener serves `ShouldRateLimit` by hand
+/// (region-node/src/rls/unary.rs), not with tonic's generated service: its
+/// answers must be the generated service's (served on the TLS listener),
+/// and a body that is not one valid message must be refused with a gRPC
+/// status (INTERNAL, as tonic's decoder) before anything is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plaintext_should_rate_limit_answers_as_the_generated_service_and_refuses_bad_bodies() {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+    use tonic_prost::prost::Message;
+
+    const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+    let tls = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tls");
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let plain_cfg = write_config(dir.path(), &config(&redis, MULTI));
+    let tls_dir = temp_dir();
+    let tls_cfg = write_config(
+        tls_dir.path(),
+        &config(
+            &redis,
+            &format!(
+                "{MULTI}\n[grpc]\ntls_cert = {:?}\ntls_key = {:?}\n",
+                tls.join("grpc.crt").display().to_string(),
+                tls.join("grpc.key").display().to_string()
+            ),
+        ),
+    );
+    let (_plain, plain_port) = node(&plain_cfg).await;
+    let tls_port = free_port();
+    let listen = format!("127.0.0.1:{tls_port}");
+    let _tls_node =
+        RegionNode::start_with_env(&tls_cfg, "eu", "b", &[("TIERLIMIT_GRPC_LISTEN", &listen)])
+            .await;
+    let plain = Channel::from_shared(format!("http://127.0.0.1:{plain_port}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("plaintext connection to the RLS");
+    let generated = Channel::from_shared(format!("https://127.0.0.1:{tls_port}"))
+        .unwrap()
+        .tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(
+                    std::fs::read(tls.join("ca.crt")).unwrap(),
+                ))
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connection to the RLS");
+
+    // Tenant `p` on the plaintext listener, `q` on the TLS one: the same
+    // calls (limit 1 a day on kind a, 5 on kind b), the same answers.
+    let calls = |t: &'static str| {
+        vec![
+            (0, vec![desc(&[("tenant", t), ("kind", "b")])]),
+            (2, vec![desc(&[("tenant", t), ("kind", "a")])]),
+            (
+                0,
+                vec![
+                    desc(&[("tenant", t), ("kind", "a")]),
+                    desc(&[("tenant", t), ("kind", "b")]),
+                ],
+            ),
+            (0, vec![desc(&[("tenant", t), ("kind", "b")])]),
+        ]
+    };
+    let (mut pc, mut gc) = (
+        RateLimitServiceClient::new(plain.clone()),
+        RateLimitServiceClient::new(generated),
+    );
+    for ((hits, p), (_, q)) in calls("p").into_iter().zip(calls("q")) {
+        let by_hand = ask(&mut pc, "multi", hits, p).await;
+        let by_tonic = ask(&mut gc, "multi", hits, q).await;
+        assert!(!by_hand.response_headers_to_add.is_empty());
+        assert_eq!(without_reset(by_hand), without_reset(by_tonic));
+    }
+    // A refusal by the service is the same status on both.
+    let empty = RateLimitRequest {
+        domain: String::new(),
+        descriptors: vec![desc(&[("tenant", "p")])],
+        hits_addend: 0,
+    };
+    let by_hand = pc.should_rate_limit(empty.clone()).await.unwrap_err();
+    let by_tonic = gc.should_rate_limit(empty).await.unwrap_err();
+    assert_eq!(by_hand.code(), tonic::Code::InvalidArgument);
+    assert_eq!(
+        (by_hand.code(), by_hand.message()),
+        (by_tonic.code(), by_tonic.message())
+    );
+
+    // Bodies that are not one valid message, each naming tenant `r` of
+    // kind a (limit 1): refused, nothing charged.
+    let valid = RateLimitRequest {
+        domain: "multi".into(),
+        descriptors: vec![desc(&[("tenant", "r"), ("kind", "a")])],
+        hits_addend: 0,
+    }
+    .encode_to_vec();
+    let mut grpc = tonic::client::Grpc::new(plain.clone());
+    // Cut in the middle of a field: does not decode.
+    let mut cut = valid.clone();
+    cut.extend_from_slice(&[0x12, 0x20, 0x0a]);
+    grpc.ready().await.unwrap();
+    let status = grpc
+        .unary(
+            tonic::Request::new(cut),
+            tonic::codegen::http::uri::PathAndQuery::from_static(PATH),
+            Raw,
+        )
+        .await
+        .expect_err("a body that does not decode");
+    assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+    // Two messages in a unary call.
+    grpc.ready().await.unwrap();
+    let two = tonic::codegen::tokio_stream::iter(vec![valid.clone(), valid.clone()]);
+    let status = grpc
+        .client_streaming(
+            tonic::Request::new(two),
+            tonic::codegen::http::uri::PathAndQuery::from_static(PATH),
+            Raw,
+        )
+        .await
+        .expect_err("two messages in a unary call");
+    assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+    // No message at all.
+    grpc.ready().await.unwrap();
+    let none = tonic::codegen::tokio_stream::iter(Vec::<Vec<u8>>::new());
+    let status = grpc
+        .client_streaming(
+            tonic::Request::new(none),
+            tonic::codegen::http::uri::PathAndQuery::from_static(PATH),
+            Raw,
+        )
+        .await
+        .expect_err("no message");
+    assert_eq!(status.code(), tonic::Code::Internal, "{status:?}");
+    // Nothing was charged: `r` is allowed once, then over; the same bytes
+    // sent raw decode and answer as the typed client's call.
+    grpc.ready().await.unwrap();
+    let raw = grpc
+        .unary(
+            tonic::Request::new(valid),
+            tonic::codegen::http::uri::PathAndQuery::from_static(PATH),
+            Raw,
+        )
+        .await
+        .expect("the valid body")
+        .into_inner();
+    let r = RateLimitResponse::decode(raw.as_slice()).unwrap();
+    assert_eq!(codes(&r), vec![Code::Ok]);
+    let r = ask(
+        &mut pc,
+        "multi",
+        0,
+        vec![desc(&[("tenant", "r"), ("kind", "a")])],
+    )
+    .await;
+    assert_eq!(codes(&r), vec![Code::OverLimit]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_regions_behind_two_envoys_share_a_global_limit() {
     let tansu = harness::Tansu::start();
