@@ -82,6 +82,9 @@ pub struct Spec {
     pub node_extra: String,
     /// Extra lines of the `[kafka.client]` table (librdkafka settings).
     pub kafka_extra: String,
+    /// `TIERLIMIT__…` overrides every node and the aggregator start with
+    /// (a release's settings in a rolling upgrade).
+    pub env: Vec<(String, String)>,
 }
 
 /// The deployment. Fields drop in order: processes first, then the network.
@@ -98,6 +101,8 @@ pub struct Cluster {
     /// Keep the log directory when dropped (set by a failing check).
     pub keep_logs: bool,
     pub(crate) http: reqwest::Client,
+    /// [`Spec::env`].
+    env: Vec<(String, String)>,
     _serial: tokio::sync::MutexGuard<'static, ()>,
 }
 
@@ -203,6 +208,7 @@ policy = "deny"
                 .timeout(Duration::from_secs(2))
                 .build()
                 .unwrap(),
+            env: spec.env.clone(),
             _serial: serial,
         };
         let b = brokers.clone();
@@ -248,18 +254,19 @@ policy = "deny"
     fn aggregator_cmd(&self) -> crate::Cmd {
         let listen = self.topo.host("core").addr(AGG_PORT);
         let admin = self.topo.host("core").addr(AGG_ADMIN_PORT);
-        with_harness_key(self.topo.cmd("core", bin_path("aggregator")))
+        let cmd = with_harness_key(self.topo.cmd("core", bin_path("aggregator")))
             .arg("--config")
             .arg(&self.config)
             .args(["--listen", &listen, "--admin-listen", &admin])
             .env("RUST_LOG", "info")
-            .log_file(self.dir.path().join("aggregator.log"))
+            .log_file(self.dir.path().join("aggregator.log"));
+        self.env.iter().fold(cmd, |c, (k, v)| c.env(k, v))
     }
 
     fn node_cmd(&self, region: &str, i: usize) -> crate::Cmd {
         let listen = self.topo.host(region).addr(NODE_PORTS[i]);
         let admin = self.topo.host(region).addr(NODE_ADMIN_PORTS[i]);
-        with_harness_key(self.topo.cmd(region, bin_path("region-node")))
+        let cmd = with_harness_key(self.topo.cmd(region, bin_path("region-node")))
             .arg("--config")
             .arg(&self.config)
             .args([
@@ -281,7 +288,8 @@ policy = "deny"
                 self.dir
                     .path()
                     .join(format!("node-{region}-{}.log", NODE_IDS[i])),
-            )
+            );
+        self.env.iter().fold(cmd, |c, (k, v)| c.env(k, v))
     }
 
     /// The aggregator's admin listener: `/metrics`, the dashboard.
@@ -402,6 +410,71 @@ policy = "deny"
     /// Starts the aggregator again (same command, same log).
     pub fn restart_aggregator(&mut self) {
         self.aggregators[0].respawn();
+    }
+
+    /// The first byte of every record on `topic` (its wire version: `{`
+    /// for v1's JSON, 2 for v2), read from the start to the end of each
+    /// partition.
+    pub async fn first_bytes(&self, topic: &str) -> std::collections::HashSet<u8> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        use rdkafka::{Message, Offset, TopicPartitionList};
+        let brokers = self.topo.host("core").addr(KAFKA_PORT);
+        let topic = topic.to_string();
+        tokio::task::spawn_blocking(move || {
+            let reader: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("group.id", "partitions-wire-reader")
+                .set("enable.partition.eof", "true")
+                .create()
+                .expect("a Kafka reader");
+            let mut tpl = TopicPartitionList::new();
+            for p in 0..PARTITIONS {
+                tpl.add_partition_offset(&topic, p, Offset::Beginning)
+                    .unwrap();
+            }
+            reader.assign(&tpl).unwrap();
+            let mut firsts = std::collections::HashSet::new();
+            let mut eof = std::collections::HashSet::new();
+            let start = Instant::now();
+            while eof.len() < PARTITIONS as usize {
+                assert!(start.elapsed() < DEADLINE, "reading {topic} back");
+                match reader.poll(Duration::from_millis(100)) {
+                    Some(Ok(m)) => {
+                        if let Some(b) = m.payload().and_then(|p| p.first()) {
+                            firsts.insert(*b);
+                        }
+                    }
+                    Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                        eof.insert(p);
+                    }
+                    _ => {}
+                }
+            }
+            firsts
+        })
+        .await
+        .expect("the Kafka reader")
+    }
+
+    /// kill -9 the aggregator and start it with `env` added (a new
+    /// release's settings), same log.
+    pub fn restart_aggregator_with(&mut self, env: &[(&str, &str)]) {
+        let cmd = env
+            .iter()
+            .fold(self.aggregator_cmd(), |c, (k, v)| c.env(k, v));
+        self.aggregators[0].kill9();
+        self.aggregators[0] = cmd.spawn();
+    }
+
+    /// kill -9 `region/id` and start it with `env` added, same log.
+    pub fn restart_node_with(&mut self, region: &str, id: &str, env: &[(&str, &str)]) {
+        let i = NODE_IDS.iter().position(|n| *n == id).expect("a node id");
+        let cmd = env
+            .iter()
+            .fold(self.node_cmd(region, i), |c, (k, v)| c.env(k, v));
+        let node = self.node_mut(region, id);
+        node.proc.kill9();
+        node.proc = cmd.spawn();
     }
 
     pub fn kill_node(&mut self, region: &str, id: &str) {
