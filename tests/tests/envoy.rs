@@ -540,24 +540,29 @@ async fn serves_rls_and_health(channel: tonic::transport::Channel) {
     assert_eq!(codes(&r), vec![Code::OverLimit]);
 }
 
+/// The test CA, and the gRPC listener's certificate and key it signed.
+fn tls_fixtures() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tls")
+}
+
+/// `extra` plus a `[grpc]` section serving the listener with TLS.
+fn with_tls(extra: &str) -> String {
+    let tls = tls_fixtures();
+    format!(
+        "{extra}\n[grpc]\ntls_cert = {:?}\ntls_key = {:?}\n",
+        tls.join("grpc.crt").display().to_string(),
+        tls.join("grpc.key").display().to_string()
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_listener_with_tls_serves_the_rls_and_health() {
     use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
-    let tls = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tls");
+    let tls = tls_fixtures();
     let redis = Redis::start();
     let dir = temp_dir();
-    let cfg = write_config(
-        dir.path(),
-        &config(
-            &redis,
-            &format!(
-                "{MULTI}\n[grpc]\ntls_cert = {:?}\ntls_key = {:?}\n",
-                tls.join("grpc.crt").display().to_string(),
-                tls.join("grpc.key").display().to_string()
-            ),
-        ),
-    );
+    let cfg = write_config(dir.path(), &config(&redis, &with_tls(MULTI)));
     let (_node, port) = node(&cfg).await;
     let ca = Certificate::from_pem(std::fs::read(tls.join("ca.crt")).unwrap());
     let channel = Channel::from_shared(format!("https://127.0.0.1:{port}"))
@@ -712,22 +717,12 @@ async fn plaintext_should_rate_limit_answers_as_the_generated_service_and_refuse
     use tonic_prost::prost::Message;
 
     const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
-    let tls = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tls");
+    let tls = tls_fixtures();
     let redis = Redis::start();
     let dir = temp_dir();
     let plain_cfg = write_config(dir.path(), &config(&redis, MULTI));
     let tls_dir = temp_dir();
-    let tls_cfg = write_config(
-        tls_dir.path(),
-        &config(
-            &redis,
-            &format!(
-                "{MULTI}\n[grpc]\ntls_cert = {:?}\ntls_key = {:?}\n",
-                tls.join("grpc.crt").display().to_string(),
-                tls.join("grpc.key").display().to_string()
-            ),
-        ),
-    );
+    let tls_cfg = write_config(tls_dir.path(), &config(&redis, &with_tls(MULTI)));
     let (_plain, plain_port) = node(&plain_cfg).await;
     let tls_port = free_port();
     let listen = format!("127.0.0.1:{tls_port}");
