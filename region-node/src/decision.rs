@@ -7,7 +7,10 @@
 //!    `decide.lua`), which checks node tier, region tier and the region's
 //!    global budget (`limit − others`, others = broadcast total minus this
 //!    region's current actor, the total taken to be at least the broadcast
-//!    threshold) and charges all of them only if all pass;
+//!    threshold) and charges all of them only if all pass. A lease this
+//!    node holds answers without the call; a node-tier reservation
+//!    ([`crate::reserve`]) answers the node tier, and the call carries the
+//!    others;
 //! 4. if Redis cannot answer, the plan's `on_store_error` decides: `local`
 //!    is the same call answered by the in-process store ([`Local`]).
 //!
@@ -36,6 +39,7 @@ use crate::local::Local;
 use crate::metrics::Metrics;
 use crate::newcomers::{Newcomers, Refusal, Refused};
 use crate::refund::{Handle, HandleError, Signer};
+use crate::reserve::{self, Reserves};
 use crate::storage::{
     CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, Scope, StoreError,
     TierCall,
@@ -236,6 +240,8 @@ pub struct Decider {
     /// leases left to give back.
     leases: Leases,
     leftovers: std::sync::Mutex<Vec<Leftover>>,
+    /// Node-tier units this node charged ahead and spends in process.
+    reserves: Reserves,
     /// The admission gate every front end takes a slot of before it
     /// decides (`node.max_in_flight`, read at start).
     admission: Arc<Admission>,
@@ -266,6 +272,7 @@ impl Decider {
             newcomers: None,
             leases: Leases::default(),
             leftovers: std::sync::Mutex::default(),
+            reserves: Reserves::default(),
         }
     }
 
@@ -346,16 +353,29 @@ impl Decider {
         }
 
         // 3. One round trip: every tier checked and charged atomically
-        // (and a lease taken, when asked for).
+        // (and a lease taken, when asked for). Without a lease, the node
+        // tier may come from this node's reservation: the script then runs
+        // without it (see `crate::reserve`).
         let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
+        let mut reserve = None;
         if ask {
             call.lease = Some(LeaseAsk {
                 max: lease_max,
                 share: 2 * u64::from(call.expected_nodes.max(1)),
             });
+        } else if !(lease_max > 0 && leasable(&policy)) {
+            reserve = self.reserve_take(&cfg, &policy, &req, key, now);
         }
+        let covered = match &reserve {
+            Some(reserve::Take::Covered { .. }) => Some(call.tiers.remove(0)),
+            Some(reserve::Take::Charge { reserve }) => {
+                call.tiers[0].cost += reserve;
+                None
+            }
+            None => None,
+        };
         let sent = Instant::now();
-        let result = self.store.decide(&call).await;
+        let mut result = self.store.decide(&call).await;
         if ask {
             let id = lease_id(call.epoch_candidate);
             if let Ok(r) = &result {
@@ -370,6 +390,11 @@ impl Decider {
             {
                 self.leftovers.lock().expect("leftovers").push(left);
             }
+        }
+        if let Some(taken) = reserve {
+            result = self
+                .reserve_settle(&req, key, &mut call, covered, taken, sent, result)
+                .await;
         }
         let decision = match result {
             Ok(r) => {
@@ -539,13 +564,30 @@ impl Decider {
         let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
         call.refund = of;
         let by_handle = call.refund.is_some();
+        let node_first = call.tiers.first().is_some_and(|t| t.scope == Scope::Node);
+        if !by_handle && node_first {
+            // Tied to no charge, it gives back to the current window down
+            // to zero: this node's unspent reservation goes back with it,
+            // so the count cannot fall below what the node still holds.
+            let held = self.reserves.withdraw(
+                (req.tenant, key),
+                Instant::now(),
+                cfg.config.node.store_timeout,
+            );
+            call.tiers[0].cost += held;
+        }
         match self.store.decide(&call).await {
             Ok(r) => {
+                if let (true, Some(t)) = (node_first, r.tiers.first()) {
+                    self.reserves.observe((req.tenant, key), t, r.now_ms);
+                }
                 let (refunded, duplicate) = (r.refunded, r.duplicate);
                 let kind = if duplicate { "duplicate" } else { kind };
                 self.metrics.refunds.with_label_values(&[kind]).inc();
+                let mut decision = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
+                self.count_reserved(&mut decision, (req.tenant, key));
                 Ok(Refunded {
-                    decision: self.reply_decision(&req, &policy, key, r, Mode::Redis, &call),
+                    decision,
                     refunded,
                     duplicate,
                 })
@@ -607,6 +649,8 @@ impl Decider {
         self.metrics
             .lease_outstanding
             .set(self.leases.outstanding() as i64);
+        let held = self.reserves.expire(Instant::now());
+        self.metrics.reserve_held.set(held as i64);
     }
 
     /// The signer of the region's current `node.refund_secret`, rebuilt
@@ -662,10 +706,11 @@ impl Decider {
         call.cost = 0;
         let reply = self.store.decide(&call).await.ok();
         let view = self.view.get(tenant, today);
-        let d = match &reply {
+        let mut d = match &reply {
             Some(r) => self.reply_decision(&req, &policy, k, r.clone(), Mode::Redis, &call),
             None => self.open_decision(&req, &policy, k),
         };
+        self.count_reserved(&mut d, (tenant, k));
         Ok(Usage {
             tenant: tenant.into(),
             key: k.into(),
@@ -808,6 +853,112 @@ impl Decider {
             refund: None,
             lease: None,
         }
+    }
+
+    /// Redis counts this node's reservation as spent; it is not yet: a
+    /// usage read or a refund reports the node tier with it unspent.
+    fn count_reserved(&self, d: &mut Decision, at: (&str, &str)) {
+        if let Some(t) = d.tiers.iter_mut().find(|t| t.tier == Tier::Node) {
+            let held = self.reserves.unspent(at, Instant::now());
+            t.remaining = t.remaining.saturating_add(held).min(t.limit);
+        }
+    }
+
+    /// The node tier of a check from this node's reservation
+    /// ([`crate::reserve`]), when its plan's node tier can reserve: a
+    /// fixed or sliding window, and `node.reserve_fraction` of its limit at
+    /// least one unit.
+    fn reserve_take(
+        &self,
+        cfg: &Loaded,
+        policy: &Policy,
+        req: &Request<'_>,
+        key: &str,
+        now: u64,
+    ) -> Option<reserve::Take> {
+        let node = policy.node.as_ref()?;
+        if !matches!(
+            node.algorithm,
+            Algorithm::FixedWindow | Algorithm::SlidingWindow
+        ) {
+            return None;
+        }
+        let chunk = (node.limit as f64 * cfg.config.node.reserve_fraction) as u64;
+        if chunk == 0 {
+            return None;
+        }
+        Some(self.reserves.take(
+            (req.tenant, key),
+            req.cost,
+            (node.limit, chunk),
+            (Instant::now(), now, cfg.config.node.store_timeout),
+        ))
+    }
+
+    /// After the script call of a check that took from, or charged, a
+    /// reservation: the reply made whole again for the node tier (as if
+    /// the script had decided it), the unit put back if the check was not
+    /// charged, the reservation kept if it was.
+    #[allow(clippy::too_many_arguments)]
+    async fn reserve_settle<'a>(
+        &self,
+        req: &Request<'_>,
+        key: &str,
+        call: &mut DecideCall<'a>,
+        covered: Option<TierCall<'a>>,
+        taken: reserve::Take,
+        sent: Instant,
+        mut result: Result<DecideReply, StoreError>,
+    ) -> Result<DecideReply, StoreError> {
+        let at = (req.tenant, key);
+        match taken {
+            reserve::Take::Covered { ticket, tier } => {
+                call.tiers
+                    .insert(0, covered.expect("a covered check lent its node tier"));
+                match &mut result {
+                    Ok(r) => {
+                        r.tiers.insert(0, tier);
+                        if let Some(Denied::Tier(i)) = &mut r.denied {
+                            *i += 1;
+                        }
+                        if r.allowed {
+                            self.metrics.reserve_covered.inc();
+                        } else {
+                            self.reserves.give_back(at, ticket);
+                        }
+                    }
+                    Err(_) => self.reserves.give_back(at, ticket),
+                }
+            }
+            reserve::Take::Charge { reserve } => {
+                call.tiers[0].cost = req.cost;
+                let mut reserve = reserve;
+                let mut sent = sent;
+                // The node tier could not take the reservation but has room
+                // for the check alone: decide again without one (rare: only
+                // near the node limit, or after a restart stranded one).
+                let refused = matches!(&result, Ok(r) if r.denied == Some(Denied::Tier(0))
+                    && r.tiers.first().is_some_and(|t| t.remaining >= req.cost));
+                if reserve > 0 && refused {
+                    self.reserves.settle(at, reserve, None, sent);
+                    self.metrics.reserve_retried.inc();
+                    reserve = 0;
+                    sent = Instant::now();
+                    result = self.store.decide(call).await;
+                }
+                let charged = result
+                    .as_ref()
+                    .ok()
+                    .filter(|r| r.allowed)
+                    .and_then(|r| Some((r.tiers.first()?, r.now_ms)));
+                let remaining = self.reserves.settle(at, reserve, charged, sent);
+                if let (Some(remaining), Ok(r)) = (remaining, &mut result) {
+                    r.tiers[0].remaining = remaining.min(call.tiers[0].limit.limit);
+                    self.metrics.reserve_units.inc_by(reserve);
+                }
+            }
+        }
+        result
     }
 
     /// With `node.max_staleness` set and the view older than that, this

@@ -11,6 +11,8 @@
 //!   checks) and the typed interface of the Lua scripts;
 //! - [`local`]: the in-process `local` fail mode (a store too);
 //! - [`lease`]: budget charged in Redis ahead and spent in process;
+//! - [`reserve`]: the node tier decided in process against units its
+//!   decisions charged in Redis ahead;
 //! - [`view`] and [`follower`]: the broadcast view of global totals;
 //! - [`newcomers`]: the region's gate for tenants the configuration does
 //!   not name (how many new ones a second and a day);
@@ -32,6 +34,7 @@ pub mod newcomers;
 pub mod publisher;
 pub mod refund;
 pub mod republish;
+pub mod reserve;
 pub mod rls;
 pub mod storage;
 pub mod view;
@@ -153,7 +156,8 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         live: Arc::clone(&live_for_http),
     });
     {
-        // The unused part of expired and replaced leases goes back.
+        // The unused part of expired and replaced leases goes back, and
+        // node-tier reservations of ended windows are forgotten.
         let state = Arc::clone(&state);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));

@@ -32,6 +32,13 @@ pub struct Metrics {
     pub lease_units: IntCounterVec,
     /// Units held in this node's live leases.
     pub lease_outstanding: IntGauge,
+    /// Node-tier reservations (`reserve.rs`) by event, resolved once: the
+    /// hot path bumps them on every decision it covers.
+    pub reserve_covered: IntCounter,
+    pub reserve_units: IntCounter,
+    pub reserve_retried: IntCounter,
+    /// Units held in this node's live node-tier reservations.
+    pub reserve_held: IntGauge,
     pub bad_requests: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub deltas_produced: IntCounter,
@@ -85,6 +92,17 @@ impl Metrics {
         let buckets = vec![
             0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
         ];
+        let node_reserve = reg(
+            &r,
+            IntCounterVec::new(
+                Opts::new(
+                    "tierlimit_node_reserve_total",
+                    "Node-tier reservations by event: covered (a decision whose node tier was decided in process, the script called without it), reserved_units (node-tier units charged ahead for later decisions), retried (a reservation the node tier could not take; the call repeated without one)",
+                ),
+                &["event"],
+            )
+            .unwrap(),
+        );
         let m = Metrics {
             decisions: reg(
                 &r,
@@ -200,6 +218,17 @@ impl Metrics {
                 IntGauge::new(
                     "tierlimit_lease_outstanding_units",
                     "Units held in this node's live leases (charged in Redis, not yet spent)",
+                )
+                .unwrap(),
+            ),
+            reserve_covered: node_reserve.with_label_values(&["covered"]),
+            reserve_units: node_reserve.with_label_values(&["reserved_units"]),
+            reserve_retried: node_reserve.with_label_values(&["retried"]),
+            reserve_held: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_node_reserve_held_units",
+                    "Node-tier units this node charged ahead in Redis and has not spent yet (live windows only)",
                 )
                 .unwrap(),
             ),

@@ -1195,3 +1195,94 @@ async fn the_unused_part_of_a_lease_goes_back_to_the_days_count() {
     };
     assert_eq!((units("granted"), units("returned")), (50.0, 46.0));
 }
+
+/// Node-tier reservations (`region-node/src/reserve.rs`): most checks are
+/// decided without the node tier in the script, the node tier stays exact
+/// (no unit over its limit, none lost while the node runs), and a node
+/// killed mid-window strands at most one reservation (under-admission,
+/// never over-admission) when it comes back with the same id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_tier_reservations_are_strict_and_a_crash_strands_at_most_one() {
+    const LIMIT: usize = 800;
+    // node.reserve_fraction's default: 1/8 of the limit at a time.
+    const CHUNK: usize = LIMIT / 8;
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            &format!(
+                r#"
+[plans.p]
+node = {{ limit = {LIMIT}, window = "1h", algorithm = "fixed_window" }}
+region = {{ limit = 100000, window = "1h", algorithm = "sliding_window" }}
+[tenants.t]
+plan = "p"
+[tenants.u]
+plan = "p"
+[plans.q]
+node = {{ limit = {LIMIT}, window = "1h", algorithm = "sliding_window" }}
+region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
+[tenants.v]
+plan = "q"
+"#
+            ),
+        ),
+    );
+    let mut a = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
+    // Exact under 16 racing clients: every unit of the limit, none more.
+    assert_eq!(hammer(&[Arc::clone(&a)], "t", 1200).await, LIMIT);
+    let metrics = harness::get_text(&a.http, &a.admin_url("/metrics")).await;
+    let covered =
+        harness::metric_sample(&metrics, r#"tierlimit_node_reserve_total{event="covered"}"#)
+            .unwrap_or(0.0);
+    assert!(
+        covered >= (LIMIT - 2 * LIMIT / CHUNK * 16) as f64,
+        "most allowed checks should be decided from a reservation, got {covered} of {LIMIT}"
+    );
+    // The region tier was charged once per allowed check, not per reserved unit.
+    assert_eq!(
+        remaining(&usage(&a, "t").await, "region"),
+        100_000 - LIMIT as u64
+    );
+    assert_eq!(remaining(&usage(&a, "t").await, "node"), 0);
+
+    // All-or-nothing: checks the region tier denies give their node-tier
+    // unit back to the reservation.
+    assert_eq!(hammer(&[Arc::clone(&a)], "v", 400).await, 100);
+    assert_eq!(
+        remaining(&usage(&a, "v").await, "node"),
+        (LIMIT - 100) as u64
+    );
+
+    // Tenant u: some checks, then SIGKILL with a reservation held.
+    assert_eq!(hammer(&[Arc::clone(&a)], "u", 304).await, 304);
+    let held = remaining(&usage(&a, "u").await, "node");
+    assert_eq!(
+        held,
+        (LIMIT - 304) as u64,
+        "usage counts a reservation as unspent"
+    );
+    Arc::get_mut(&mut a).expect("one owner").proc.kill9();
+    drop(a);
+    let a = Arc::new(RegionNode::start(&cfg, "eu", "a").await);
+    let after = hammer(&[Arc::clone(&a)], "u", 1200).await;
+    assert!(
+        304 + after <= LIMIT,
+        "the node tier admitted {} of {LIMIT} across the crash",
+        304 + after
+    );
+    assert!(
+        304 + after >= LIMIT - CHUNK,
+        "a crash strands at most one reservation ({CHUNK}), yet only {} of {LIMIT} were admitted",
+        304 + after
+    );
+    // The restarted node found the stranded reservation charged and asked
+    // again without one: checks were never denied while the tier had room.
+    let metrics = harness::get_text(&a.http, &a.admin_url("/metrics")).await;
+    assert!(
+        harness::metric_value(&metrics, "tierlimit_node_reserve_total") > 0.0,
+        "the restarted node reserves again"
+    );
+}
