@@ -87,7 +87,7 @@ pub struct Knobs {
     #[arg(long, env = "BENCH_R20_ROUNDS", default_value_t = 3)]
     pub r20_rounds: u64,
     /// 6c: deltas/s the simulated regions publish (all of them together).
-    #[arg(long, env = "BENCH_R20_RATE", default_value_t = 5000)]
+    #[arg(long, env = "BENCH_R20_RATE", default_value_t = 3000)]
     pub r20_rate: u64,
     /// 6c: `aggregator.broadcast_fraction` of the run (default: the
     /// configuration's, 0.25); 0 broadcasts every tenant, as before issue

@@ -312,7 +312,7 @@ pub fn run(args: DeltaArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     let kafka = &config.config.kafka;
     let mut cc = tierlimit_shared::kafka::ordered_producer_config(kafka);
-    cc.set("message.timeout.ms", "60000")
+    cc.set("message.timeout.ms", "300000")
         .set("queue.buffering.max.messages", "200000");
     let producer: FutureProducer = cc.create().context("Kafka producer")?;
     let day = tierlimit_shared::day::today();
