@@ -17,6 +17,7 @@ pub const SCENARIOS: &[&str] = &[
     "accuracy",
     "crossings",
     "scale",
+    "regions20",
     "rollover",
     "peer",
     "cluster",
@@ -46,6 +47,9 @@ pub const SCENARIOS: &[&str] = &[
 ///   accuracy   5: three regions push one tenant past its daily limit
 ///   crossings 5b: many staggered tenants past a small daily limit
 ///   scale      6: many distinct tenants: Redis bytes/tenant, RSS
+///   regions20 6c: N tenants, 1 % near their global limit in 20 regions
+///                 (19 simulated by `loadgen deltas`): region-node and
+///                 aggregator RSS, what the node reads from the global topic
 ///   rollover  6b: the same across a (faked) UTC midnight (libfaketime)
 ///   peer       7: throttlecrab-server under the same load generator
 ///                 (its rounds alternate with ceiling's)
@@ -74,6 +78,22 @@ pub struct Knobs {
     /// Distinct tenants of scenario 6.
     #[arg(long, env = "BENCH_SCALE_TENANTS", default_value_t = 1_000_000)]
     pub scale_tenants: u64,
+    /// Tenants of scenario 6c (1 % near their global limit, in 20
+    /// regions); one size per run.
+    #[arg(long, env = "BENCH_R20_TENANTS", default_value_t = 100_000)]
+    pub r20_tenants: u64,
+    /// 6c: rounds of deltas from the 19 simulated regions for the near
+    /// tenants (each round one delta per near tenant and region).
+    #[arg(long, env = "BENCH_R20_ROUNDS", default_value_t = 3)]
+    pub r20_rounds: u64,
+    /// 6c: deltas/s the simulated regions publish (all of them together).
+    #[arg(long, env = "BENCH_R20_RATE", default_value_t = 3000)]
+    pub r20_rate: u64,
+    /// 6c: `aggregator.broadcast_fraction` of the run (default: the
+    /// configuration's, 0.25); 0 broadcasts every tenant, as before issue
+    /// 10, for the comparison of what a region-node reads.
+    #[arg(long, env = "BENCH_R20_FRACTION")]
+    pub r20_fraction: Option<f64>,
     /// Daily limit of scenario 5's tenant.
     #[arg(long, env = "BENCH_ACC_LIMIT", default_value_t = 100_000)]
     pub acc_limit: u64,

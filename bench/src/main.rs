@@ -9,6 +9,7 @@
 //! | [`scenario`] | one module per scenario, each returning a typed result |
 //! | [`report`] | BENCHMARKS.md from `bench/BENCHMARKS.md.j2`, the machine, the charts |
 //! | [`chart`] | SVG line charts of named series (plotters) |
+//! | [`topic`] | what a Kafka topic carried between two sets of offsets |
 //!
 //! Every process is started through `testkit` (killed on drop, children die
 //! with the runner); every wait polls a condition with a deadline.
@@ -19,6 +20,7 @@ mod loadgen;
 mod report;
 mod run;
 mod scenario;
+mod topic;
 mod world;
 
 use std::path::PathBuf;
@@ -33,7 +35,7 @@ use crate::report::{Machine, Results};
 use crate::run::Run;
 use crate::scenario::{
     accuracy, baseline, ceiling, cluster, crossings, envoy, fast_path, kafka, latency, leases,
-    rollover, saturation, scale,
+    regions20, rollover, saturation, scale,
 };
 use crate::world::{start_node, Region};
 
@@ -67,7 +69,7 @@ fn preflight(k: &Knobs) -> anyhow::Result<()> {
     if k.runs("envoy") {
         testkit::try_envoy_bin().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    if k.runs("rollover") || KAFKA_SIDE.iter().any(|s| k.runs(s)) {
+    if k.runs("rollover") || k.runs("regions20") || KAFKA_SIDE.iter().any(|s| k.runs(s)) {
         testkit::try_tansu_bin().map_err(|e| anyhow::anyhow!("{e} (run scripts/setup --bench)"))?;
     }
     if k.runs("rollover") {
@@ -243,6 +245,15 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
             r.config = std::fs::read_to_string(&cfg).ok();
         }
         drop((eu, us, ap));
+    }
+
+    if k.runs("regions20") {
+        // Its own Redis, Tansu, aggregator and node; the main run's are
+        // stopped by now.
+        match regions20::run(&run, &k).await {
+            Ok(r20) => r.regions20 = Some(r20),
+            Err(e) => run.say(&format!("the regions20 run failed: {e:#}")),
+        }
     }
 
     if k.runs("saturation") {

@@ -41,6 +41,8 @@ pub struct Results {
     pub accuracy: Option<Accuracy>,
     pub crossings: Option<Crossings>,
     pub scale: Option<Scale>,
+    #[serde(default)]
+    pub regions20: Option<crate::scenario::regions20::Regions20>,
     pub rollover: Option<Rollover>,
     pub rollover_error: Option<String>,
     pub peer: Option<Peer>,
@@ -77,6 +79,7 @@ impl Results {
             accuracy: None,
             crossings: None,
             scale: None,
+            regions20: None,
             rollover: None,
             rollover_error: None,
             peer: None,
@@ -376,6 +379,48 @@ mod tests {
         let md = render(&results).unwrap();
         assert!(md.starts_with("# Benchmarks\n"));
         assert!(md.contains("## Hot path: profile and changes"));
+    }
+
+    #[test]
+    fn the_regions20_section_renders_its_targets() {
+        use crate::scenario::regions20::{Reading, Regions20};
+        let mut results = Results::new(
+            "2026-11-26 04:00 UTC".into(),
+            <Knobs as clap::Parser>::parse_from(["bench", "--only", "regions20"]),
+            Machine::default(),
+            "1 1 1".into(),
+        );
+        let reading = |node_mib: u64, agg_mib: u64, at_s: u64| Reading {
+            at_s,
+            node_rss_kib: node_mib * 1024,
+            agg_rss_kib: agg_mib * 1024,
+            view_entries: Some(0.0),
+            ..Default::default()
+        };
+        results.regions20 = Some(Regions20 {
+            tenants: 100_000,
+            near: 1_000,
+            far: 99_000,
+            regions: 20,
+            rounds: 3,
+            broadcast_fraction: 0.25,
+            start: reading(18, 13, 0),
+            after_far: reading(30, 80, 60),
+            after_near: reading(33, 83, 100),
+            near_parts: 20_000,
+            far_parts: 198_000,
+            agg_b_per_part_near: 120.4,
+            agg_b_per_part_far: 300.0,
+            ..Default::default()
+        });
+        let md = render(&results).unwrap();
+        assert!(md.contains("### 6c. Twenty regions"), "{md}");
+        assert!(md.contains("| 6c | aggregator RSS growth per region part of a counter at 20 regions (near phase) | **120 B**"), "{md}");
+        assert!(md.contains("**30 MiB** after the far tenants"), "{md}");
+        assert!(
+            md.contains("| region-node eu-1 RSS | 18 MiB | 30 MiB | 33 MiB |"),
+            "{md}"
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! loadgen http  --proto gateway --url http://127.0.0.1:10000/ [--tenant-header x-tenant]
 //! loadgen redis --redis-url redis://127.0.0.1:6379 [script options] [run options]
 //! loadgen script-args --tenant T [script options]   # EVALSHA line for redis-benchmark
+//! loadgen deltas --config tierlimit.toml --regions r01,… --tenants N --phase far|near
 //! ```
 //!
 //! Closed loop (`--mode closed --connections N`) or open loop (`--mode open
@@ -13,7 +14,11 @@
 //! once. Prints one JSON summary: HDR percentiles, throughput, decisions by
 //! outcome, tier and mode, and with `--accuracy-limit` the overshoot and the
 //! time from crossing the limit to every target denying, per tenant too.
+//!
+//! `deltas` is not a request load: simulated regions publishing signed
+//! wire-v2 deltas straight to Kafka (see [`deltas`]).
 
+mod deltas;
 mod http1;
 mod run;
 mod stats;
@@ -64,6 +69,9 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         redis_conns: usize,
     },
+    /// Simulated regions: signed wire-v2 deltas straight to the deltas
+    /// topic, for near- and far-from-limit tenants (see `deltas.rs`).
+    Deltas(deltas::DeltaArgs),
     /// Prints `EVALSHA <sha> 6 KEYS… ARGV…`, one argument per line, for
     /// `redis-benchmark` (use `__rand_int__` as the tenant with its `-r`).
     ScriptArgs {
@@ -257,6 +265,7 @@ fn cmd_args(cmd: &redis::Cmd) -> Vec<String> {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Deltas(args) => deltas::run(args),
         Command::ScriptArgs {
             script,
             tenant,

@@ -13,6 +13,7 @@ pub mod kafka;
 pub mod latency;
 pub mod leases;
 pub mod peer;
+pub mod regions20;
 pub mod rollover;
 pub mod saturation;
 pub mod scale;
