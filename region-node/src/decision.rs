@@ -19,7 +19,7 @@
 //! in-process twin for the fail mode).
 
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use prometheus::IntCounter;
 
@@ -891,7 +891,7 @@ impl Decider {
             (req.tenant, key),
             req.cost,
             (node.limit, chunk),
-            (Instant::now(), now, cfg.config.node.store_timeout),
+            (Instant::now(), now, Duration::ZERO),
         ))
     }
 
