@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use crate::storage::DecideReply;
 
 /// Shards of the lease table: the hot path locks one, briefly.
-const SHARDS: usize = 32;
+pub(crate) const SHARDS: usize = 32;
 
 /// One outstanding lease.
 #[derive(Debug, Clone)]
@@ -92,6 +92,15 @@ struct Slot {
     asking: bool,
 }
 
+/// Which of [`SHARDS`] a table key falls in (FNV-1a); shared with
+/// `reserve.rs`'s table.
+pub(crate) fn shard_of(k: &str) -> usize {
+    let h = k.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    (h % SHARDS as u64) as usize
+}
+
 /// The node's outstanding leases, by (tenant, key).
 pub struct Leases {
     shards: Vec<Mutex<HashMap<String, Slot>>>,
@@ -105,7 +114,8 @@ impl Default for Leases {
     }
 }
 
-fn slot_key(tenant: &str, key: &str) -> String {
+/// The table key of (tenant, key); shared with `reserve.rs`'s table.
+pub(crate) fn slot_key(tenant: &str, key: &str) -> String {
     // `|` cannot appear in a tenant id (validate.rs), so keys never collide.
     let mut s = String::with_capacity(tenant.len() + key.len() + 1);
     s.push_str(tenant);
@@ -116,10 +126,7 @@ fn slot_key(tenant: &str, key: &str) -> String {
 
 impl Leases {
     fn shard(&self, k: &str) -> &Mutex<HashMap<String, Slot>> {
-        let h = k.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-        });
-        &self.shards[(h % SHARDS as u64) as usize]
+        &self.shards[shard_of(k)]
     }
 
     /// Spends `cost` from the (tenant, key) lease if one is live and holds

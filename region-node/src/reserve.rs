@@ -39,8 +39,7 @@ use std::time::{Duration, Instant};
 
 use crate::storage::TierReply;
 
-/// Shards of the table: the hot path locks one, briefly.
-const SHARDS: usize = 32;
+use crate::lease::{shard_of, slot_key, SHARDS};
 
 /// One (tenant, key)'s node-tier reservation.
 #[derive(Debug, Default)]
@@ -93,21 +92,9 @@ impl Default for Reserves {
     }
 }
 
-fn slot_key(tenant: &str, key: &str) -> String {
-    // `|` cannot appear in a tenant id (validate.rs), so keys never collide.
-    let mut s = String::with_capacity(tenant.len() + key.len() + 1);
-    s.push_str(tenant);
-    s.push('|');
-    s.push_str(key);
-    s
-}
-
 impl Reserves {
     fn shard(&self, k: &str) -> &Mutex<HashMap<String, Slot>> {
-        let h = k.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-        });
-        &self.shards[(h % SHARDS as u64) as usize]
+        &self.shards[shard_of(k)]
     }
 
     /// Decides the node tier of a check of `cost` from the reservation if
