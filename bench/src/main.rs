@@ -187,7 +187,10 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
                 "eu",
                 "eu-1",
                 "/healthz",
-                &[("TIERLIMIT__KAFKA__BROKERS", "127.0.0.1:1")],
+                &[
+                    ("TIERLIMIT__KAFKA__BROKERS", "127.0.0.1:1"),
+                    ("TIERLIMIT__NODE__VIEW_WAIT", "0s"),
+                ],
             )
             .await;
             let (c, peer) = ceiling::run(&run, &k, &solo, &eu, k.runs("peer")).await?;

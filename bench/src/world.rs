@@ -325,6 +325,10 @@ algorithm = "sliding_window"
     )
 }
 
+/// `[node]`'s line for a node whose Kafka is detached: no view will come,
+/// so the global tier is decided without one from the start.
+pub const VIEW_WAIT_DETACHED: &str = "view_wait = \"0s\"\n";
+
 /// The configuration of a one-region scenario (8, 9, 10): region `eu` on
 /// `redis_url`, Kafka detached, the `bench` plan for unknown tenants with
 /// the newcomer gate raised (its default, 100 new tenants a second, would
@@ -339,7 +343,7 @@ brokers = "127.0.0.1:1"
 [node]
 store_timeout = "500ms"
 store_retry_interval = "100ms"
-{node_extra}
+{VIEW_WAIT_DETACHED}{node_extra}
 [regions.eu]
 redis_url = "{redis_url}"
 [unknown_tenants]

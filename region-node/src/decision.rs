@@ -182,6 +182,12 @@ pub enum DecideError {
     /// newcomer gate: nothing was charged.
     #[error("the region admits no more new tenants {}; retry in {} ms", match .0.reason { Refusal::Rate => "this second (unknown_tenants.max_new_per_second)", Refusal::Day => "today (unknown_tenants.max_per_day)" }, .0.retry_after_ms)]
     Newcomer(Refused),
+    /// The tenant has a global tier and the broadcast view has not been
+    /// read to its end since the node started (`node.view_wait`): without
+    /// it the node cannot tell a tenant over its limit from one below the
+    /// broadcast threshold. Nothing was charged.
+    #[error("the broadcast view is not read yet since this node started; nothing was charged, retry shortly")]
+    ViewNotReady,
 }
 
 /// What [`Decider::check_tiers`] decided.
@@ -245,6 +251,8 @@ pub struct Decider {
     /// The admission gate every front end takes a slot of before it
     /// decides (`node.max_in_flight`, read at start).
     admission: Arc<Admission>,
+    /// When this node started: `node.view_wait` counts from here.
+    started: Instant,
 }
 
 impl Decider {
@@ -273,6 +281,7 @@ impl Decider {
             leases: Leases::default(),
             leftovers: std::sync::Mutex::default(),
             reserves: Reserves::default(),
+            started: Instant::now(),
         }
     }
 
@@ -280,6 +289,36 @@ impl Decider {
     pub fn with_newcomers(mut self, gate: Newcomers) -> Decider {
         self.newcomers = Some(gate);
         self
+    }
+
+    /// A global-tier decision needs the broadcast view read to its end at
+    /// least once since the start: an empty view holds no entry for a
+    /// tenant already over its limit, and a missing entry reads as "below
+    /// the broadcast threshold" (ARCHITECTURE.md, "Only what decisions need
+    /// is broadcast"), which a restarted node would take at its word. So
+    /// until then (at most `node.view_wait` after the start) such a check
+    /// waits up to `store_timeout` for the catch-up and is otherwise shed;
+    /// past `view_wait` (the broker unreachable since the start) it is
+    /// decided without the view, and counted.
+    async fn await_view(&self, cfg: &Loaded) -> Result<(), DecideError> {
+        if self.view.caught_up() {
+            return Ok(());
+        }
+        let node = &cfg.config.node;
+        let Some(left) = node.view_wait.checked_sub(self.started.elapsed()) else {
+            self.metrics.view_blind.inc();
+            return Ok(());
+        };
+        if self.view.wait_caught_up(left.min(node.store_timeout)).await {
+            self.metrics.view_waited.inc();
+            Ok(())
+        } else if self.started.elapsed() >= node.view_wait {
+            self.metrics.view_blind.inc();
+            Ok(())
+        } else {
+            self.metrics.view_shed.inc();
+            Err(DecideError::ViewNotReady)
+        }
     }
 
     /// An unknown tenant's first sight today passes the newcomer gate;
@@ -323,6 +362,9 @@ impl Decider {
         let now = now_ms();
         let today = day::of_unix_secs(now / 1000);
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
+        if policy.global.is_some() {
+            self.await_view(&cfg).await?;
+        }
 
         // 1. Global fast path: known over the daily limit, no Redis needed.
         if let Some(limit) = policy.global {
@@ -433,6 +475,9 @@ impl Decider {
         let today = day::of_unix_secs(now / 1000);
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
         let plan_tiers = usize::from(policy.node.is_some()) + usize::from(policy.region.is_some());
+        if policy.global.is_some() {
+            self.await_view(&cfg).await?;
+        }
         if let Some(limit) = policy.global {
             let total = self.view.with(req.tenant, today, |e| e.map(|e| e.total()));
             if total.is_some_and(|t| t >= limit) {

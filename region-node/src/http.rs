@@ -153,6 +153,13 @@ impl From<DecideError> for Problem {
                 .with_header(header::RETRY_AFTER, HeaderValue::from(secs))
             }
             DecideError::Shed(shed) => shed.problem(),
+            DecideError::ViewNotReady => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "view-not-ready",
+                "The node has not read the global view yet",
+                e.to_string(),
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             DecideError::Unavailable => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",

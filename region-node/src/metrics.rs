@@ -39,6 +39,11 @@ pub struct Metrics {
     pub reserve_retried: IntCounter,
     /// Units held in this node's live node-tier reservations.
     pub reserve_held: IntGauge,
+    /// Global-tier decisions that met a view not yet read to the end since
+    /// the start, by outcome (resolved once).
+    pub view_waited: IntCounter,
+    pub view_shed: IntCounter,
+    pub view_blind: IntCounter,
     pub bad_requests: IntCounterVec,
     pub config_reloads: IntCounterVec,
     pub deltas_produced: IntCounter,
@@ -103,7 +108,21 @@ impl Metrics {
             )
             .unwrap(),
         );
+        let view_not_ready = reg(
+            &r,
+            IntCounterVec::new(
+                Opts::new(
+                    "tierlimit_view_not_ready_total",
+                    "Global-tier decisions that came before the broadcast view was first read to its end, by outcome: waited (then decided with the view), shed (503 view-not-ready after store_timeout, nothing charged), blind (past node.view_wait: decided without the view)",
+                ),
+                &["outcome"],
+            )
+            .unwrap(),
+        );
         let m = Metrics {
+            view_waited: view_not_ready.with_label_values(&["waited"]),
+            view_shed: view_not_ready.with_label_values(&["shed"]),
+            view_blind: view_not_ready.with_label_values(&["blind"]),
             decisions: reg(
                 &r,
                 IntCounterVec::new(

@@ -20,12 +20,25 @@
 //! without asking Redis; before that, a refused newcomer costs one small
 //! script call (no key is created for it).
 //!
+//! The set holds a keyed 64-bit hash of each id, not the id: a node that
+//! meets a million newcomers a day would otherwise keep a million strings
+//! (about 48 B each with the table; BENCHMARKS.md §6c measured the node 4 MiB
+//! over its 64 MiB target at 1 M tenants for that alone), where a hash costs
+//! 9 B plus the table's slack. The key is drawn per process (SipHash, std's
+//! `RandomState`), so callers cannot aim ids at a collision; an accidental
+//! one (about n/2^64 per lookup) would let one unknown tenant skip the gate
+//! for a day, which costs a tenant hash and nothing else. The set is
+//! sharded, so inserting (and growing a shard's table) never holds up the
+//! lookups of other shards, and a day's set is dropped outside the locks.
+//!
 //! The gate never resets anything: an admitted tenant's counters are the
 //! ordinary ones, with the ordinary retention, so pausing does not give a
 //! tenant a fresh daily count. Known tenants never reach the gate.
 
+use std::collections::hash_map::RandomState;
 use std::collections::HashSet;
-use std::sync::{Arc, RwLock};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::sync::{Arc, Mutex, RwLock};
 
 use redis::Value;
 use tierlimit_shared::config::UnknownTenants;
@@ -66,28 +79,126 @@ pub struct Refused {
     pub retry_after_ms: u64,
 }
 
-/// What a node knows of today's admissions.
+/// How many shards the set of admitted newcomers has.
+const SHARDS: usize = 64;
+
+/// A hasher for keys that are already keyed hashes: the set must not hash
+/// them again.
 #[derive(Default)]
-struct Seen {
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("the newcomer set holds u64 hashes only")
+    }
+    fn write_u64(&mut self, h: u64) {
+        self.0 = h;
+    }
+}
+
+type HashSet64 = HashSet<u64, BuildHasherDefault<Prehashed>>;
+
+/// One shard of the set: the hashes of the unknown tenants seen admitted on
+/// `day`. A shard moves to a new day when it is next written.
+#[derive(Default)]
+struct Shard {
     day: u32,
-    /// Unknown tenants seen admitted on `day`.
-    tenants: HashSet<Box<str>>,
+    tenants: HashSet64,
+}
+
+/// What a node knows of the day as a whole.
+#[derive(Default)]
+struct Day {
+    day: u32,
+    /// Tenants remembered on `day`, in every shard.
+    count: u64,
     /// Set when the region's set for `day` was found full at this
-    /// `max_per_day` and copied here whole: `tenants` is then every tenant
-    /// the region admitted today, and a miss is refused without Redis.
+    /// `max_per_day` and copied here whole: the shards then hold every
+    /// tenant the region admitted today, and a miss is refused without
+    /// Redis.
     full_at: Option<u64>,
 }
 
-impl Seen {
+impl Day {
     /// Moves to `today`: yesterday's admissions do not carry over (the
     /// region's set for today starts empty too).
     fn start(&mut self, today: u32) {
         if self.day != today {
-            *self = Seen {
+            *self = Day {
                 day: today,
-                ..Seen::default()
+                ..Day::default()
             };
         }
+    }
+}
+
+/// The set of newcomers a node saw admitted today.
+struct Seen {
+    key: RandomState,
+    shards: Box<[RwLock<Shard>]>,
+    day: Mutex<Day>,
+}
+
+impl Seen {
+    fn new() -> Seen {
+        Seen {
+            key: RandomState::new(),
+            shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
+            day: Mutex::default(),
+        }
+    }
+
+    fn hash(&self, tenant: &str) -> (u64, &RwLock<Shard>) {
+        let h = self.key.hash_one(tenant);
+        // The table indexes by the low bits; the shard comes from others.
+        (h, &self.shards[((h >> 40) % SHARDS as u64) as usize])
+    }
+
+    fn contains(&self, tenant: &str, today: u32) -> bool {
+        let (h, shard) = self.hash(tenant);
+        let shard = shard.read().expect("newcomer shard lock");
+        shard.day == today && shard.tenants.contains(&h)
+    }
+
+    /// Whether the region's day was found full at `cap`.
+    fn full(&self, today: u32, cap: u64) -> bool {
+        let day = self.day.lock().expect("newcomer day lock");
+        day.day == today && day.full_at == Some(cap)
+    }
+
+    /// Remembers `tenant` for `today` unless `cap` are remembered already;
+    /// returns how many are.
+    fn insert(&self, tenant: &str, today: u32, cap: u64) -> u64 {
+        let mut day = self.day.lock().expect("newcomer day lock");
+        day.start(today);
+        if day.count >= cap {
+            return day.count;
+        }
+        let (h, shard) = self.hash(tenant);
+        let mut shard = shard.write().expect("newcomer shard lock");
+        let yesterday = (shard.day != today).then(|| {
+            shard.day = today;
+            std::mem::take(&mut shard.tenants)
+        });
+        if shard.tenants.insert(h) {
+            day.count += 1;
+        }
+        let count = day.count;
+        drop(shard);
+        drop(day);
+        // Freed here, outside the locks.
+        drop(yesterday);
+        count
+    }
+
+    fn set_full(&self, today: u32, cap: u64) -> u64 {
+        let mut day = self.day.lock().expect("newcomer day lock");
+        day.start(today);
+        day.full_at = Some(cap);
+        day.count
     }
 }
 
@@ -96,7 +207,7 @@ pub struct Newcomers {
     store: Arc<RedisStore>,
     sha: String,
     metrics: Arc<Metrics>,
-    seen: RwLock<Seen>,
+    seen: Seen,
 }
 
 impl Newcomers {
@@ -105,7 +216,7 @@ impl Newcomers {
             store,
             sha: redis::Script::new(NEWCOMER_LUA).get_hash().to_string(),
             metrics,
-            seen: RwLock::new(Seen::default()),
+            seen: Seen::new(),
         }
     }
 
@@ -120,17 +231,11 @@ impl Newcomers {
         now_ms: u64,
         limits: &UnknownTenants,
     ) -> Result<(), Refused> {
-        {
-            let seen = self.seen.read().expect("newcomer set lock");
-            if seen.day == today {
-                if seen.tenants.contains(tenant) {
-                    return Ok(());
-                }
-                if seen.full_at == Some(limits.max_per_day) {
-                    drop(seen);
-                    return Err(self.refuse(Refusal::Day, until_next_day(today, now_ms)));
-                }
-            }
+        if self.seen.contains(tenant, today) {
+            return Ok(());
+        }
+        if self.seen.full(today, limits.max_per_day) {
+            return Err(self.refuse(Refusal::Day, until_next_day(today, now_ms)));
         }
 
         let mut cmd = redis::cmd("EVALSHA");
@@ -168,14 +273,10 @@ impl Newcomers {
     }
 
     fn remember(&self, tenant: &str, today: u32, cap: u64) {
-        let mut seen = self.seen.write().expect("newcomer set lock");
-        seen.start(today);
         // The region admits at most `cap` a day, so this never grows past
-        // it; the check guards a lowered cap after a reload.
-        if (seen.tenants.len() as u64) < cap {
-            seen.tenants.insert(tenant.into());
-        }
-        self.metrics.newcomers_cached.set(seen.tenants.len() as i64);
+        // it; the cap guards a lowered one after a reload.
+        let count = self.seen.insert(tenant, today, cap);
+        self.metrics.newcomers_cached.set(count as i64);
     }
 
     /// The region's day is full: copies its set of admitted tenants (at
@@ -192,13 +293,11 @@ impl Newcomers {
         else {
             return;
         };
-        let mut seen = self.seen.write().expect("newcomer set lock");
-        seen.start(today);
-        for m in members.into_iter().take(cap as usize) {
-            seen.tenants.insert(m.into());
+        for m in members.iter().take(cap as usize) {
+            self.seen.insert(m, today, cap);
         }
-        seen.full_at = Some(cap);
-        self.metrics.newcomers_cached.set(seen.tenants.len() as i64);
+        let count = self.seen.set_full(today, cap);
+        self.metrics.newcomers_cached.set(count as i64);
     }
 
     fn refuse(&self, reason: Refusal, retry_after_ms: u64) -> Refused {
@@ -242,6 +341,26 @@ mod tests {
         assert_eq!(until_next_day(0, 0), 86_400_000);
         // A clock already past the day never answers 0.
         assert_eq!(until_next_day(0, 90_000_000), 1);
+    }
+
+    #[test]
+    fn the_set_remembers_today_only_and_up_to_the_cap() {
+        let seen = Seen::new();
+        for i in 0..1000 {
+            assert_eq!(seen.insert(&format!("t{i}"), 7, 600), (i + 1).min(600));
+        }
+        assert!(seen.contains("t0", 7) && seen.contains("t599", 7));
+        // Past the cap nothing more is remembered.
+        assert!(!seen.contains("t600", 7) && !seen.contains("t999", 7));
+        // Another day: nothing carries over, in any shard.
+        assert!(!seen.contains("t0", 8));
+        assert_eq!(seen.insert("t0", 8, 600), 1);
+        assert!(seen.contains("t0", 8));
+        assert!((1..600).all(|i| !seen.contains(&format!("t{i}"), 8)));
+        // Remembering twice counts once; fullness is per day and cap.
+        assert_eq!(seen.insert("t0", 8, 600), 1);
+        assert_eq!(seen.set_full(8, 600), 1);
+        assert!(seen.full(8, 600) && !seen.full(8, 601) && !seen.full(9, 600));
     }
 
     #[test]

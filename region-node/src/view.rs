@@ -111,7 +111,6 @@ impl DayView {
 /// Sharded std locks rather than a concurrent-map crate: the access pattern
 /// is one writer and many readers of single entries, which this serves
 /// with no new dependency, and it makes the O(1) day drop explicit.
-#[derive(Default)]
 pub struct View {
     /// The days held, oldest first.
     days: RwLock<Vec<Arc<DayView>>>,
@@ -119,6 +118,20 @@ pub struct View {
     /// the broker holds (0 = never).
     fresh_at_ms: AtomicU64,
     caught_up: AtomicBool,
+    /// Turns true with `caught_up`: what a decision held for the first
+    /// catch-up waits on ([`View::wait_caught_up`]).
+    ready: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for View {
+    fn default() -> View {
+        View {
+            days: RwLock::default(),
+            fresh_at_ms: AtomicU64::new(0),
+            caught_up: AtomicBool::new(false),
+            ready: tokio::sync::watch::Sender::new(false),
+        }
+    }
 }
 
 impl View {
@@ -220,16 +233,28 @@ impl View {
         // Never backwards: a confirmation as of an older moment (a
         // partition that reached an older watermark) says nothing newer.
         self.fresh_at_ms.fetch_max(now_ms, Ordering::Relaxed);
-        self.caught_up.store(true, Ordering::Relaxed);
+        self.mark_caught_up();
     }
 
     /// Read to the end once (readiness), without confirming freshness.
     pub fn mark_caught_up(&self) {
-        self.caught_up.store(true, Ordering::Relaxed);
+        if !self.caught_up.swap(true, Ordering::Release) {
+            self.ready.send_replace(true);
+        }
     }
 
     pub fn caught_up(&self) -> bool {
-        self.caught_up.load(Ordering::Relaxed)
+        self.caught_up.load(Ordering::Acquire)
+    }
+
+    /// Waits up to `limit` for the first catch-up; whether it happened.
+    pub async fn wait_caught_up(&self, limit: std::time::Duration) -> bool {
+        if self.caught_up() {
+            return true;
+        }
+        let mut ready = self.ready.subscribe();
+        let waited = tokio::time::timeout(limit, ready.wait_for(|r| *r)).await;
+        matches!(waited, Ok(Ok(_)))
     }
 
     /// Milliseconds since the view was last known complete; `None` if never.

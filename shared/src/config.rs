@@ -225,6 +225,18 @@ pub struct NodeSettings {
     /// always trust the last view.
     #[serde(with = "opt_human", skip_serializing_if = "Option::is_none")]
     pub max_staleness: Option<Duration>,
+    /// How long after its start a node holds the decisions of tenants with
+    /// a global tier until its broadcast view has first been read to the
+    /// end. Before that the view holds nothing, and a missing entry would
+    /// read as "below the broadcast threshold" (a restarted node re-admitted
+    /// tenants already over their limit: issue 10). Meanwhile such a check
+    /// waits up to `store_timeout` for the view, then is shed (503
+    /// `view-not-ready`, `Retry-After`, nothing charged). Past it (the
+    /// broker unreachable since the start) they are decided with what the
+    /// node has: the empty view and, if set, `max_staleness`'s cap. 0 =
+    /// never wait.
+    #[serde(with = "serde_human")]
+    pub view_wait: Duration,
     /// Most dirty entries published per flush (the rest wait for the next).
     pub publish_batch: usize,
     /// A dirty (tenant, day) whose tenant is far from its global limit is
@@ -312,6 +324,7 @@ impl Default for NodeSettings {
             store_timeout: Duration::from_millis(50),
             store_retry_interval: Duration::from_millis(500),
             max_staleness: None,
+            view_wait: Duration::from_secs(30),
             publish_batch: 5000,
             relaxed_flush_interval_setting: None,
             urgent_fraction: 0.5,
@@ -1223,6 +1236,7 @@ impl Config {
         if let Some(s) = n.max_staleness {
             range("node.max_staleness", s, ms(100), ms(86_400_000))?;
         }
+        range("node.view_wait", n.view_wait, ms(0), ms(3_600_000))?;
         if !(1..=65_536).contains(&n.max_in_flight) {
             return Err(ConfigError::invalid(
                 "node.max_in_flight",

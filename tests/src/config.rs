@@ -16,6 +16,9 @@ brokers = "127.0.0.1:1"
 [node]
 store_timeout = "2s"
 store_retry_interval = "50ms"
+# Kafka is detached, so the view is never read: decide the global tier
+# without it from the start (node.view_wait).
+view_wait = "0s"
 [regions.eu]
 redis_url = "{redis_url}"
 expected_nodes = {expected_nodes}

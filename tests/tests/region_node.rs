@@ -1286,3 +1286,88 @@ plan = "q"
         "the restarted node reserves again"
     );
 }
+
+/// A node whose broadcast view has not been read since it started
+/// (here: Kafka unreachable) holds the decisions of tenants with a global
+/// tier for `node.view_wait`: each waits up to `store_timeout` and is then
+/// shed with 503 `view-not-ready` and `Retry-After`, nothing charged, while
+/// tenants without a global tier are decided at once. Past `view_wait` the
+/// global tier is decided without the view, and counted as blind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn global_tier_decisions_wait_for_the_view_then_go_blind_after_view_wait() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.g]
+region = { limit = 100, window = "1h" }
+global = { limit = 1000 }
+[tenants.g]
+plan = "g"
+[plans.r]
+region = { limit = 100, window = "1h" }
+[tenants.r]
+plan = "r"
+"#,
+        ),
+    );
+    // Long enough that the node's start (before /healthz answers) never
+    // uses it up on a loaded machine.
+    const WAIT: Duration = Duration::from_secs(5);
+    let node = RegionNode::start_with_env(
+        &cfg,
+        "eu",
+        "a",
+        &[
+            ("TIERLIMIT__NODE__VIEW_WAIT", "5s"),
+            ("TIERLIMIT__NODE__STORE_TIMEOUT", "200ms"),
+        ],
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let r = node
+        .http
+        .post(node.url("/v1/check"))
+        .json(&json!({ "tenant": "g", "cost": 1 }))
+        .send()
+        .await
+        .expect("check request");
+    let status = r.status().as_u16();
+    let retry_after = r.headers().get("retry-after").cloned();
+    let body: Value = r.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["type"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with("view-not-ready"),
+        "{body}"
+    );
+    assert!(retry_after.is_some(), "a 503 says when to retry");
+    // Nothing was charged: the region tier is whole.
+    assert_eq!(remaining(&usage(&node, "g").await, "region"), 100);
+    // A tenant without a global tier does not wait for the view.
+    assert_eq!(check(&node, "r", 1).await.0, 200);
+    // Past view_wait the global tier is decided without the view.
+    wait_until(
+        "a global-tier check decided blind",
+        Duration::from_secs(20),
+        || async { check(&node, "g", 1).await.0 == 200 },
+    )
+    .await;
+    assert!(started.elapsed() >= WAIT - Duration::from_secs(2));
+    let metrics = harness::get_text(&node.http, &node.admin_url("/metrics")).await;
+    let sample = |outcome: &str| {
+        harness::metric_sample(
+            &metrics,
+            &format!(r#"tierlimit_view_not_ready_total{{outcome="{outcome}"}}"#),
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(sample("shed") >= 1.0, "{metrics}");
+    assert!(sample("blind") >= 1.0, "{metrics}");
+    assert_eq!(remaining(&usage(&node, "g").await, "region"), 99);
+}

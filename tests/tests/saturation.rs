@@ -37,6 +37,8 @@ cluster = "test"
 brokers = "127.0.0.1:1"
 [node]
 store_retry_interval = "50ms"
+# Kafka is detached: no view to wait for (node.view_wait).
+view_wait = "0s"
 {node}
 [regions.eu]
 redis_url = "{redis_url}"

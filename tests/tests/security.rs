@@ -38,6 +38,8 @@ refund_secret = "a-region-secret-of-at-least-32-bytes-for-tests"
 # Generous: a loaded test machine must not turn a check into the fail mode.
 store_timeout = "2s"
 store_retry_interval = "50ms"
+# Kafka is detached: no view to wait for (node.view_wait).
+view_wait = "0s"
 [regions.eu]
 redis_url = "{}"
 [plans.p]

@@ -107,7 +107,9 @@ fn build(rev: &str) -> anyhow::Result<(String, PathBuf)> {
 /// refuses unknown keys, and has no newcomer gate (`max_new_per_second`)
 /// and no `[wire]` section.
 fn old_config(redis_url: &str) -> String {
-    solo_config("9b", redis_url, "", "").replace("max_new_per_second = 1000000\n", "")
+    solo_config("9b", redis_url, "", "")
+        .replace("max_new_per_second = 1000000\n", "")
+        .replace(crate::world::VIEW_WAIT_DETACHED, "")
 }
 
 /// The old region-node: no admin listener, `/healthz` on its API port.

@@ -63,6 +63,7 @@ pub struct Saturation {
 fn env(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
     let mut e = vec![
         ("TIERLIMIT__KAFKA__BROKERS", "127.0.0.1:1"),
+        ("TIERLIMIT__NODE__VIEW_WAIT", "0s"),
         ("TIERLIMIT__NODE__STORE_TIMEOUT", "50ms"),
         ("TIERLIMIT__PLANS__BENCH__ON_STORE_ERROR", "local"),
     ];

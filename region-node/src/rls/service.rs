@@ -222,6 +222,7 @@ impl Service {
                 ),
                 e @ DecideError::Newcomer(_) => Status::resource_exhausted(e.to_string()),
                 DecideError::Shed(shed) => Status::unavailable(format!("overloaded: {shed}")),
+                e @ DecideError::ViewNotReady => Status::unavailable(e.to_string()),
                 other => Status::invalid_argument(other.to_string()),
             });
         }
