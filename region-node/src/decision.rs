@@ -640,20 +640,23 @@ impl Decider {
             // A refund by handle needs the record of used handles in
             // Redis: without it a retry could give back twice.
             Err(_) if by_handle => Err(DecideError::Unavailable),
+            // Without Redis a refund reaches only what this node charged in
+            // local mode, and says so: `refunded` is what it gave back to
+            // the day's count (0 in `open` mode, which counts nothing).
             Err(_) => {
                 self.metrics.refunds.with_label_values(&[kind]).inc();
-                let d = match policy.on_store_error {
+                let (d, refunded) = match policy.on_store_error {
                     StoreErrorMode::Closed => return Err(DecideError::Unavailable),
-                    StoreErrorMode::Open => self.open_decision(&req, &policy, key),
+                    StoreErrorMode::Open => (self.open_decision(&req, &policy, key), 0),
                     StoreErrorMode::Local => {
-                        self.local.decide_now(&call);
+                        let r = self.local.decide_now(&call);
                         let mut d = self.open_decision(&req, &policy, key);
                         d.mode = Mode::Local;
-                        d
+                        (d, r.refunded)
                     }
                 };
                 Ok(Refunded {
-                    refunded: req.cost,
+                    refunded,
                     decision: d,
                     duplicate: false,
                 })

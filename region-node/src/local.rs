@@ -103,8 +103,10 @@ impl Local {
         (allowed, out)
     }
 
-    /// Gives back units charged in local mode (never below zero).
-    fn refund(&self, call: &DecideCall<'_>) {
+    /// Gives back units charged in local mode (never below zero); returns
+    /// the units given back to the day's count, which is all a refund
+    /// reaches here: what was charged in Redis is out of its reach.
+    fn refund(&self, call: &DecideCall<'_>) -> u64 {
         let now_us = call.now_ms * 1000;
         let mut tiers = self.tiers.lock().expect("local limiter poisoned");
         for t in &call.tiers {
@@ -118,8 +120,13 @@ impl Local {
             }
         }
         let mut counts = self.counts.lock().expect("local counts poisoned");
-        if let Some(c) = counts.get_mut(&(call.tenant.to_string(), call.day)) {
-            c.1 = (c.1 + call.cost).min(c.0);
+        match counts.get_mut(&(call.tenant.to_string(), call.day)) {
+            Some(c) => {
+                let back = call.cost.min(c.0 - c.1);
+                c.1 += back;
+                back
+            }
+            None => 0,
         }
     }
 
@@ -176,10 +183,10 @@ impl Local {
             granted: 0,
         };
         match call.op {
-            Op::Refund => {
-                self.refund(call);
-                base
-            }
+            Op::Refund => DecideReply {
+                refunded: self.refund(call),
+                ..base
+            },
             // In local mode nothing is read without charging: a peek shows
             // no windowed tier (as before this interface).
             Op::Peek => base,
@@ -232,5 +239,44 @@ impl CounterStore for Local {
         call: &'a DecideCall<'a>,
     ) -> BoxFuture<'a, Result<DecideReply, StoreError>> {
         Box::pin(std::future::ready(Ok(self.decide_now(call))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::script::Op;
+
+    fn call(op: Op, cost: u64) -> DecideCall<'static> {
+        DecideCall {
+            op,
+            tenant: "t",
+            node_id: "a",
+            cost,
+            tiers: Vec::new(),
+            expected_nodes: 1,
+            global: None,
+            epoch_candidate: "e",
+            day: 7,
+            now_ms: 7 * 86_400_000 + 1,
+            counter_ttl_secs: 86_400,
+            relaxed_ms: 2000,
+            refund: None,
+            lease: None,
+        }
+    }
+
+    #[test]
+    fn a_refund_gives_back_only_what_local_mode_charged_and_says_so() {
+        let local = Local::new("eu", "a");
+        // Nothing charged in local mode: nothing to give back.
+        assert_eq!(local.decide_now(&call(Op::Refund, 2)).refunded, 0);
+        for _ in 0..3 {
+            assert!(local.decide_now(&call(Op::Check, 1)).allowed);
+        }
+        assert_eq!(local.decide_now(&call(Op::Refund, 2)).refunded, 2);
+        // Never below zero: one unit was left.
+        assert_eq!(local.decide_now(&call(Op::Refund, 2)).refunded, 1);
+        assert_eq!(local.counts(), vec![("t".to_string(), 7, 3, 3)]);
     }
 }

@@ -69,6 +69,10 @@ pub struct Event {
     pub op: Op,
     pub outcome: Outcome,
     pub tiers: Vec<TierInfo>,
+    /// A refund answered 200: the units the node says it gave back to the
+    /// day's count (`refunded`; without Redis, only what it had charged in
+    /// local mode).
+    pub refunded: Option<u64>,
 }
 
 impl Event {
@@ -187,6 +191,7 @@ impl Client {
             Op::Refund => "/v1/refund",
         };
         let start_us = now_us();
+        let mut refunded = None;
         let res = self
             .http
             .post(format!("{}{path}", self.base))
@@ -203,6 +208,9 @@ impl Client {
                         Vec::new(),
                     ),
                     Ok(body) => {
+                        if op == Op::Refund && status == 200 {
+                            refunded = body["refunded"].as_u64();
+                        }
                         let tiers = parse_tiers(&body);
                         let mode = body["mode"].as_str().unwrap_or("").to_string();
                         let outcome = match status {
@@ -230,6 +238,7 @@ impl Client {
             op,
             outcome: outcome.clone(),
             tiers,
+            refunded,
         });
         outcome
     }
@@ -527,7 +536,7 @@ pub fn global_expectation(
             (Op::Check, _) if e.counted() => g.counted += e.cost,
             (Op::Check, Outcome::Unknown(_)) => g.unknown_checks += e.cost,
             (Op::Refund, Outcome::Ok { mode }) if mode == "redis" || mode == "local" => {
-                g.refunded += e.cost
+                g.refunded += e.refunded.unwrap_or(e.cost)
             }
             (Op::Refund, Outcome::Unknown(_)) => g.unknown_refunds += e.cost,
             _ => {}
@@ -667,6 +676,7 @@ mod tests {
             op: Op::Check,
             outcome,
             tiers: Vec::new(),
+            refunded: None,
         }
     }
 
