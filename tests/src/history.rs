@@ -297,20 +297,28 @@ pub fn summary(events: &[Event], tenant: &str) -> String {
 /// Which fixed window of length `w` ms a decision fell in, from the client's
 /// time bracket and the `reset_ms` the server reported: the window ends
 /// `reset_ms` after the decision, so its end is a multiple of `w` within
-/// `[start + reset, end + reset]`. `None` if that bracket holds no multiple
-/// or several (only when a request took longer than a window).
+/// `[start + reset, end + reset]`. An error if that bracket holds no
+/// multiple or several (only when a request took longer than a window).
 pub fn window_of(start_us: u64, end_us: u64, reset_ms: u64, w: u64) -> Result<u64, String> {
+    match windows_of(start_us, end_us, reset_ms, w)? {
+        (a, b) if a == b => Ok(a),
+        (a, b) => Err(format!("{} candidate windows", b - a + 1)),
+    }
+}
+
+/// The windows a decision may have fallen in, first and last (the same
+/// unless the request took longer than a window); an error if none.
+pub fn windows_of(start_us: u64, end_us: u64, reset_ms: u64, w: u64) -> Result<(u64, u64), String> {
     let lo = start_us / 1000 + reset_ms;
     let hi = end_us.div_ceil(1000) + reset_ms;
     let first = lo.div_ceil(w);
     let last = hi / w;
-    match last.checked_sub(first) {
-        Some(0) => Ok(first - 1),
-        Some(n) => Err(format!("{} candidate windows", n + 1)),
-        None => Err(format!(
+    if last < first {
+        return Err(format!(
             "no window end in [{lo}, {hi}] ms (w {w} ms): the server's clock disagrees with ours"
-        )),
+        ));
     }
+    Ok((first - 1, last - 1))
 }
 
 /// What one tier did, per scope and window.
@@ -320,8 +328,12 @@ pub struct TierReport {
     pub limit: u64,
     /// (scope, window index) → units allowed there.
     pub usage: BTreeMap<(String, u64), u64>,
-    /// Allowed operations that could not be placed in one window.
+    /// Allowed operations that could not be placed in any window.
     pub unplaced: Vec<String>,
+    /// Allowed operations that took longer than a window, so that two
+    /// windows are possible: each is counted in the one of its candidates
+    /// that was least used (a violation is one no placement avoids).
+    pub ambiguous: u64,
     /// Windows where more than `limit` was allowed: the violations.
     pub violations: Vec<String>,
     /// Allowed units not checked because their window overlaps a skipped
@@ -341,13 +353,14 @@ impl TierReport {
 
     pub fn describe(&self) -> String {
         format!(
-            "{} tier (limit {} per window): {} (scope, window) pairs, max usage {}, {} full, {} unplaced, {} skipped, {} violations",
+            "{} tier (limit {} per window): {} (scope, window) pairs, max usage {}, {} full, {} unplaced, {} slower than a window, {} skipped, {} violations",
             self.tier,
             self.limit,
             self.usage.len(),
             self.max_usage(),
             self.full_windows(),
             self.unplaced.len(),
+            self.ambiguous,
             self.skipped,
             self.violations.len()
         )
@@ -378,6 +391,7 @@ pub fn check_fixed_window_tier(
         limit,
         ..TierReport::default()
     };
+    let mut ambiguous = Vec::new();
     for e in events {
         if e.tenant != tenant || e.op != Op::Check || !e.allowed() {
             continue;
@@ -394,22 +408,36 @@ pub fn check_fixed_window_tier(
             t.window_ms, window_ms,
             "{tier} tier window in the reply: {e:?}"
         );
-        match window_of(e.start_us, e.end_us, t.reset_ms, window_ms) {
-            Ok(idx) => {
-                let (ws, we) = (idx * window_ms * 1000, (idx + 1) * window_ms * 1000);
-                if skip.iter().any(|(a, b)| *a < we && *b >= ws) {
-                    r.skipped += e.cost;
-                    continue;
-                }
-                let scope = if per_node || tier == "node" {
-                    format!("{}/{}", e.region, e.node)
-                } else {
-                    e.region.clone()
-                };
-                *r.usage.entry((scope, idx)).or_default() += e.cost;
+        let (first, last) = match windows_of(e.start_us, e.end_us, t.reset_ms, window_ms) {
+            Ok(w) => w,
+            Err(why) => {
+                r.unplaced.push(format!("{why}: {e:?}"));
+                continue;
             }
-            Err(why) => r.unplaced.push(format!("{why}: {e:?}")),
+        };
+        let (ws, we) = (first * window_ms * 1000, (last + 1) * window_ms * 1000);
+        if skip.iter().any(|(a, b)| *a < we && *b >= ws) {
+            r.skipped += e.cost;
+            continue;
         }
+        let scope = if per_node || tier == "node" {
+            format!("{}/{}", e.region, e.node)
+        } else {
+            e.region.clone()
+        };
+        if first == last {
+            *r.usage.entry((scope, first)).or_default() += e.cost;
+        } else {
+            ambiguous.push((scope, first, last, e.cost));
+        }
+    }
+    // Decisions slower than a window, placed after every certain one.
+    for (scope, first, last, cost) in ambiguous {
+        let idx = (first..=last)
+            .min_by_key(|i| r.usage.get(&(scope.clone(), *i)).copied().unwrap_or(0))
+            .expect("first <= last");
+        *r.usage.entry((scope, idx)).or_default() += cost;
+        r.ambiguous += 1;
     }
     for ((scope, idx), used) in &r.usage {
         if *used > limit {
@@ -663,6 +691,43 @@ mod tests {
         assert_eq!(window_of(10_999_500, 11_000_700, 1, 1000), Ok(10));
         assert_eq!(window_of(10_999_500, 11_000_700, 1000, 1000), Ok(11));
         assert!(window_of(10_000_000, 13_000_000, 500, 1000).is_err());
+        assert_eq!(windows_of(10_000_000, 11_200_000, 900, 1000), Ok((10, 11)));
+    }
+
+    #[test]
+    fn a_decision_slower_than_a_window_goes_where_it_fits() {
+        let allowed = |at_ms: u64, took_ms: u64, reset_ms: u64| {
+            let mut e = ev(
+                "eu",
+                at_ms,
+                Outcome::Ok {
+                    mode: "redis".into(),
+                },
+            );
+            e.tenant = "x".into();
+            e.end_us = (at_ms + took_ms) * 1000;
+            e.tiers = vec![TierInfo {
+                tier: "region".into(),
+                limit: 2,
+                remaining: 0,
+                reset_ms,
+                window_ms: 1000,
+            }];
+            e
+        };
+        // Window 10 full (2 of 2); one decision sent at 10.4 s took 1.2 s
+        // and says 600 ms remained of its window: window 10 or 11.
+        let mut h = vec![allowed(10_100, 1, 899), allowed(10_200, 1, 799)];
+        h.push(allowed(10_400, 1200, 600));
+        let r = check_fixed_window_tier(&h, "x", "region", 2, 1000, &["redis"], false, &[]);
+        assert_eq!((r.ambiguous, r.unplaced.len()), (1, 0));
+        assert!(r.violations.is_empty(), "{:?}", r.violations);
+        assert_eq!(r.usage.get(&("eu".to_string(), 11)), Some(&1));
+        // With window 11 full too, no placement fits: a violation.
+        h.push(allowed(11_100, 1, 899));
+        h.push(allowed(11_200, 1, 799));
+        let r = check_fixed_window_tier(&h, "x", "region", 2, 1000, &["redis"], false, &[]);
+        assert_eq!(r.violations.len(), 1, "{:?}", r.violations);
     }
 
     fn ev(region: &str, at_ms: u64, outcome: Outcome) -> Event {
