@@ -16,6 +16,11 @@
 //!    limit) while eu-1 keeps checking them (open loop); then drained
 //!    until eu-1's view holds them.
 //!
+//! 3. restart and catch-up: the aggregator stopped (SIGTERM) and started
+//!    again, timed until `/readyz` (it rebuilds every retained counter from
+//!    the deltas topic); then a second region-node, eu-2, started fresh and
+//!    timed until `/readyz` (its follower reads the global topic).
+//!
 //! Readings at the start and after each phase: region-node and aggregator
 //! RSS, the view, the aggregator's counters and broadcasts, and what
 //! `tierlimit.global` carried (read back: every region-node's follower
@@ -153,6 +158,36 @@ pub struct Regions20 {
     pub agg_b_per_part: f64,
     pub node_growth_far_kib: i64,
     pub node_growth_near_kib: i64,
+    /// Seconds from the aggregator's SIGTERM to its `/readyz` after a
+    /// restart against everything the run retained (`None`: not ready
+    /// within [`RESTART_BOUND_S`]).
+    #[serde(default)]
+    pub agg_restart_ready_s: Option<f64>,
+    /// Of which the rebuild: from the restarted process' start.
+    #[serde(default)]
+    pub agg_rebuild_s: Option<f64>,
+    /// Seconds from a fresh region-node's start to its `/readyz` (its view
+    /// read to the topic's end).
+    #[serde(default)]
+    pub node_catch_up_s: Option<f64>,
+}
+
+/// Bound on each restart measurement.
+pub const RESTART_BOUND_S: u64 = 600;
+
+/// Polls `url` every 100 ms until it answers 200; the seconds it took, or
+/// `None` past `bound`.
+async fn ready_within(http: &reqwest::Client, url: &str, bound: Duration) -> Option<f64> {
+    let t = Instant::now();
+    while t.elapsed() < bound {
+        if let Ok(r) = http.get(url).send().await {
+            if r.status().is_success() {
+                return Some(t.elapsed().as_secs_f64());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
 }
 
 /// The scenario's configuration: region `eu` on `redis_url` and the 19
@@ -346,7 +381,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Regions20> {
         &dir,
         &config(&eu.redis.url(), &tansu.brokers(), k.r20_fraction),
     );
-    let agg = world::start_aggregator(run, &cfg, &[]).await;
+    let mut agg = world::start_aggregator(run, &cfg, &[]).await;
     let node = start_node(run, &cfg, "eu", "eu-1", "/readyz", &[]).await;
     let stack = Stack {
         run,
@@ -497,7 +532,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Regions20> {
         });
     let mean_broadcast =
         global_total.broadcast_bytes as f64 / global_total.broadcasts.max(1) as f64;
-    let r = Regions20 {
+    let mut r = Regions20 {
         tenants: n,
         near,
         far,
@@ -534,8 +569,28 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Regions20> {
         start,
         after_far,
         after_near,
+        agg_restart_ready_s: None,
+        agg_rebuild_s: None,
+        node_catch_up_s: None,
     };
+    // 3. Restart and catch-up, against everything the run retained.
+    let stopped = Instant::now();
+    agg.proc.terminate(Duration::from_secs(30));
+    agg.proc.respawn();
+    let bound = Duration::from_secs(RESTART_BOUND_S);
+    r.agg_rebuild_s = ready_within(&agg.http, &agg.url("/readyz"), bound).await;
+    r.agg_restart_ready_s = r.agg_rebuild_s.map(|_| stopped.elapsed().as_secs_f64());
+    let fresh = Instant::now();
+    let node2 = start_node(run, &cfg, "eu", "eu-2", "/healthz", &[]).await;
+    r.node_catch_up_s = ready_within(&node2.http, &node2.url("/readyz"), bound)
+        .await
+        .map(|_| fresh.elapsed().as_secs_f64());
+    run.say(&format!(
+        "6c restart: aggregator ready {:?} s after its SIGTERM (rebuild {:?} s); a fresh region-node ready {:?} s after its start",
+        r.agg_restart_ready_s, r.agg_rebuild_s, r.node_catch_up_s
+    ));
     run.save("r20_regions20", &r)?;
+    drop(node2);
     drop(node);
     drop(agg);
     drop(tansu);
