@@ -579,6 +579,24 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Regions20> {
     agg.proc.respawn();
     let bound = Duration::from_secs(RESTART_BOUND_S);
     r.agg_rebuild_s = ready_within(&agg.http, &agg.url("/readyz"), bound).await;
+    if r.agg_rebuild_s.is_none() {
+        // Where the rebuild stood: its lag and what it consumed.
+        let text = world::metrics_text(&agg.http, &agg.url("")).await;
+        let progress: Vec<&str> = text
+            .lines()
+            .filter(|l| {
+                !l.starts_with('#')
+                    && (l.contains("consumer_lag")
+                        || l.contains("deltas_consumed")
+                        || l.contains("_ready")
+                        || l.contains("tracked_counters"))
+            })
+            .collect();
+        run.say(&format!(
+            "6c restart: the aggregator not ready within {bound:?}: {}",
+            progress.join("; ")
+        ));
+    }
     r.agg_restart_ready_s = r.agg_rebuild_s.map(|_| stopped.elapsed().as_secs_f64());
     let fresh = Instant::now();
     let node2 = start_node(run, &cfg, "eu", "eu-2", "/healthz", &[]).await;
