@@ -343,6 +343,11 @@ impl State {
                 new_epoch,
             } => {
                 m.merges_applied.inc();
+                if !live_traffic {
+                    // History being replayed: marked with its whole
+                    // partition at catch-up, not walked by every flush.
+                    core.merged.forget_dirty(&key());
+                }
                 epoch_changed = new_epoch && live_traffic;
                 if stale && live_traffic {
                     m.stale_deltas.inc();
@@ -393,16 +398,16 @@ impl State {
         }
     }
 
-    /// A partition finished its rebuild: today's counters of it are
-    /// broadcast once, so a global topic that lost data is refilled.
+    /// A partition finished its rebuild: its counters (every retained day)
+    /// become dirty, so those the regions need are broadcast once and a
+    /// global topic that lost data is refilled.
     fn caught_up(&self, core: &mut Core, partition: i32) {
-        let today = day::today();
-        let marked = core.merged.mark_day_dirty(today, Some(&[partition]));
+        let marked = core.merged.mark_partition_dirty(partition);
         let ready = core.progress.readiness() == Readiness::Ready;
         self.metrics.ready.set(i64::from(ready));
         tracing::info!(
             partition,
-            counters_today = marked,
+            counters = marked,
             ready,
             "partition rebuilt from the deltas topic"
         );
@@ -509,6 +514,9 @@ accept_unsigned = true
         s.on_delta(p, 1, &d("acme", "us", 500));
         {
             let mut core = s.lock();
+            // Replayed history is not in the dirty set every flush walks:
+            // its partition is marked whole at catch-up.
+            assert_eq!(core.merged.dirty_len(), 0);
             let Core { merged, progress } = &mut *core;
             assert!(!merged.has_urgent());
             assert!(merged
