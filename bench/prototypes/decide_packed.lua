@@ -7,8 +7,9 @@
 -- generality (any number and kind of tiers, refunds, peeks, leases, the
 -- rollback check, urgency, new-day cleanup), so it is a lower bound.
 --
---   SCRIPT_ARGS='x 0 1000000000 0 ep1 1000000000 1000 1000000000 60000' \
---     scripts/script-profile bench/prototypes/decide_packed.lua
+--   scripts/script-profile bench/prototypes/decide_packed.lua
+--
+-- (its arguments are the words of decide_packed.args beside it).
 --
 -- ARGV: tenant|day member, deadline, global limit, broadcast total, epoch
 -- candidate, node tier limit and window ms, region tier limit and window ms.

@@ -33,11 +33,11 @@ pub const SCENARIOS: &[&str] = &[
 /// Run it through `scripts/bench` (which runs `scripts/setup --bench` and
 /// builds the release binaries first). It starts its own redis-servers,
 /// Tansu broker, aggregator, region-nodes and throttlecrab-server on
-/// loopback ports, drives them with `loadgen` and `redis-benchmark`, and
+/// loopback ports, drives them with `loadgen`, and
 /// stops everything when done. About 15 minutes on 2 cores.
 ///
 /// Scenarios (BENCHMARKS.md says what each measures):
-///   ceiling    1: redis-benchmark EVALSHA decide.lua (plain, pipelined) vs
+///   ceiling    1: EVALSHA decide.lua alone (1 and 16 in flight a connection) vs
 ///                 region-node checks over HTTP, same concurrency
 ///   latency    2: p50/p99/p99.9 at 50% of the saturated rate (runs ceiling)
 ///   saturation 2b: open loop at 1.5x the saturated rate: fail-mode

@@ -54,9 +54,6 @@ fn main() -> ExitCode {
 /// scenario needs is missing (the runner installs nothing).
 fn preflight(k: &Knobs) -> anyhow::Result<()> {
     let mut need = vec!["redis-server"];
-    if k.runs("ceiling") {
-        need.push("redis-benchmark");
-    }
     if k.runs("peer") {
         need.push("throttlecrab-server");
     }

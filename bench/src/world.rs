@@ -12,7 +12,7 @@ use testkit::{Aggregator, Redis, RegionNode, Tansu};
 use crate::knobs::Knobs;
 use crate::run::Run;
 
-/// region-node's own script: what `redis-benchmark` runs in scenario 1.
+/// region-node's own script: what scenario 1 runs alone.
 pub const DECIDE_LUA: &str = include_str!("../../region-node/src/lua/decide.lua");
 
 /// A plain Redis connection for reading what the bench measures.

@@ -4,7 +4,7 @@
 //! loadgen http  --url http://127.0.0.1:9000/v1/check [--url …] [run options]
 //! loadgen http  --proto gateway --url http://127.0.0.1:10000/ [--tenant-header x-tenant]
 //! loadgen redis --redis-url redis://127.0.0.1:6379 [script options] [run options]
-//! loadgen script-args --tenant T [script options]   # EVALSHA line for redis-benchmark
+//! loadgen script-resp --sha SHA --calls N --out F [script options]   # for redis-cli --pipe
 //! loadgen deltas --config tierlimit.toml --regions r01,… --tenants N --phase far|near
 //! ```
 //!
@@ -72,16 +72,23 @@ enum Command {
     /// Simulated regions: signed wire-v2 deltas straight to the deltas
     /// topic, for near- and far-from-limit tenants (see `deltas.rs`).
     Deltas(deltas::DeltaArgs),
-    /// Prints `EVALSHA <sha> 6 KEYS… ARGV…`, one argument per line, for
-    /// `redis-benchmark` (use `__rand_int__` as the tenant with its `-r`).
-    ScriptArgs {
+    /// Writes `--calls` checks (`EVALSHA <sha> …` with the KEYS and ARGV
+    /// region-node sends) as RESP to `--out`, for `redis-cli --pipe`
+    /// (`scripts/script-profile`). RESP, not words: the script's numbers
+    /// are one binary argument, which no command line can carry.
+    ScriptResp {
         #[command(flatten)]
         script: ScriptArgs,
-        #[arg(long)]
-        tenant: String,
         /// SHA1 of decide.lua as `SCRIPT LOAD` returned it.
         #[arg(long)]
         sha: String,
+        /// Tenants 0 … N-1, taken in turn.
+        #[arg(long, default_value_t = 1000)]
+        tenants: u64,
+        #[arg(long)]
+        calls: u64,
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -251,31 +258,25 @@ impl ScriptArgs {
     }
 }
 
-/// The words of a command, as `script-args` prints them (one a line, for
-/// redis-benchmark).
-fn cmd_args(cmd: &redis::Cmd) -> Vec<String> {
-    cmd.args_iter()
-        .map(|a| match a {
-            redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
-            _ => String::new(),
-        })
-        .collect()
-}
-
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Deltas(args) => deltas::run(args),
-        Command::ScriptArgs {
+        Command::ScriptResp {
             script,
-            tenant,
             sha,
+            tenants,
+            calls,
+            out,
         } => {
-            let cmd = script.call().cmd(&sha, &tenant, ScriptCall::today());
-            let mut out = std::io::stdout().lock();
-            for a in cmd_args(&cmd) {
-                writeln!(out, "{a}")?;
+            let call = script.call();
+            let day = ScriptCall::today();
+            let mut w = std::io::BufWriter::new(std::fs::File::create(&out)?);
+            for i in 0..calls {
+                let tenant = format!("{:012}", i % tenants.max(1));
+                w.write_all(&call.cmd(&sha, &tenant, day).get_packed_command())?;
             }
+            w.flush()?;
             Ok(())
         }
         Command::Http { run, http } => {
@@ -888,22 +889,35 @@ mod tests {
             script_cost: 1,
         }
         .call();
-        let args = cmd_args(&call.cmd("sha", "acme", 20_000));
+        let cmd = call.cmd("sha", "acme", 20_000);
+        let args: Vec<&[u8]> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => b,
+                _ => &[][..],
+            })
+            .collect();
         let keys = tierlimit_shared::keys::tenant_hash("acme");
         let dirty = tierlimit_shared::keys::dirty(tierlimit_shared::keys::bucket_of("acme"));
         // Both tiers live in the tenant hash: two keys.
+        let text = |i: usize| std::str::from_utf8(args[i]).unwrap();
         assert_eq!(
-            args[..5],
+            (0..5).map(text).collect::<Vec<_>>(),
             ["EVALSHA", "sha", "2", keys.as_str(), dirty.as_str()]
         );
-        assert_eq!(&args[5..9], ["check", "0", "acme", "20000"]);
-        assert_eq!(args[10], "259200");
-        // Two tiers of five values after the thirteen fixed arguments, then
-        // the check's lease: none asked (max 0, share 1).
-        assert_eq!(args[17], "2");
-        assert_eq!(&args[18..20], ["n:n1:_:1:", "1"]);
-        assert_eq!(&args[28..30], ["0", "1"]);
-        assert_eq!(args.len(), 5 + 13 + 2 * 5 + 2);
+        assert_eq!(
+            (5..8).map(text).collect::<Vec<_>>(),
+            ["check", "acme", "20000"]
+        );
+        let n = region_node::storage::script::unpack_numbers(args[9]);
+        // deadline, day, TTL; the check's lease: none asked (max 0, share
+        // 1); K = 2 tiers of six numbers.
+        assert_eq!(n[..3], [0.0, 20_000.0, 259_200.0]);
+        assert_eq!(n[9..12], [0.0, 1.0, 2.0]);
+        assert_eq!(n[12..18], [0.0, 1.0, 20.0, 1000.0, 1.0, 0.0]);
+        assert_eq!(n.len(), 24);
+        assert_eq!((text(10), text(11)), ("n:n1:_:1:", "r:_:2:"));
+        assert_eq!(args.len(), 12);
     }
 
     #[test]

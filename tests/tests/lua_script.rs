@@ -785,8 +785,8 @@ async fn a_lease_takes_a_share_of_what_is_left_and_nothing_near_the_limit() {
     }
 }
 
-/// The previous release's decision script (reply layout 3, 35 arguments for
-/// this plan), kept as it shipped: during a rolling upgrade its nodes and
+/// The previous release's decision script (every argument in text, reply
+/// layout 4), kept as it shipped: during a rolling upgrade its nodes and
 /// this release's share one Redis.
 const PREVIOUS_RELEASE: &str = include_str!("../fixtures/decide_previous_release.lua");
 
@@ -811,8 +811,8 @@ async fn nodes_of_the_previous_release_share_the_counts() {
         .query_async(&mut con)
         .await
         .unwrap();
-    // The previous release's arguments for the same check (its layout:
-    // 18 fixed values, then 7 per tier).
+    // The previous release's arguments for the same check (its layout: 13
+    // values in text, then 5 per tier, then a check's lease).
     let prefix = |t: &TierCall<'_>| format!("{}:", t.tier_id("n1"));
     let old_call = |cost: u64| {
         let mut cmd = redis::cmd("EVALSHA");
@@ -824,24 +824,26 @@ async fn nodes_of_the_previous_release_share_the_counts() {
             .arg(today())
             .arg(&["epochold", "259200", "100"][..])
             .arg(cost)
-            .arg(&["0", "-1", "-1", "2000", "0", "-", "0", "0", "1", "2"][..]);
+            .arg(&["0", "-1", "-1", "2000", "2"][..]);
         for (t, code) in [(&c.tiers[0], 1), (&c.tiers[1], 2)] {
-            cmd.arg(0).arg(prefix(t)).arg(code);
-            cmd.arg(t.limit.limit)
+            cmd.arg(prefix(t))
+                .arg(code)
+                .arg(t.limit.limit)
                 .arg(t.limit.window_ms)
-                .arg(0)
                 .arg(cost);
         }
+        cmd.arg(0).arg(1);
         cmd
     };
-    // Layout 3: [2] allowed, [7] own_p, then remaining/reset from [16].
+    // Layout 4: [2] outcome (0 allowed), [5] own_p, then remaining/reset
+    // from [12].
     let old_reply = |v: Vec<Value>| {
         let int = |i: usize| match &v[i - 1] {
             Value::Int(n) => *n,
             other => panic!("item {i}: {other:?}"),
         };
-        assert_eq!(int(1), 3, "the previous release's reply layout");
-        (int(2) == 1, int(7), int(16), int(18))
+        assert_eq!(int(1), 4, "the previous release's reply layout");
+        (int(2) == 0, int(5), int(12), int(14))
     };
     for i in 0..12u64 {
         let (allowed, own_p, node_left, region_left) = if i % 2 == 0 {

@@ -1,11 +1,15 @@
-//! Scenario 1, the ceiling: `redis-benchmark` running `EVALSHA` of
-//! decide.lua (non-pipelined, then pipelined) against region-node's checks
-//! over HTTP at the same concurrency, in alternating rounds (with
-//! scenario 7's throttlecrab-server, see [`super::peer`]); each figure is
-//! the median round. Then region-node with Zipf tenants and the bare
-//! `EVALSHA` over one redis-rs multiplexed connection.
-
-use std::time::Duration;
+//! Scenario 1, the ceiling: `EVALSHA` of decide.lua alone (loadgen over
+//! as many connections as region-node's clients, one call in flight on
+//! each as `redis-benchmark -c` runs; then 16 in flight on each, as its
+//! `-P 16`) against region-node's checks over HTTP at the same concurrency,
+//! in alternating rounds (with scenario 7's throttlecrab-server, see
+//! [`super::peer`]); each figure is the median round. Then region-node with
+//! Zipf tenants and the bare `EVALSHA` over one redis-rs multiplexed
+//! connection.
+//!
+//! The script's calls come from loadgen, not `redis-benchmark`, since the
+//! script's numbers became one binary argument (`storage/script.rs`) that a
+//! command line cannot carry; loadgen sends exactly what region-node sends.
 
 use serde::{Deserialize, Serialize};
 use testkit::RegionNode;
@@ -18,34 +22,23 @@ use crate::world::{RedisCounts, Region, DECIDE_LUA};
 
 pub const WARMUP: u64 = 1;
 
-/// One `redis-benchmark --csv` result line.
+/// A run of the script alone: calls per second and latency (ms, as text
+/// with three decimals, as redis-benchmark printed them when it ran these).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RbRun {
     pub rps: f64,
-    /// As redis-benchmark prints them.
     pub p50_ms: String,
     pub p99_ms: String,
 }
 
 impl RbRun {
-    /// The last line of `--csv` output: `"test","rps","avg","min","p50",
-    /// "p95","p99","max"`.
-    pub fn parse(out: &str) -> anyhow::Result<RbRun> {
-        let line = out
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .ok_or_else(|| anyhow::anyhow!("redis-benchmark printed nothing"))?;
-        let f: Vec<String> = line
-            .split(',')
-            .map(|s| s.trim_matches('"').to_string())
-            .collect();
-        anyhow::ensure!(f.len() >= 7, "unexpected redis-benchmark line {line:?}");
-        Ok(RbRun {
-            rps: f[1].parse()?,
-            p50_ms: f[4].clone(),
-            p99_ms: f[6].clone(),
-        })
+    pub fn of(s: &Summary) -> RbRun {
+        let ms = |us: Option<f64>| us.map_or("-".into(), |us| format!("{:.3}", us / 1000.0));
+        RbRun {
+            rps: s.throughput_rps,
+            p50_ms: ms(s.latency_us.as_ref().map(|p| p.p50)),
+            p99_ms: ms(s.latency_us.as_ref().map(|p| p.p99)),
+        }
     }
 }
 
@@ -56,8 +49,6 @@ pub struct Ceiling {
     pub duration: u64,
     pub warmup: u64,
     pub rounds: u64,
-    /// `-n` of every non-pipelined round (about `duration` s from a probe).
-    pub rb_n: u64,
     /// Median rounds.
     pub rb_plain: RbRun,
     pub node: Summary,
@@ -128,20 +119,9 @@ pub async fn run(
     eu: &Region,
     with_peer: bool,
 ) -> anyhow::Result<(Ceiling, Option<Peer>)> {
-    // EVALSHA line for redis-benchmark; __rand_int__ makes it draw tenants
-    // from -r TENANTS.
-    let sha = eu.conn.script_load(DECIDE_LUA).await?;
-    let mut sa = vec!["script-args".to_string()];
-    sa.extend(script_opts());
-    sa.extend(strings(["--sha", &sha, "--tenant", "__rand_int__"]));
-    let out = run
-        .exec("script_args", &run.loadgen, &sa, Duration::from_secs(60))
-        .await?;
-    let evalsha: Vec<String> = out.lines().map(str::to_string).collect();
-
     let tc_version = peer::version();
     run.scenario(&format!(
-        "1/7 + 7/7 ceiling and peer: redis-benchmark EVALSHA, region-node, throttlecrab-server {tc_version} ({} rounds, {} connections, {} tenants)",
+        "1/7 + 7/7 ceiling and peer: EVALSHA alone (loadgen), region-node, throttlecrab-server {tc_version} ({} rounds, {} connections, {} tenants)",
         k.rounds, k.connections, k.tenants
     ));
     let ceiling_redis = Region::start(run).await?;
@@ -152,39 +132,24 @@ pub async fn run(
         None
     };
 
-    // Checked on PATH, run (and listed) by its name.
-    which("redis-benchmark")?;
-    let rb = std::path::PathBuf::from("redis-benchmark");
-    let rb_args = |n: u64, pipeline: Option<u64>| {
+    // The script alone: `in_flight` calls on each of `connections`
+    // connections (1: redis-benchmark -c's model; 16: its -P 16).
+    let alone = |in_flight: u64| {
         let mut a = strings([
-            "-p".to_string(),
-            ceiling_redis.redis.port().to_string(),
-            "-c".into(),
+            "--redis-url".to_string(),
+            ceiling_redis.redis.url(),
+            "--redis-conns".into(),
             k.connections.to_string(),
-            "-n".into(),
-            n.to_string(),
-            "-r".into(),
-            k.tenants.to_string(),
         ]);
-        if let Some(p) = pipeline {
-            a.extend(strings(["-P".to_string(), p.to_string()]));
-        }
-        a.push("--csv".into());
-        a.extend(evalsha.iter().cloned());
+        a.extend(script_opts());
+        a.extend(closed(
+            k.connections * in_flight,
+            k.tenants,
+            k.duration,
+            WARMUP,
+        ));
         a
     };
-    // redis-benchmark has no duration: -n sized for about DURATION seconds
-    // from a probe.
-    let probe = RbRun::parse(
-        &run.exec(
-            "rb_probe",
-            &rb,
-            &rb_args(30000, None),
-            Duration::from_secs(600),
-        )
-        .await?,
-    )?;
-    let rb_n = (probe.rps * k.duration as f64) as u64;
     let common = closed(k.connections, k.tenants, k.duration, WARMUP);
 
     let mut node_redis = RedisCounts::default();
@@ -200,16 +165,9 @@ pub async fn run(
         "--dist", "zipf", "--zipf-s", "1.1", "--seed", "2",
     ]));
     for i in 1..=k.rounds {
-        let deadline = Duration::from_secs(600);
-        rb_runs.push(RbRun::parse(
-            &run.exec(
-                &format!("rb_plain_{i}"),
-                &rb,
-                &rb_args(rb_n, None),
-                deadline,
-            )
-            .await?,
-        )?);
+        rb_runs.push(RbRun::of(
+            &run.redis(&format!("s1_alone_{i}"), &alone(1)).await?,
+        ));
         let c0 = testkit::cpu_ticks(solo.proc.pid()).unwrap_or(0);
         let r0 = testkit::cpu_ticks(eu.pid()).unwrap_or(0);
         let counts0 = eu.conn.counts().await?;
@@ -229,15 +187,7 @@ pub async fn run(
     }
     let rb_redis = ceiling_redis.conn.counts().await?.since(rb_redis0);
     drop(tc);
-    let rb_pipe16 = RbRun::parse(
-        &run.exec(
-            "rb_pipe16",
-            &rb,
-            &rb_args(rb_n * 2, Some(16)),
-            Duration::from_secs(600),
-        )
-        .await?,
-    )?;
+    let rb_pipe16 = RbRun::of(&run.redis("s1_alone_16", &alone(16)).await?);
     drop(ceiling_redis);
 
     let rb_rounds: Vec<f64> = rb_runs.iter().map(|r| r.rps).collect();
@@ -264,7 +214,6 @@ pub async fn run(
         duration: k.duration,
         warmup: WARMUP,
         rounds: k.rounds,
-        rb_n,
         ratio: node.throughput_rps / rb_plain_rps,
         rb_plain,
         node,
@@ -305,14 +254,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn median_round_and_csv_line() {
+    fn median_round() {
         assert_eq!(median_index(&[3.0, 1.0, 2.0]), 2);
         assert_eq!(median_index(&[5.0]), 0);
         assert_eq!(median_index(&[2.0, 1.0]), 1);
-        let r = RbRun::parse("\"test\",\"rps\"\n\"EVALSHA x\",\"28157.66\",\"1.7\",\"0.2\",\"1.575\",\"2.9\",\"3.271\",\"9.1\"\n").unwrap();
-        assert_eq!(
-            (r.rps, r.p50_ms.as_str(), r.p99_ms.as_str()),
-            (28157.66, "1.575", "3.271")
-        );
     }
 }

@@ -10,9 +10,9 @@
 -- commands on the common path (TIME, one HMGET, one HSET); no closures
 -- (each call would allocate them and capture their upvalues) and no C
 -- calls where an operator does (x - x % w is floor's work); one array per
--- tier, allocated once; numbers read from ARGV only on the path that needs
--- them, sentinels compared as strings, and as few arguments as the call
--- needs (Redis makes a Lua string of each); values that did not change are
+-- tier, allocated once; every number of the call in one packed argument
+-- (Redis makes a Lua string of each argument, and a number in text costs a
+-- strtod); values that did not change are
 -- not written back, and numbers are written formatted with %d (Redis
 -- formats a Lua number with %.17g, which costs more than the rest of the
 -- field); a reply of integers in fixed positions (Redis converts a reply
@@ -26,38 +26,52 @@
 --           then, for a refund by handle, the set of used handles
 --
 -- ARGV[1]   op: "check" | "refund" | "peek"
--- ARGV[2]   deadline in Redis' clock, ms (0 = none): a call that reaches
---           Redis after it does nothing and answers outcome -2 (expired:
---           the node gave up at its store_timeout and answered from its
---           fail mode, so charging now would count the request twice)
--- ARGV[3]   tenant id (the dirty-set member is "T|day")
--- ARGV[4]   the day the node computed; if Redis' clock says otherwise the
---           broadcast is not for this day (others = 0)
--- ARGV[5]   epoch candidate, used if today's counter does not exist yet;
+-- ARGV[2]   tenant id (the dirty-set member is "T|day")
+-- ARGV[3]   the day the node computed, as text (for field names)
+-- ARGV[4]   epoch candidate, used if today's counter does not exist yet;
 --           also makes sliding-log members unique
--- ARGV[6]   TTL of the tenant hash, s (retention + 1 day): days older than
---           TTL/86400 are dropped from the hash when a new day starts
--- ARGV[7]   global limit per day (0 = no global tier)
--- ARGV[8]   global cost: units the request charges to the PN counter
--- ARGV[9]   broadcast total for (T, day), all actors
--- ARGV[10]  own cap: most this region's actor may reach (-1 = none); set by
---           the node when its broadcast view is stale
--- ARGV[11]  urgent_at: this region's P − N at which (T, day) must be
---           published at the next flush (-1 = never)
--- ARGV[12]  relaxed_ms: how long after its last publication a (T, day)
---           that is not urgent is due again (relaxed_flush_interval)
--- ARGV[13]  K, the number of windowed tiers; then per tier: where its
---           state is (its field prefix in the tenant hash, or "#i" for
---           KEYS[i]), algorithm code (1 fixed window, 2 sliding window,
---           3 token bucket, 4 sliding log), limit, window_ms, cost, and for
---           the token bucket its burst
--- then      the op's own: a check's lease_max and lease_share (see "Leases"
---           below; 0 = no lease); a refund's index in KEYS of the set of
---           used refund handles (0 = a free-form refund), its handle id
---           ("-" when none) and the charge's Redis time in ms (a refund by
---           handle gives back only to a window the charge was in, and to
---           the global count only on the charge's day); a peek's none
--- then      triplets epoch, P, N: this region's actors in the broadcast
+-- ARGV[5]   every number of the call, packed as little-endian doubles
+--           (`struct`, format '<d' each; exact integers up to 2^53). One
+--           argument instead of twenty: Redis makes a Lua string of each
+--           argument and the script a `strtod` of each number (about 1.5 k
+--           instructions a number in all; struct.unpack costs a tenth of
+--           it). In order:
+--             deadline in Redis' clock, ms (0 = none): a call that reaches
+--               Redis after it does nothing and answers outcome -2
+--               (expired: the node gave up at its store_timeout and
+--               answered from its fail mode, so charging now would count
+--               the request twice)
+--             the node's day; if Redis' clock says otherwise the broadcast
+--               is not for this day (others = 0)
+--             TTL of the tenant hash, s (retention + 1 day): days older
+--               than TTL/86400 are dropped from the hash when a new day
+--               starts
+--             global limit per day (0 = no global tier)
+--             global cost: units the request charges to the PN counter
+--             broadcast total for (T, day), all actors
+--             own cap: most this region's actor may reach (-1 = none); set
+--               by the node when its broadcast view is stale
+--             urgent_at: this region's P − N at which (T, day) must be
+--               published at the next flush (-1 = never)
+--             relaxed_ms: how long after its last publication a (T, day)
+--               that is not urgent is due again (relaxed_flush_interval)
+--             the op's own two: a check's lease_max and lease_share (see
+--               "Leases" below; 0 = no lease); a refund's index in KEYS of
+--               the set of used refund handles (0 = a free-form refund)
+--               and the charge's Redis time in ms (a refund by handle gives
+--               back only to a window the charge was in, and to the global
+--               count only on the charge's day); a peek's 0 and 0
+--             K, the number of windowed tiers
+--             per tier: where its state is (0: the tenant hash, under the
+--               field prefix ARGV[5 + i]; i: KEYS[i]), algorithm code (1
+--               fixed window, 2 sliding window, 3 token bucket, 4 sliding
+--               log), limit, window_ms, cost, burst (the token bucket's)
+--             per actor of this region in the broadcast: its P and N
+-- ARGV[5 + i]  tier i's field prefix in the tenant hash ("-" for a tier
+--           in a key of its own), i = 1..K
+-- then      a refund's handle id ("-" when none)
+-- then      the epoch of each actor of this region in the broadcast, in
+--           the order of their P and N above
 --
 -- Reply: a list in fixed positions (parsed in script.rs, which checks [1]):
 --   [1] layout version (4)
@@ -77,6 +91,7 @@
 -- Numbers are Lua doubles: exact integers up to 2^53.
 
 local A = ARGV
+local unpack_n = struct.unpack
 local call = redis.call
 local floor = math.floor
 local fmt = string.format
@@ -94,25 +109,25 @@ local LOC, ALG, LIMIT, WIN, COST, BURST, FIRST = 1, 2, 3, 4, 5, 6, 7
 local OK, REMAINING, RESET, RETRY, TTL_MS = 8, 9, 10, 11, 12
 local IDX, N1, N2, EMIT, S1, S3 = 13, 14, 15, 16, 17, 18
 
+local deadline, node_day, ttl, glimit, gcost, btotal, own_cap, urgent_at, relaxed, op1, op2, K, pos =
+  unpack_n('<dddddddddddd', A[5])
+
 local t = redis.call('TIME')
 local now_us = t[1] * 1000000 + t[2]
 local now_ms = (now_us - now_us % 1000) / 1000
 
--- Sentinel arguments ('0', '-1') are compared as strings: Lua interns
--- strings, so that is a pointer comparison, where a number costs a strtod.
-if A[2] ~= '0' and now_ms > A[2] + 0 then
+if deadline > 0 and now_ms > deadline then
   return { VERSION, -2, 0, now_ms, 0, 0, 0, 0, 0, -1, '' }
 end
 
 local op = A[1]
 local day = (now_ms - now_ms % 86400000) / 86400000
-local node_day = A[4] + 0
 if day - node_day > 1 or node_day - day > 1 then
   return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
 end
 -- The day as text: the node's own when it agrees, since formatting a
 -- number costs more than the rest of a field name.
-local gp = 'g:' .. (day == node_day and A[4] or fmt('%d', day)) .. ':'
+local gp = 'g:' .. (day == node_day and A[3] or fmt('%d', day)) .. ':'
 
 -- Read: one HMGET of the tenant hash for the day's counter and every tier
 -- kept there; one HMGET per tier kept in a key of its own. A tier's fields
@@ -121,18 +136,13 @@ local gp = 'g:' .. (day == node_day and A[4] or fmt('%d', day)) .. ':'
 -- <prefix>f (GCRA); the sliding log is a zset of its own and has none.
 local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', false, false, false, false, false, false, false, false }
 local nf = 4
-local K = A[13] + 0
 local tiers = { false, false, false, false }
-local a = 14
 for i = 1, K do
-  local spec = A[a]
-  local alg = A[a + 1] + 0
-  local loc = 0
-  if string.byte(spec) == 35 then loc = string.sub(spec, 2) + 0 end -- '#<index in KEYS>'
-  local tier = { loc, alg, A[a + 2] + 0, A[a + 3] + 0, A[a + 4] + 0, 0, nf, true, 0, 0, 0, 0, 0, 0, 0, 0, false, false }
-  if alg == 3 then tier[BURST] = A[a + 5] + 0; a = a + 6 else a = a + 5 end
+  local loc, alg, limit, w, cost, burst
+  loc, alg, limit, w, cost, burst, pos = unpack_n('<dddddd', A[5], pos)
+  local tier = { loc, alg, limit, w, cost, burst, nf, true, 0, 0, 0, 0, 0, 0, 0, 0, false, false }
   if loc == 0 then
-    local prefix = spec -- <tier id>:
+    local prefix = A[5 + i] -- <tier id>:
     if alg == 3 then
       fields[nf + 1] = prefix .. 't'; fields[nf + 2] = prefix .. 'f'; nf = nf + 2
     else
@@ -142,7 +152,10 @@ for i = 1, K do
   end
   tiers[i] = tier
 end
--- `a` is now the first of the op's own arguments.
+-- This region's actors in the broadcast: their P and N follow the tiers in
+-- A[5], their epochs are the string arguments from `first_epoch`.
+local first_epoch = 6 + K
+if op == 'refund' then first_epoch = first_epoch + 1 end
 local h = call('HMGET', KEYS[1], unpack(fields, 1, nf))
 
 -- Evaluate every tier: the decision (ok, remaining, reset, retry) and what
@@ -267,7 +280,7 @@ end
 -- beside it, so a Redis that lost the tenant starts a new actor atomically
 -- with the first charge.
 local new_day = not h[1]
-local epoch = h[1] or A[5]
+local epoch = h[1] or A[4]
 local own_p = (h[2] and h[2] + 0) or 0
 local own_n = 0
 if h[3] and h[3] ~= '0' then own_n = h[3] + 0 end
@@ -282,12 +295,10 @@ local dstate = h[4] -- false (clean), '1' (dirty) or '2' (urgent)
 -- ignores a counter below what it saw, would stay short for good.
 local mine_p, mine_n = 0, 0
 if day == node_day then
-  local from = a
-  if op == 'check' then from = a + 2 elseif op == 'refund' then from = a + 3 end
-  for i = from, #A, 3 do
-    if A[i] == epoch then
-      mine_p = A[i + 1] + 0; mine_n = A[i + 2] + 0
-    end
+  for i = first_epoch, #A do
+    local p, n
+    p, n, pos = unpack_n('<dd', A[5], pos)
+    if A[i] == epoch then mine_p = p; mine_n = n end
   end
 end
 local raised = 0
@@ -297,20 +308,17 @@ if mine_p > own_p or mine_n > own_n then
   own_n = math.max(own_n, mine_n)
 end
 
-local glimit = A[7] + 0
-local gcost = A[8] + 0
 local global_ok, global_remaining, global_retry = true, -1, 0
 if glimit > 0 then
   local others = 0
   if day == node_day then
-    others = A[9] - (mine_p - mine_n)
+    others = btotal - (mine_p - mine_n)
     if others < 0 then others = 0 end
   end
   local own = own_p - own_n
   global_remaining = glimit - others - own
-  if A[10] ~= '-1' then
-    local cap = A[10] + 0
-    if cap - own < global_remaining then global_remaining = cap - own end
+  if own_cap >= 0 and own_cap - own < global_remaining then
+    global_remaining = own_cap - own
   end
   if global_remaining < 0 then global_remaining = 0 end
   if op == 'check' then
@@ -334,18 +342,18 @@ if op == 'refund' then
   -- A refund by handle: once per handle, and only into what the charge was
   -- in (its windows, its day). The record of used handles is written only
   -- here, so checks stay cheap; it lives as long as the day's counter.
-  local by_handle = A[a] + 0 > 0
-  local charged_at = A[a + 2] + 0
+  local by_handle = op1 > 0
+  local charged_at = op2
   if by_handle then
-    local rf = KEYS[A[a] + 0]
-    if call('SADD', rf, A[a + 1]) == 0 then
+    local rf = KEYS[op1]
+    if call('SADD', rf, A[6 + K]) == 0 then
       local out = { VERSION, 0, 0, now_ms, own_p, own_n, raised, -1, 0, global_remaining, epoch }
       for i = 1, K do
         out[10 + 2 * i] = tiers[i][REMAINING]; out[11 + 2 * i] = tiers[i][RESET]
       end
       return out
     end
-    call('EXPIRE', rf, A[6])
+    call('EXPIRE', rf, ttl)
   end
   -- Gives a tier its cost back (never below zero).
   for i = 1, K do
@@ -432,9 +440,9 @@ elseif op == 'check' then
     -- them now belongs to the current window, which is what the lease's
     -- lifetime follows (GCRA and the exact log keep no window a lease could
     -- die with).
-    if A[a] ~= '0' and K > 0 then
-      local lease_max = A[a] + 0
-      local share = math.max(1, A[a + 1] + 0)
+    if op1 > 0 and K > 0 then
+      local lease_max = op1
+      local share = math.max(1, op2)
       local room = lease_max * share
       for i = 1, K do
         local tier = tiers[i]
@@ -485,7 +493,7 @@ elseif op == 'check' then
         -- values.
         local key = KEYS[tier[LOC]]
         local args = {}
-        local tag = fmt('%d', now_us) .. ':' .. A[5] .. ':'
+        local tag = fmt('%d', now_us) .. ':' .. A[4] .. ':'
         local score = fmt('%d', now_ms)
         for j = 1, c do
           args[#args + 1] = score
@@ -530,7 +538,6 @@ if changed then
   if new_day then
     hs[nh + 1] = fields[1]; hs[nh + 2] = epoch; nh = nh + 2
     -- A new day: forget days past retention, and give the hash its TTL.
-    local ttl = A[6] + 0
     local keep_from = day - floor(ttl / 86400)
     local kept = { fmt('%d', day) }
     local listed = call('HGET', KEYS[1], 'gd')
@@ -550,18 +557,17 @@ if changed then
     call('EXPIRE', KEYS[1], ttl)
   end
   local want = 1
-  if A[11] ~= '-1' and own_p - own_n >= A[11] + 0 then want = 2 end
+  if urgent_at >= 0 and own_p - own_n >= urgent_at then want = 2 end
   if not dstate or (want == 2 and dstate ~= '2') then
     local score = 0
     if want == 1 then
-      local relaxed = A[12] + 0
       local stamped = call('HGET', KEYS[1], gp .. 's')
       score = math.max(now_ms, ((stamped and stamped + 0) or 0) + relaxed)
       if rolled_over and relaxed > 0 then
-        score = now_ms + tonumber(string.sub(redis.sha1hex(A[3]), 1, 8), 16) % relaxed
+        score = now_ms + tonumber(string.sub(redis.sha1hex(A[2]), 1, 8), 16) % relaxed
       end
     end
-    call('ZADD', KEYS[2], score, A[3] .. '|' .. gp:sub(3, -2))
+    call('ZADD', KEYS[2], score, A[2] .. '|' .. gp:sub(3, -2))
     hs[nh + 1] = fields[4]; hs[nh + 2] = want; nh = nh + 2
   end
 end

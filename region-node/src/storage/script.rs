@@ -177,6 +177,13 @@ impl DecideCall<'_> {
 /// Appends KEYS and ARGV of `call` to `cmd` (an `EVALSHA <sha>` without its
 /// key count). `deadline_ms` is in Redis' clock (0 = none): past it the
 /// script does nothing, because the node has given up on the call.
+///
+/// Every number travels in one argument of little-endian doubles, which
+/// the script reads with one `struct.unpack` per group: an argument costs
+/// Redis a Lua string and a number in text a `strtod`, about 1.5 k
+/// instructions a number in all (BENCHMARKS.md §9d). Doubles are what Lua
+/// computes with anyway: every count, limit and time is an exact integer
+/// below 2^53.
 pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     let t = call.tenant;
     let bucket = keys::bucket_of(t);
@@ -197,64 +204,127 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     if let Some(r) = refund {
         cmd.arg(keys::refund_record(t, r.day()));
     }
+
     let g = call.global.as_ref();
-    cmd.arg(call.op.name())
-        .arg(deadline_ms)
-        .arg(t)
-        .arg(call.day)
-        .arg(call.epoch_candidate)
-        .arg(call.counter_ttl_secs)
-        .arg(g.map_or(0, |g| g.limit))
-        .arg(call.cost)
-        .arg(g.map_or(0, |g| g.broadcast_total));
-    match g.and_then(|g| g.own_cap) {
-        Some(c) => cmd.arg(c),
-        None => cmd.arg(-1i64),
-    };
-    match g.and_then(|g| g.urgent_at) {
-        Some(u) => cmd.arg(u),
-        None => cmd.arg(-1i64),
-    };
-    cmd.arg(call.relaxed_ms).arg(call.tiers.len());
+    let parts: &[(String, u64, u64)] = g.map_or(&[], |g| &g.own_parts);
+    let mut n = Numbers::with_capacity(12 + 6 * call.tiers.len() + 2 * parts.len());
+    n.push(deadline_ms as f64);
+    n.int(u64::from(call.day));
+    n.int(call.counter_ttl_secs);
+    n.int(g.map_or(0, |g| g.limit));
+    n.int(call.cost);
+    n.int(g.map_or(0, |g| g.broadcast_total));
+    n.or_minus_one(g.and_then(|g| g.own_cap));
+    n.or_minus_one(g.and_then(|g| g.urgent_at));
+    n.int(call.relaxed_ms);
+    // The op's own two numbers: a check's lease, a refund's handle, a
+    // peek's zeros.
+    match call.op {
+        Op::Check => match call.lease {
+            Some(l) => {
+                n.int(l.max);
+                n.int(l.share.max(1));
+            }
+            None => {
+                n.int(0);
+                n.int(1);
+            }
+        },
+        Op::Refund => match refund {
+            Some(r) => {
+                n.int(3 + outside.len() as u64);
+                n.int(r.charged_at_ms);
+            }
+            None => {
+                n.int(0);
+                n.int(0);
+            }
+        },
+        Op::Peek => {
+            n.int(0);
+            n.int(0);
+        }
+    }
+    n.int(call.tiers.len() as u64);
     let mut next_key = 3;
     for (i, tier) in call.tiers.iter().enumerate() {
         let l = tier.limit;
-        if outside.iter().any(|(j, _)| *j == i) {
-            cmd.arg(format!("#{next_key}"));
+        let loc = if outside.iter().any(|(j, _)| *j == i) {
             next_key += 1;
+            next_key - 1
+        } else {
+            0
+        };
+        n.int(loc);
+        n.int(u64::from(l.algorithm.code()));
+        n.int(l.limit);
+        n.int(l.window_ms);
+        n.int(tier.cost);
+        n.int(if l.algorithm == Algorithm::TokenBucket {
+            l.burst
+        } else {
+            0
+        });
+    }
+    for (_, p, nn) in parts {
+        n.int(*p);
+        n.int(*nn);
+    }
+
+    cmd.arg(call.op.name())
+        .arg(t)
+        .arg(call.day)
+        .arg(call.epoch_candidate)
+        .arg(n.0);
+    for (i, tier) in call.tiers.iter().enumerate() {
+        if outside.iter().any(|(j, _)| *j == i) {
+            cmd.arg("-");
         } else {
             let mut prefix = tier.tier_id(call.node_id);
             prefix.push(':');
             cmd.arg(prefix);
         }
-        cmd.arg(l.algorithm.code())
-            .arg(l.limit)
-            .arg(l.window_ms)
-            .arg(tier.cost);
-        if l.algorithm == Algorithm::TokenBucket {
-            cmd.arg(l.burst);
+    }
+    if call.op == Op::Refund {
+        cmd.arg(refund.map_or("-", |r| r.id.as_str()));
+    }
+    for (epoch, _, _) in parts {
+        cmd.arg(epoch);
+    }
+}
+
+/// The numbers of a call, as the script unpacks them (`'<d'` each).
+struct Numbers(Vec<u8>);
+
+impl Numbers {
+    fn with_capacity(n: usize) -> Numbers {
+        Numbers(Vec::with_capacity(8 * n))
+    }
+
+    fn push(&mut self, v: f64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+
+    /// Counts, limits and times: exact as doubles below 2^53, and the
+    /// configuration's limits are far below it.
+    fn int(&mut self, v: u64) {
+        self.push(v as f64);
+    }
+
+    fn or_minus_one(&mut self, v: Option<u64>) {
+        match v {
+            Some(v) => self.int(v),
+            None => self.push(-1.0),
         }
     }
-    // The op's own arguments: a check's lease, a refund's handle, a peek's
-    // none (every argument costs the script a Lua string).
-    match call.op {
-        Op::Check => match call.lease {
-            Some(l) => cmd.arg(l.max).arg(l.share.max(1)),
-            None => cmd.arg(0u8).arg(1u8),
-        },
-        Op::Refund => match refund {
-            Some(r) => cmd.arg(3 + outside.len()).arg(&r.id).arg(r.charged_at_ms),
-            // No empty arguments: a tool that splits the command on spaces
-            // (redis-benchmark in scripts/bench) would drop them.
-            None => cmd.arg(0u8).arg("-").arg(0u8),
-        },
-        Op::Peek => cmd,
-    };
-    if let Some(g) = g {
-        for (epoch, p, n) in &g.own_parts {
-            cmd.arg(epoch).arg(p).arg(n);
-        }
-    }
+}
+
+/// The numbers argument of a call, read back (tests and tools).
+pub fn unpack_numbers(bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().expect("chunks of 8")))
+        .collect()
 }
 
 /// What denied a check.
@@ -577,16 +647,27 @@ mod tests {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg("sha");
         encode(&mut cmd, &call, 77);
-        let args: Vec<String> = cmd
+        let args: Vec<Vec<u8>> = cmd
             .args_iter()
             .map(|a| match a {
-                redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
-                _ => "<cursor>".into(),
+                redis::Arg::Simple(b) => b.to_vec(),
+                _ => b"<cursor>".to_vec(),
             })
             .collect();
         let hash = keys::tenant_hash("acme");
         let dirty = keys::dirty(keys::bucket_of("acme"));
         let log_key = keys::tier_key("acme", "r:_:4", "GET/x");
+        let words: Vec<String> = args
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                if i == 10 {
+                    "<numbers>".into()
+                } else {
+                    String::from_utf8_lossy(a).into_owned()
+                }
+            })
+            .collect();
         let expect = [
             "EVALSHA",
             "sha",
@@ -595,35 +676,27 @@ mod tests {
             &dirty,
             &log_key, // keys
             "check",
-            "77",
             "acme",
             "20000",
             "cand",
-            "259200", // call
-            "100",
-            "2",
-            "40",
-            "-1",
-            "30",   // global
-            "2000", // relaxed
-            "2",    // tiers
-            "n:n1:_:1:",
-            "1",
-            "10",
-            "1000",
-            "2", // node, in the hash
-            "#3",
-            "4",
-            "10",
-            "1000",
-            "3", // region, KEYS[3]
-            "0",
-            "1", // a check's lease: none
-            "e1",
-            "9",
-            "1", // own parts
+            "<numbers>",
+            "n:n1:_:1:", // the node tier's prefix in the hash
+            "-",         // the region tier is in KEYS[3]
+            "e1",        // the epoch of the own part
         ];
-        assert_eq!(args, expect);
+        assert_eq!(words, expect);
+        #[rustfmt::skip]
+        let numbers = [
+            77.0, 20_000.0, 259_200.0, // deadline, day, TTL
+            100.0, 2.0, 40.0, -1.0, 30.0, // global: limit, cost, broadcast, cap, urgent_at
+            2000.0, // relaxed
+            0.0, 1.0, // a check's lease: none
+            2.0, // K
+            0.0, 1.0, 10.0, 1000.0, 2.0, 0.0, // node tier: in the hash, fixed window
+            3.0, 4.0, 10.0, 1000.0, 3.0, 0.0, // region tier: KEYS[3], sliding log
+            9.0, 1.0, // the own part's P and N
+        ];
+        assert_eq!(unpack_numbers(&args[10]), numbers);
         assert_eq!(call.slot(), keys::cluster_slot(log_key.as_bytes()));
     }
 }
