@@ -15,7 +15,8 @@
 //! - a lease belongs to the windows it was charged in and dies with the
 //!   first of them to end: it expires at the earliest window end, measured
 //!   from when the call was *sent* (Redis ran it later, so its window ends
-//!   no earlier than that);
+//!   no earlier than that) less a millisecond (the script's clock is
+//!   floored to it: `script::window_end_lower_bound`);
 //! - only fixed and sliding windows lease (the script grants nothing to a
 //!   call with a GCRA or sliding-log tier).
 //!
@@ -35,7 +36,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::storage::DecideReply;
+use crate::storage::{script, DecideReply};
 
 /// Shards of the lease table: the hot path locks one, briefly.
 pub(crate) const SHARDS: usize = 32;
@@ -184,7 +185,7 @@ impl Leases {
         let first_end = r.tiers.iter().map(|t| t.reset_ms).min().unwrap_or(0);
         let new = Lease {
             units: r.granted,
-            expires: sent + Duration::from_millis(first_end),
+            expires: script::window_end_lower_bound(sent, first_end),
             ends_at_ms: r
                 .tiers
                 .iter()

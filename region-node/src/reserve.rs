@@ -37,7 +37,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::storage::TierReply;
+use crate::storage::{script, TierReply};
 
 use crate::lease::{shard_of, slot_key, SHARDS};
 
@@ -155,13 +155,13 @@ impl Reserves {
         }
         let (tier, now_ms) = charged?;
         let ends_at_ms = (now_ms.max(0) as u64).saturating_add(tier.reset_ms);
-        let expires = sent + Duration::from_millis(tier.reset_ms);
+        let expires = script::window_end_lower_bound(sent, tier.reset_ms);
         if ends_at_ms == slot.ends_at_ms && slot.expires.is_some() {
             slot.unspent += reserve;
             // Replies of one window can come back out of order.
             slot.redis_remaining = slot.redis_remaining.min(tier.remaining);
-            // Each reply's `sent + reset` is a lower bound of the window's
-            // end in this node's clock: the latest is the tightest.
+            // Each reply gives a lower bound of the window's end in this
+            // node's clock: the latest is the tightest.
             slot.expires = slot.expires.max(Some(expires));
         } else {
             // A new window: what was left of the old one died with it.
@@ -360,17 +360,22 @@ mod tests {
         let _ = r.take(T, 1, (100, 10), (t0, 0, NO_MARGIN));
         r.settle(T, 10, Some((&tier(89, 1_000), 0)), t0);
         // A later charge of the same window (Redis clock 300 + 700 = 1 000)
-        // sent 300 ms later: the window ends no earlier than t0 + 1 000 ms,
+        // sent 300 ms later: the window ends no earlier than t0 + 999 ms
+        // (1 000 less the millisecond Redis' clock was floored to),
         // whichever reply says so, and both bounds agree here...
         let t1 = t0 + Duration::from_millis(300);
         let _ = r.take(T, 20, (100, 10), (t1, 300, NO_MARGIN));
         r.settle(T, 10, Some((&tier(59, 700), 300)), t1);
-        assert_eq!(r.unspent(T, t0 + Duration::from_millis(999)), 20);
+        assert_eq!(r.unspent(T, t0 + Duration::from_millis(998)), 20);
         // ...and a reply that came back late (sent at t1, run 50 ms later)
         // does not cut the reservation short.
         let _ = r.take(T, 25, (100, 10), (t1, 300, NO_MARGIN));
         r.settle(T, 0, Some((&tier(34, 650), 350)), t1);
-        assert_eq!(r.unspent(T, t0 + Duration::from_millis(999)), 20);
+        assert_eq!(r.unspent(T, t0 + Duration::from_millis(998)), 20);
+        // Past the bound, nothing is spent: Redis may have run the first call
+        // up to a millisecond after its floored clock said, so its window
+        // may have ended at t0 + 999 ms already.
+        assert_eq!(r.unspent(T, t0 + Duration::from_millis(999)), 0);
     }
 
     #[test]

@@ -344,6 +344,15 @@ pub struct TierReply {
     pub reset_ms: u64,
 }
 
+/// A lower bound of when a window ends, in this node's monotonic clock,
+/// that the script reported ending `reset_ms` after a call sent at `sent`. Redis ran the call after `sent`, and the script counts `reset_ms`
+/// from its clock floored to the millisecond, which can overstate what was
+/// left by up to 1 ms: hence one millisecond less. Leases and node-tier
+/// reservations are spent only before it, so never in a later window.
+pub fn window_end_lower_bound(sent: std::time::Instant, reset_ms: u64) -> std::time::Instant {
+    sent + std::time::Duration::from_millis(reset_ms.saturating_sub(1))
+}
+
 /// What the script answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecideReply {
