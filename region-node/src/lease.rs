@@ -34,7 +34,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::storage::{script, DecideReply};
 
@@ -251,6 +251,7 @@ impl Leases {
 mod tests {
     use super::*;
     use crate::storage::TierReply;
+    use std::time::Duration;
 
     fn reply(granted: u64, resets: &[u64]) -> DecideReply {
         DecideReply {
