@@ -147,6 +147,14 @@ impl Tansu {
         create_topics(&self.brokers(), topics, partitions, config).await
     }
 
+    /// [`Tansu::create_topics`] that returns the broker's refusal (or a
+    /// request timeout) instead of panicking, for a test that can recover
+    /// from a broker fault. It still panics if the topics never show their
+    /// partitions after a successful request.
+    pub async fn try_create_topics(&self, topics: &[&str], partitions: i32) -> Result<(), String> {
+        try_create_topics(&self.brokers(), topics, partitions, &[]).await
+    }
+
     /// SIGKILL and reap: the broker is gone (the database stays).
     pub fn kill(&mut self) {
         self.proc.kill9();
@@ -194,6 +202,18 @@ pub async fn create_topics(
     partitions: i32,
     config: &[(&str, &str)],
 ) {
+    try_create_topics(brokers, topics, partitions, config)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`create_topics`], with the request's failure as an error.
+pub async fn try_create_topics(
+    brokers: &str,
+    topics: &[&str],
+    partitions: i32,
+    config: &[(&str, &str)],
+) -> Result<(), String> {
     let admin: AdminClient<DefaultClientContext> =
         client_config(brokers).create().expect("admin client");
     let new_topics: Vec<NewTopic> = topics
@@ -205,15 +225,17 @@ pub async fn create_topics(
             )
         })
         .collect();
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+    let opts = AdminOptions::new()
+        .operation_timeout(Some(Duration::from_secs(20)))
+        .request_timeout(Some(Duration::from_secs(30)));
     let results = admin
         .create_topics(new_topics.iter(), &opts)
         .await
-        .unwrap_or_else(|e| panic!("CreateTopics {topics:?}: {e}"));
+        .map_err(|e| format!("CreateTopics {topics:?}: {e}"))?;
     for r in results {
         match r {
             Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((name, code)) => panic!("cannot create topic {name}: {code}"),
+            Err((name, code)) => return Err(format!("cannot create topic {name}: {code}")),
         }
     }
     let brokers = brokers.to_string();
@@ -232,6 +254,7 @@ pub async fn create_topics(
         },
     )
     .await;
+    Ok(())
 }
 
 /// True once the broker at `brokers` answers a metadata request listing at
