@@ -1317,12 +1317,13 @@ plan = "r"
     // Long enough that the node's start (before /healthz answers) never
     // uses it up on a loaded machine.
     const WAIT: Duration = Duration::from_secs(5);
+    let wait = format!("{}s", WAIT.as_secs());
     let node = RegionNode::start_with_env(
         &cfg,
         "eu",
         "a",
         &[
-            ("TIERLIMIT__NODE__VIEW_WAIT", "5s"),
+            ("TIERLIMIT__NODE__VIEW_WAIT", wait.as_str()),
             ("TIERLIMIT__NODE__STORE_TIMEOUT", "200ms"),
         ],
     )

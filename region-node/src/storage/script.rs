@@ -187,18 +187,17 @@ impl DecideCall<'_> {
 pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     let t = call.tenant;
     let bucket = keys::bucket_of(t);
-    let outside: Vec<(usize, String)> = call
+    let outside: Vec<String> = call
         .tiers
         .iter()
-        .enumerate()
-        .filter(|(_, tier)| !tier.in_tenant_hash())
-        .map(|(i, tier)| (i, keys::tier_key(t, &tier.tier_id(call.node_id), tier.key)))
+        .filter(|tier| !tier.in_tenant_hash())
+        .map(|tier| keys::tier_key(t, &tier.tier_id(call.node_id), tier.key))
         .collect();
     let refund = call.refund.as_ref().filter(|_| call.op == Op::Refund);
     cmd.arg(2 + outside.len() + usize::from(refund.is_some()))
         .arg(keys::tenant_hash(t))
         .arg(keys::dirty(bucket));
-    for (_, k) in &outside {
+    for k in &outside {
         cmd.arg(k);
     }
     if let Some(r) = refund {
@@ -246,15 +245,23 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
         }
     }
     n.int(call.tiers.len() as u64);
-    let mut next_key = 3;
-    for (i, tier) in call.tiers.iter().enumerate() {
+    // Where each tier's state is: 0 the tenant hash, i KEYS[i] (the keys of
+    // `outside`, from KEYS[3], in tier order).
+    let mut next_key = 2;
+    let locs: Vec<u64> = call
+        .tiers
+        .iter()
+        .map(|tier| {
+            if tier.in_tenant_hash() {
+                0
+            } else {
+                next_key += 1;
+                next_key
+            }
+        })
+        .collect();
+    for (tier, &loc) in call.tiers.iter().zip(&locs) {
         let l = tier.limit;
-        let loc = if outside.iter().any(|(j, _)| *j == i) {
-            next_key += 1;
-            next_key - 1
-        } else {
-            0
-        };
         n.int(loc);
         n.int(u64::from(l.algorithm.code()));
         n.int(l.limit);
@@ -276,8 +283,8 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
         .arg(call.day)
         .arg(call.epoch_candidate)
         .arg(n.0);
-    for (i, tier) in call.tiers.iter().enumerate() {
-        if outside.iter().any(|(j, _)| *j == i) {
+    for (tier, &loc) in call.tiers.iter().zip(&locs) {
+        if loc > 0 {
             cmd.arg("-");
         } else {
             let mut prefix = tier.tier_id(call.node_id);
