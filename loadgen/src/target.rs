@@ -255,6 +255,14 @@ impl ScriptCall {
     /// `EVALSHA sha …` of a check of `tenant` on `day`: nothing broadcast
     /// yet, no staleness cap, no deadline.
     pub fn cmd(&self, sha: &str, tenant: &str, day: u32) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(sha);
+        script::encode(&mut cmd, &self.call(tenant, day), 0);
+        cmd
+    }
+
+    /// The check `cmd` sends.
+    fn call<'a>(&'a self, tenant: &'a str, day: u32) -> DecideCall<'a> {
         let tier = |scope, limit| TierCall {
             scope,
             rule: tierlimit_shared::keys::WHOLE_TENANT,
@@ -266,7 +274,7 @@ impl ScriptCall {
             .into_iter()
             .filter_map(|(scope, l)| l.as_ref().map(|l| tier(scope, l)))
             .collect();
-        let call = DecideCall {
+        DecideCall {
             op: Op::Check,
             tenant,
             node_id: &self.node_id,
@@ -284,18 +292,14 @@ impl ScriptCall {
             relaxed_ms: 2000,
             refund: None,
             lease: None,
-        };
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(sha);
-        script::encode(&mut cmd, &call, 0);
-        cmd
+        }
     }
 
     /// Reads `decide.lua`'s reply.
     pub fn outcome(&self, v: redis::Value) -> Outcome {
         let has_node = self.node.is_some();
         let reply = match v {
-            redis::Value::Array(items) => DecideReply::parse(items).ok(),
+            redis::Value::Array(items) => DecideReply::parse(items, &self.call("", 0)).ok(),
             _ => None,
         };
         match reply {

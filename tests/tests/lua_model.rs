@@ -153,7 +153,7 @@ async fn script_matches_the_model() {
             cmd.arg(&sha);
             encode(&mut cmd, &call, 0); // no deadline
             let reply: Vec<Value> = cmd.query_async(&mut con).await.unwrap();
-            let reply = DecideReply::parse(reply).unwrap();
+            let reply = DecideReply::parse(reply, &call).unwrap();
             let ev = model.evaluate(&l, now_us, cost);
             let node = *reply.tiers.first().expect("the reply has no node tier");
             let (allowed, retry, remaining, reset) =

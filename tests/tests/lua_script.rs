@@ -125,7 +125,7 @@ async fn run(
         }
         other => other,
     }?;
-    Ok(DecideReply::parse(reply))
+    Ok(DecideReply::parse(reply, call))
 }
 
 /// A call without deadline that must succeed and parse.
@@ -684,7 +684,8 @@ async fn a_new_day_forgets_days_past_retention() {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&sha);
         encode(&mut cmd, &c, 0);
-        let r = DecideReply::parse(cmd.query_async::<Vec<Value>>(&mut con).await.unwrap()).unwrap();
+        let r =
+            DecideReply::parse(cmd.query_async::<Vec<Value>>(&mut con).await.unwrap(), &c).unwrap();
         assert!(r.allowed);
     }
     let fields: Vec<String> = redis::cmd("HKEYS")
@@ -811,28 +812,24 @@ async fn nodes_of_the_previous_release_share_the_counts() {
         .query_async(&mut con)
         .await
         .unwrap();
-    // The previous release's arguments for the same check (its layout: 13
-    // values in text, then 5 per tier, then a check's lease).
-    let prefix = |t: &TierCall<'_>| format!("{}:", t.tier_id("n1"));
-    let old_call = |cost: u64| {
+    // The previous release's call: this release's arguments, except that
+    // ARGV[3] was the day as text (the script built the field prefix).
+    let old_call = || {
+        let mut new = redis::cmd("EVALSHA");
+        new.arg(&old_sha);
+        encode(&mut new, &c, 0);
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&old_sha)
-            .arg(2)
-            .arg(keys::tenant_hash("upgrade"))
-            .arg(keys::dirty(keys::bucket_of("upgrade")))
-            .arg(&["check", "0", "upgrade"][..])
-            .arg(today())
-            .arg(&["epochold", "259200", "100"][..])
-            .arg(cost)
-            .arg(&["0", "-1", "-1", "2000", "2"][..]);
-        for (t, code) in [(&c.tiers[0], 1), (&c.tiers[1], 2)] {
-            cmd.arg(prefix(t))
-                .arg(code)
-                .arg(t.limit.limit)
-                .arg(t.limit.window_ms)
-                .arg(cost);
+        for (i, a) in new.args_iter().enumerate().skip(1) {
+            let redis::Arg::Simple(b) = a else {
+                unreachable!("no cursor arguments")
+            };
+            if i == 7 {
+                assert_eq!(b, format!("g:{}:", c.day).as_bytes(), "ARGV[3]");
+                cmd.arg(c.day);
+            } else {
+                cmd.arg(b);
+            }
         }
-        cmd.arg(0).arg(1);
         cmd
     };
     // Layout 4: [2] outcome (0 allowed), [5] own_p, then remaining/reset
@@ -856,7 +853,7 @@ async fn nodes_of_the_previous_release_share_the_counts() {
                 r.tiers[1].remaining,
             )
         } else {
-            let v: Vec<Value> = old_call(1).query_async(&mut con).await.unwrap();
+            let v: Vec<Value> = old_call().query_async(&mut con).await.unwrap();
             let (allowed, p, n, r) = old_reply(v);
             (allowed, p, n as u64, r as u64)
         };
@@ -867,7 +864,7 @@ async fn nodes_of_the_previous_release_share_the_counts() {
     }
     let r = decide(&mut con, &c).await;
     assert_eq!(r.denied, Some(Denied::Tier(1)), "the region tier is full");
-    let v: Vec<Value> = old_call(1).query_async(&mut con).await.unwrap();
+    let v: Vec<Value> = old_call().query_async(&mut con).await.unwrap();
     assert!(!old_reply(v).0, "for the previous release too");
     assert_eq!(counter(&mut con, "upgrade", today()).await.1, Some(12));
 }

@@ -15,8 +15,10 @@
 -- strtod); values that did not change are
 -- not written back, and numbers are written formatted with %d (Redis
 -- formats a Lua number with %.17g, which costs more than the rest of the
--- field); a reply of integers in fixed positions (Redis converts a reply
--- element by element, so names beside the values doubled its cost).
+-- field); a reply of integers in fixed positions, holding only what the
+-- node cannot compute itself (Redis converts a reply element by element,
+-- so names beside the values doubled its cost, and each item costs it
+-- about 360 instructions).
 --
 -- KEYS[1]   the tenant hash   tl:{B}:t:T   (whole-tenant tier states, the
 --           PN counter of each day, its publish state)
@@ -27,7 +29,8 @@
 --
 -- ARGV[1]   op: "check" | "refund" | "peek"
 -- ARGV[2]   tenant id (the dirty-set member is "T|day")
--- ARGV[3]   the day the node computed, as text (for field names)
+-- ARGV[3]   the field prefix of the day the node computed, "g:<day>:"
+--           (built by the node: a concatenation here costs a Lua string)
 -- ARGV[4]   epoch candidate, used if today's counter does not exist yet;
 --           also makes sliding-log members unique
 -- ARGV[5]   every number of the call, packed as little-endian doubles
@@ -73,20 +76,25 @@
 -- then      the epoch of each actor of this region in the broadcast, in
 --           the order of their P and N above
 --
--- Reply: a list in fixed positions (parsed in script.rs, which checks [1]):
---   [1] layout version (4)
---   [2] outcome: 0 allowed (a refund and a peek always are), i > 0 denied
---       by tier i, -1 denied by the global tier, -2 expired (nothing done)
---   [3] retry_ms when denied (-1 = never)
---   [4] now_ms (Redis TIME; the day is now_ms / 86400000)
---   [5] own_p   [6] own_n: this region's PN counter for the day
---   [7] raised: units the rollback check added to P (see below)
---   [8] refunded: global units a refund gave back (-1: the handle was
---       used already, nothing given back)
---   [9] granted: units of lease charged beyond the request's cost
---   [10] global remaining (-1: no global tier)
---   [11] epoch, naming this region's actor of the day's PN counter
---   then remaining, reset_ms of each tier, in call order.
+-- Reply: a list in fixed positions, parsed in script.rs with the call in
+-- hand. It holds only what the node cannot compute from its own call (a
+-- reply item costs Redis about 360 instructions): no layout version (the
+-- SHA the node calls by pins this text), no window's reset (the node has
+-- the window and now_ms), no global remaining (the node has the limit, the
+-- broadcast and its own parts).
+--   [1] outcome: 0 allowed (a refund and a peek always are), i > 0 denied
+--       by tier i, -1 denied by the global tier, -2 expired (nothing done;
+--       the reply is then { -2, now_ms })
+--   [2] now_ms (Redis TIME; the day is now_ms / 86400000)
+--   [3] own_p   [4] own_n: this region's PN counter for the day
+--   [5] raised: units the rollback check added to P (see below)
+--   [6] the op's units: a check's lease granted beyond its cost; a
+--       refund's global units given back (-1: the handle was used already,
+--       nothing given back); a peek's 0
+--   [7] epoch, naming this region's actor of the day's PN counter
+--   then each tier's remaining, in call order, followed by its reset_ms
+--       for a token bucket or a sliding log (state-dependent)
+--   then, when denied, retry_ms (-1 = never).
 --
 -- Numbers are Lua doubles: exact integers up to 2^53.
 
@@ -95,7 +103,6 @@ local unpack_n = struct.unpack
 local call = redis.call
 local floor = math.floor
 local fmt = string.format
-local VERSION = 4
 
 -- A tier is an array with every field it will hold, allocated once; these
 -- name its positions. (With named fields, a table of string keys, the
@@ -117,7 +124,7 @@ local now_us = t[1] * 1000000 + t[2]
 local now_ms = (now_us - now_us % 1000) / 1000
 
 if deadline > 0 and now_ms > deadline then
-  return { VERSION, -2, 0, now_ms, 0, 0, 0, 0, 0, -1, '' }
+  return { -2, now_ms }
 end
 
 local op = A[1]
@@ -125,16 +132,17 @@ local day = (now_ms - now_ms % 86400000) / 86400000
 if day - node_day > 1 or node_day - day > 1 then
   return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
 end
--- The day as text: the node's own when it agrees, since formatting a
--- number costs more than the rest of a field name.
-local gp = 'g:' .. (day == node_day and A[3] or fmt('%d', day)) .. ':'
+-- The day's field prefix: the node's own when it agrees, since formatting
+-- a number costs more than the rest of a field name.
+local gp = A[3]
+if day ~= node_day then gp = 'g:' .. fmt('%d', day) .. ':' end
 
 -- Read: one HMGET of the tenant hash for the day's counter and every tier
 -- kept there; one HMGET per tier kept in a key of its own. A tier's fields
 -- are <prefix>w, <prefix>c and <prefix>p (fixed and sliding windows: the
 -- window index, its count, the previous window's count) or <prefix>t and
 -- <prefix>f (GCRA); the sliding log is a zset of its own and has none.
-local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', false, false, false, false, false, false, false, false }
+local fields = { gp .. 'e', gp .. 'p', gp .. 'n', gp .. 'd', false, false, false }
 local nf = 4
 local tiers = { false, false, false, false }
 for i = 1, K do
@@ -332,7 +340,7 @@ end
 -- with %d (Redis would format a Lua number with %.17g, which costs more);
 -- values that did not change (a window's index, the previous count) are
 -- not written again.
-local hs = { false, false, false, false, false, false, false, false, false, false, false, false }
+local hs = { false, false, false, false }
 local nh = 0
 local outcome, retry = 0, 0
 local refunded, granted = 0, 0
@@ -344,75 +352,77 @@ if op == 'refund' then
   -- here, so checks stay cheap; it lives as long as the day's counter.
   local by_handle = op1 > 0
   local charged_at = op2
+  local fresh = true
   if by_handle then
     local rf = KEYS[op1]
     if call('SADD', rf, A[6 + K]) == 0 then
-      local out = { VERSION, 0, 0, now_ms, own_p, own_n, raised, -1, 0, global_remaining, epoch }
-      for i = 1, K do
-        out[10 + 2 * i] = tiers[i][REMAINING]; out[11 + 2 * i] = tiers[i][RESET]
-      end
-      return out
+      -- Used already: nothing given back and nothing written, not even a
+      -- rollback raise (the next call raises again).
+      fresh = false; refunded = -1; changed = false
+    else
+      call('EXPIRE', rf, ttl)
     end
-    call('EXPIRE', rf, ttl)
   end
-  -- Gives a tier its cost back (never below zero).
-  for i = 1, K do
-    local tier = tiers[i]
-    local alg, w, c = tier[ALG], tier[WIN], tier[COST]
-    local same_window = true
-    if by_handle then
-      if alg >= 3 then
-        same_window = now_ms - charged_at < w
-      else
-        same_window = floor(charged_at / w) == floor(now_ms / w)
-      end
-    end
-    if same_window then
-      local v1, v2, v3 = nil, nil, nil
-      if alg == 1 then
-        if tier[N1] > 0 then v1 = tier[IDX]; v2 = math.max(0, tier[N1] - c) end
-      elseif alg == 2 then
-        if tier[N1] > 0 then v1 = tier[IDX]; v2 = math.max(0, tier[N1] - c); v3 = tier[N2] end
-      elseif alg == 3 then
-        if tier[S1] then
-          local a = math.max(0, tier[N1] - c * tier[EMIT])
-          local whole = floor(a)
-          v1 = fmt('%d', now_us + whole); v2 = fmt('%.17g', a - whole)
-        end
-      elseif tier[N1] > 0 then
-        call('ZPOPMAX', KEYS[tier[LOC]], c)
-      end
-      if v2 then
-        if alg < 3 then v2 = fmt('%d', v2) end
-        if tier[LOC] == 0 then
-          -- a count above zero means the window was the current one: its
-          -- index and previous count are in Redis already
-          local f = tier[FIRST]
-          if alg == 3 then
-            hs[nh + 1] = fields[f + 1]; hs[nh + 2] = v1; nh = nh + 2
-          end
-          hs[nh + 1] = fields[f + 2]; hs[nh + 2] = v2; nh = nh + 2
-        elseif alg == 3 then
-          call('HSET', KEYS[tier[LOC]], 't', v1, 'f', v2)
-          call('PEXPIRE', KEYS[tier[LOC]], fmt('%d', tier[TTL_MS]))
+  if fresh then
+    -- Gives a tier its cost back (never below zero).
+    for i = 1, K do
+      local tier = tiers[i]
+      local alg, w, c = tier[ALG], tier[WIN], tier[COST]
+      local same_window = true
+      if by_handle then
+        if alg >= 3 then
+          same_window = now_ms - charged_at < w
         else
-          if v3 then
-            call('HSET', KEYS[tier[LOC]], 'w', v1, 'c', v2, 'p', v3)
-          else
-            call('HSET', KEYS[tier[LOC]], 'w', v1, 'c', v2)
+          same_window = floor(charged_at / w) == floor(now_ms / w)
+        end
+      end
+      if same_window then
+        local v1, v2, v3 = nil, nil, nil
+        if alg == 1 then
+          if tier[N1] > 0 then v1 = tier[IDX]; v2 = math.max(0, tier[N1] - c) end
+        elseif alg == 2 then
+          if tier[N1] > 0 then v1 = tier[IDX]; v2 = math.max(0, tier[N1] - c); v3 = tier[N2] end
+        elseif alg == 3 then
+          if tier[S1] then
+            local a = math.max(0, tier[N1] - c * tier[EMIT])
+            local whole = floor(a)
+            v1 = fmt('%d', now_us + whole); v2 = fmt('%.17g', a - whole)
           end
-          call('PEXPIRE', KEYS[tier[LOC]], fmt('%d', tier[TTL_MS]))
+        elseif tier[N1] > 0 then
+          call('ZPOPMAX', KEYS[tier[LOC]], c)
+        end
+        if v2 then
+          if alg < 3 then v2 = fmt('%d', v2) end
+          if tier[LOC] == 0 then
+            -- a count above zero means the window was the current one: its
+            -- index and previous count are in Redis already
+            local f = tier[FIRST]
+            if alg == 3 then
+              hs[nh + 1] = fields[f + 1]; hs[nh + 2] = v1; nh = nh + 2
+            end
+            hs[nh + 1] = fields[f + 2]; hs[nh + 2] = v2; nh = nh + 2
+          elseif alg == 3 then
+            call('HSET', KEYS[tier[LOC]], 't', v1, 'f', v2)
+            call('PEXPIRE', KEYS[tier[LOC]], fmt('%d', tier[TTL_MS]))
+          else
+            if v3 then
+              call('HSET', KEYS[tier[LOC]], 'w', v1, 'c', v2, 'p', v3)
+            else
+              call('HSET', KEYS[tier[LOC]], 'w', v1, 'c', v2)
+            end
+            call('PEXPIRE', KEYS[tier[LOC]], fmt('%d', tier[TTL_MS]))
+          end
         end
       end
     end
-  end
-  -- N never exceeds P: the counter cannot go below zero.
-  local back = math.min(gcost, own_p - own_n)
-  if by_handle and floor(charged_at / 86400000) ~= day then back = 0 end
-  if back > 0 then
-    refunded = back
-    own_n = own_n + back
-    changed = true
+    -- N never exceeds P: the counter cannot go below zero.
+    local back = math.min(gcost, own_p - own_n)
+    if by_handle and floor(charged_at / 86400000) ~= day then back = 0 end
+    if back > 0 then
+      refunded = back
+      own_n = own_n + back
+      changed = true
+    end
   end
 elseif op == 'check' then
   -- Deny if any tier denies; retry after the longest wait.
@@ -573,9 +583,12 @@ if changed then
 end
 if nh > 0 then call('HSET', KEYS[1], unpack(hs, 1, nh)) end
 
-local out = { VERSION, outcome, retry, now_ms, own_p, own_n, raised, refunded, granted, global_remaining, epoch,
-  nil, nil, nil, nil }
+local out = { outcome, now_ms, own_p, own_n, raised, refunded + granted, epoch, nil, nil }
+local no = 7
 for i = 1, K do
-  out[10 + 2 * i] = tiers[i][REMAINING]; out[11 + 2 * i] = tiers[i][RESET]
+  local tier = tiers[i]
+  out[no + 1] = tier[REMAINING]; no = no + 1
+  if tier[ALG] > 2 then out[no + 1] = tier[RESET]; no = no + 1 end
 end
+if outcome ~= 0 then out[no + 1] = retry end
 return out

@@ -313,11 +313,21 @@ impl Compensation {
     /// cost and of the lease the check took with it (`granted` units, every
     /// tier and the day's count alike).
     fn refund(&self, charged_at_ms: u64, granted: u64) -> DecideCall<'_> {
+        let handle = RefundOf {
+            id: self.id.clone(),
+            charged_at_ms,
+        };
+        self.call(Op::Refund, granted, Some(handle))
+    }
+
+    /// The call again, as `op`, with `extra` units on every tier and the
+    /// day's count (the check's own call: `Check`, 0, `None`).
+    fn call(&self, op: Op, extra: u64, refund: Option<RefundOf>) -> DecideCall<'_> {
         DecideCall {
-            op: Op::Refund,
+            op,
             tenant: &self.tenant,
             node_id: &self.node_id,
-            cost: self.cost + granted,
+            cost: self.cost + extra,
             tiers: self
                 .tiers
                 .iter()
@@ -326,7 +336,7 @@ impl Compensation {
                     rule,
                     key,
                     limit,
-                    cost: *cost + granted,
+                    cost: *cost + extra,
                 })
                 .collect(),
             expected_nodes: self.expected_nodes,
@@ -336,10 +346,7 @@ impl Compensation {
             now_ms: self.now_ms,
             counter_ttl_secs: self.counter_ttl_secs,
             relaxed_ms: self.relaxed_ms,
-            refund: Some(RefundOf {
-                id: self.id.clone(),
-                charged_at_ms,
-            }),
+            refund,
             lease: None,
         }
     }
@@ -636,7 +643,7 @@ impl RedisStore {
                 return Err(e);
             }
         };
-        let parsed = DecideReply::parse(items);
+        let parsed = DecideReply::parse(items, call);
         match &parsed {
             Ok(r) => self.learn_offset(r.now_ms),
             Err(ReplyError::Expired { now_ms }) => self.learn_offset(*now_ms),
@@ -699,15 +706,17 @@ impl RedisStore {
                 .inc()
         };
         let charged_at = match result {
-            Ok(Value::Array(items)) => match DecideReply::parse(items) {
-                Ok(r) if r.allowed => (r.now_ms, r.granted),
-                Ok(_) => return late("not_charged"),
-                Err(ReplyError::Expired { .. }) => return late("refused"),
-                Err(ReplyError::Malformed(why)) => {
-                    tracing::error!(tenant = %undo.tenant, %why, "late decision reply unreadable; it may have charged");
-                    return self.uncompensated("no_reply");
+            Ok(Value::Array(items)) => {
+                match DecideReply::parse(items, &undo.call(Op::Check, 0, None)) {
+                    Ok(r) if r.allowed => (r.now_ms, r.granted),
+                    Ok(_) => return late("not_charged"),
+                    Err(ReplyError::Expired { .. }) => return late("refused"),
+                    Err(ReplyError::Malformed(why)) => {
+                        tracing::error!(tenant = %undo.tenant, %why, "late decision reply unreadable; it may have charged");
+                        return self.uncompensated("no_reply");
+                    }
                 }
-            },
+            }
             // An error reply: the script refused or failed before writing.
             r @ (Ok(_) | Err(_)) if is_reply(&r) => return late("not_charged"),
             Ok(_) | Err(_) => {
@@ -741,7 +750,7 @@ impl RedisStore {
                 let result =
                     tokio::time::timeout(self.timeout.max(Duration::from_millis(200)), sent).await;
                 if let Ok(Ok(Value::Array(items))) = result {
-                    if let Ok(r) = DecideReply::parse(items) {
+                    if let Ok(r) = DecideReply::parse(items, &call) {
                         self.metrics
                             .late_replies
                             .with_label_values(&["compensated"])

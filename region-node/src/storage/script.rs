@@ -1,17 +1,19 @@
 //! The typed interface of the decision script (`lua/decide.lua`): what a
 //! call carries ([`DecideCall`]), how it is laid out as KEYS and ARGV
-//! ([`encode`]), and what comes back ([`DecideReply`], in fixed positions
-//! behind a layout version).
+//! ([`encode`]), and what comes back ([`DecideReply`], in fixed positions,
+//! read with the call in hand).
 //!
 //! Everything that knows the script's argument positions is in this module,
 //! so the decision path, the `local` fail mode, the load generator and the
 //! script tests all speak in named fields. The reply is a list in fixed
-//! positions whose first item is its layout version, so a reader of another
-//! layout fails loudly instead of misreading a number. (It used to be
-//! name/value pairs; Redis converts a reply item by item, and the names cost
-//! as much as the values.) Nodes of two releases sharing a Redis each run
-//! their own script by its SHA1 and read its own reply; the script's storage
-//! layout is what they share.
+//! positions that holds only what the node cannot compute from its own call:
+//! Redis converts a reply item by item (about 360 instructions an item), so
+//! a window's reset (the node has the window and Redis' `now_ms`) and the
+//! global remaining (the node has the limit, the broadcast and its parts)
+//! are computed here instead. The node calls the script by the SHA1 of its
+//! own text, so the reply's layout is the one this module reads; nodes of
+//! two releases sharing a Redis each run their own script and read its own
+//! reply, and the script's storage layout is what they share.
 
 use redis::Value;
 
@@ -280,7 +282,7 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
 
     cmd.arg(call.op.name())
         .arg(t)
-        .arg(call.day)
+        .arg(day_field_prefix(call.day))
         .arg(call.epoch_candidate)
         .arg(n.0);
     for (tier, &loc) in call.tiers.iter().zip(&locs) {
@@ -298,6 +300,13 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     for (epoch, _, _) in parts {
         cmd.arg(epoch);
     }
+}
+
+/// The prefix of a day's fields in the tenant hash (`g:<day>:`; see
+/// `shared/src/keys.rs`), sent ready-made: a concatenation in the script
+/// costs Redis a Lua string on every call.
+fn day_field_prefix(day: u32) -> String {
+    format!("g:{day}:")
 }
 
 /// The numbers of a call, as the script unpacks them (`'<d'` each).
@@ -401,66 +410,88 @@ pub enum ReplyError {
     Malformed(String),
 }
 
-/// The reply layout `decide.lua` writes in its first position. A reply of
-/// another layout (an older script under the same SHA cannot happen, but a
-/// hand-loaded one can) is refused instead of misread.
-pub const REPLY_LAYOUT: i64 = 4;
+/// Items of the reply before its tiers (the script documents them 1-based):
+/// outcome, now_ms, own P, own N, raised, the op's units, epoch.
+const HEADER: usize = 7;
 
-/// Positions of the reply (0-based; the script documents them 1-based).
-const HEADER: usize = 11;
+/// Whether the script reports a tier's reset: a window's is the rest of
+/// the window, which the node computes from `now_ms`.
+fn reset_in_reply(algorithm: Algorithm) -> bool {
+    matches!(algorithm, Algorithm::TokenBucket | Algorithm::SlidingLog)
+}
 
 impl DecideReply {
-    /// Parses the script's reply: integers in fixed positions, the epoch at
-    /// [`HEADER`] − 1, then two integers per tier. Positions, not names:
-    /// Redis converts a script's reply element by element, and the names
-    /// doubled that cost (BENCHMARKS.md, "Where the decision script's
-    /// instructions go"); the version in the first position keeps a reply
-    /// of another layout from being misread.
-    pub fn parse(reply: Vec<Value>) -> Result<DecideReply, ReplyError> {
-        if reply.len() < HEADER || !(reply.len() - HEADER).is_multiple_of(2) {
+    /// Parses the reply to `call`: integers in fixed positions and the epoch
+    /// at [`HEADER`] − 1, then each tier's remaining (and its reset where
+    /// the script reports it), then the retry when denied. What the script
+    /// leaves out (a window's reset, the global remaining) is computed from
+    /// the call as the script would have.
+    pub fn parse(reply: Vec<Value>, call: &DecideCall<'_>) -> Result<DecideReply, ReplyError> {
+        let at = |i: usize| {
+            reply.get(i).and_then(int).ok_or_else(|| {
+                ReplyError::Malformed(format!(
+                    "item {} is not an integer: {:?}",
+                    i + 1,
+                    reply.get(i)
+                ))
+            })
+        };
+        let outcome = at(0)?;
+        let now_ms = at(1)?;
+        if outcome == -2 {
+            return Err(ReplyError::Expired { now_ms });
+        }
+        let k = call.tiers.len();
+        let expected = HEADER
+            + k
+            + call
+                .tiers
+                .iter()
+                .filter(|t| reset_in_reply(t.limit.algorithm))
+                .count()
+            + usize::from(outcome != 0);
+        if reply.len() != expected {
             return Err(ReplyError::Malformed(format!(
-                "{} items, expected {HEADER} + 2 per tier",
+                "{} items, expected {expected} for a call of {k} tiers (outcome {outcome})",
                 reply.len()
             )));
         }
-        let at = |i: usize| {
-            int(&reply[i]).ok_or_else(|| {
-                ReplyError::Malformed(format!("item {} is not an integer: {:?}", i + 1, reply[i]))
-            })
-        };
-        let layout = at(0)?;
-        if layout != REPLY_LAYOUT {
-            return Err(ReplyError::Malformed(format!(
-                "reply layout {layout}, expected {REPLY_LAYOUT}"
-            )));
-        }
-        let now_ms = at(3)?;
-        let denied = match at(1)? {
+        let denied = match outcome {
             0 => None,
             -1 => Some(Denied::Global),
-            -2 => return Err(ReplyError::Expired { now_ms }),
-            i if i > 0 && (i as usize) <= (reply.len() - HEADER) / 2 => {
-                Some(Denied::Tier(i as usize - 1))
-            }
+            i if i > 0 && (i as usize) <= k => Some(Denied::Tier(i as usize - 1)),
             other => return Err(ReplyError::Malformed(format!("outcome {other}"))),
         };
-        let tiers = (HEADER..reply.len())
-            .step_by(2)
-            .map(|i| {
-                Ok(TierReply {
-                    remaining: at(i)?.max(0) as u64,
-                    reset_ms: at(i + 1)?.max(0) as u64,
-                })
-            })
-            .collect::<Result<_, ReplyError>>()?;
-        let retry = at(2)?;
-        let global = at(9)?;
+        let mut next = HEADER;
+        let mut tiers = Vec::with_capacity(k);
+        for tier in &call.tiers {
+            let remaining = at(next)?.max(0) as u64;
+            next += 1;
+            let reset_ms = if reset_in_reply(tier.limit.algorithm) {
+                next += 1;
+                at(next - 1)?.max(0) as u64
+            } else {
+                let w = tier.limit.window_ms.max(1);
+                w - (now_ms.max(0) as u64) % w
+            };
+            tiers.push(TierReply {
+                remaining,
+                reset_ms,
+            });
+        }
+        let retry = if outcome != 0 { at(next)? } else { 0 };
         let unsigned = |i: usize| at(i).map(|v| v.max(0) as u64);
-        let (own_p, own_n, raised, granted) =
-            (unsigned(4)?, unsigned(5)?, unsigned(6)?, unsigned(8)?);
-        let refunded = at(7)?;
+        let (own_p, own_n, raised) = (unsigned(2)?, unsigned(3)?, unsigned(4)?);
+        let units = at(5)?;
         let mut reply = reply;
         let epoch = text(std::mem::replace(&mut reply[HEADER - 1], Value::Nil));
+        let day = (now_ms.max(0) as u64 / (SECS_PER_DAY * 1000)) as u32;
+        let global_remaining = global_remaining(call, day, own_p, own_n, &epoch);
+        let (refunded, granted) = match call.op {
+            Op::Check => (0, units.max(0) as u64),
+            Op::Refund => (units.max(0) as u64, 0),
+            Op::Peek => (0, 0),
+        };
         Ok(DecideReply {
             allowed: denied.is_none(),
             denied,
@@ -470,14 +501,48 @@ impl DecideReply {
             own_p,
             own_n,
             epoch,
-            day: (now_ms.max(0) as u64 / (SECS_PER_DAY * 1000)) as u32,
-            global_remaining: (global >= 0).then_some(global as u64),
+            day,
+            global_remaining,
             raised,
-            refunded: refunded.max(0) as u64,
-            duplicate: refunded == -1,
+            refunded,
+            duplicate: call.op == Op::Refund && units == -1,
             granted,
         })
     }
+}
+
+/// What the global tier leaves this region after the call, as the script
+/// computes it: the limit less the other actors' broadcast spend (the
+/// broadcast total less this actor's part in it, when Redis' day is the
+/// node's) and this actor's count in Redis (`own_p − own_n`, after the
+/// call), within `own_cap` when the view is stale. `None`: no global tier.
+fn global_remaining(
+    call: &DecideCall<'_>,
+    day: u32,
+    own_p: u64,
+    own_n: u64,
+    epoch: &str,
+) -> Option<u64> {
+    let g = call.global.as_ref().filter(|g| g.limit > 0)?;
+    let own = i128::from(own_p) - i128::from(own_n);
+    let others = if day == call.day {
+        // The script takes the last part of the epoch, as it reads them in
+        // order.
+        let mine = g
+            .own_parts
+            .iter()
+            .rev()
+            .find(|(e, _, _)| e == epoch)
+            .map_or(0, |(_, p, n)| i128::from(*p) - i128::from(*n));
+        (i128::from(g.broadcast_total) - mine).max(0)
+    } else {
+        0
+    };
+    let mut remaining = i128::from(g.limit) - others - own;
+    if let Some(cap) = g.own_cap {
+        remaining = remaining.min(i128::from(cap) - own);
+    }
+    Some(remaining.clamp(0, i128::from(u64::MAX)) as u64)
 }
 
 fn int(v: &Value) -> Option<i64> {
@@ -507,124 +572,32 @@ mod tests {
         Value::BulkString(x.as_bytes().to_vec())
     }
 
-    /// A reply as `decide.lua` lays it out: the header, then two integers
-    /// per tier.
-    fn reply(header: [i64; 10], epoch: &str, tiers: &[i64]) -> Vec<Value> {
+    /// A reply as `decide.lua` lays it out: the header before the epoch,
+    /// the epoch, then the tiers' items and the retry.
+    fn reply(header: [i64; 6], epoch: &str, rest: &[i64]) -> Vec<Value> {
         let mut v: Vec<Value> = header.iter().map(|i| Value::Int(*i)).collect();
         v.push(s(epoch));
-        v.extend(tiers.iter().map(|i| Value::Int(*i)));
+        v.extend(rest.iter().map(|i| Value::Int(*i)));
         v
     }
 
-    #[test]
-    fn a_denial_parses_from_its_positions() {
-        // layout, outcome (tier 2), retry, now_ms, p, n, raised, refunded,
-        // granted, global (-1 none)
-        let now = 1_700_000_000_000;
-        let header = [4, 2, 250, now, 7, 1, 0, 0, 0, -1];
-        let r = DecideReply::parse(reply(header, "abc", &[4, 100, 0, 900])).unwrap();
-        assert!(!r.allowed);
-        assert_eq!(r.denied, Some(Denied::Tier(1)), "1-based on the wire");
-        assert_eq!(r.retry_ms, Some(250));
-        assert_eq!(r.now_ms, 1_700_000_000_000);
-        assert_eq!(
-            r.tiers,
-            [
-                TierReply {
-                    remaining: 4,
-                    reset_ms: 100
-                },
-                TierReply {
-                    remaining: 0,
-                    reset_ms: 900
-                }
-            ]
-        );
-        assert_eq!(
-            (r.own_p, r.own_n, r.epoch.as_str(), r.day),
-            (7, 1, "abc", 19_675),
-            "the day is Redis' now_ms in UTC days"
-        );
-        assert_eq!((r.global_remaining, r.raised), (None, 0));
+    const FIXED: Limit = Limit {
+        algorithm: Algorithm::FixedWindow,
+        limit: 10,
+        window_ms: 1000,
+        burst: 10,
+    };
+    const LOG: Limit = Limit {
+        algorithm: Algorithm::SlidingLog,
+        ..FIXED
+    };
 
-        let header = [4, 0, 0, 5, 9, 2, 4, 3, 6, 17];
-        let r = DecideReply::parse(reply(header, "e", &[])).unwrap();
-        assert!(r.allowed && r.denied.is_none() && !r.duplicate);
-        assert_eq!(
-            (r.raised, r.refunded, r.granted, r.global_remaining),
-            (4, 3, 6, Some(17))
-        );
-        let header = [4, 0, 0, 5, 9, 2, 0, -1, 0, 17];
-        let r = DecideReply::parse(reply(header, "e", &[])).unwrap();
-        assert!(
-            r.allowed && r.duplicate && r.refunded == 0,
-            "-1: a used handle"
-        );
-    }
-
-    #[test]
-    fn never_is_a_negative_retry_and_expired_is_an_error() {
-        let mut header = [4, -1, -1, 5, 0, 0, 0, 0, 0, 0];
-        let r = DecideReply::parse(reply(header, "", &[])).unwrap();
-        assert_eq!((r.denied, r.retry_ms), (Some(Denied::Global), None));
-        header[1] = -2;
-        assert_eq!(
-            DecideReply::parse(reply(header, "", &[])),
-            Err(ReplyError::Expired { now_ms: 5 })
-        );
-        header[1] = 3;
-        assert!(
-            matches!(DecideReply::parse(reply(header, "", &[1, 2])), Err(ReplyError::Malformed(m)) if m.contains("outcome 3")),
-            "a denied tier the call does not have"
-        );
-    }
-
-    #[test]
-    fn a_reply_of_another_layout_is_refused() {
-        // The name/value pairs of an old script.
-        let named = vec![
-            s("allowed"),
-            Value::Int(1),
-            s("denied"),
-            s(""),
-            s("now_ms"),
-            Value::Int(5),
-        ];
-        assert!(matches!(
-            DecideReply::parse(named),
-            Err(ReplyError::Malformed(_))
-        ));
-        // Layout 3 (15 header items) read as 4 would shift every number.
-        let mut v3: Vec<Value> = [3, 1, 0, 0, 0, 5, 0, 0, 1, 0, 0, 0, 0, -1]
-            .iter()
-            .map(|i| Value::Int(*i))
-            .collect();
-        v3.push(s("e"));
-        assert!(matches!(
-            DecideReply::parse(v3),
-            Err(ReplyError::Malformed(m)) if m.contains("layout 3")
-        ));
-        let odd_tiers = reply([4, 0, 0, 5, 0, 0, 0, 0, 0, -1], "e", &[1]);
-        assert!(matches!(
-            DecideReply::parse(odd_tiers),
-            Err(ReplyError::Malformed(_))
-        ));
-    }
-
-    #[test]
-    fn encode_lays_out_keys_and_argv_as_the_script_reads_them() {
-        let fixed = Limit {
-            algorithm: tierlimit_shared::config::Algorithm::FixedWindow,
-            limit: 10,
-            window_ms: 1000,
-            burst: 10,
-        };
-        let log = Limit {
-            algorithm: tierlimit_shared::config::Algorithm::SlidingLog,
-            ..fixed.clone()
-        };
-        let call = DecideCall {
-            op: Op::Check,
+    /// A check of a node fixed window and a region sliding log, with a
+    /// global limit of 100 of which the broadcast has 40 spent, 8 of them
+    /// by this region's actor `e1`.
+    fn call(op: Op, day: u32) -> DecideCall<'static> {
+        DecideCall {
+            op,
             tenant: "acme",
             node_id: "n1",
             cost: 2,
@@ -633,14 +606,14 @@ mod tests {
                     scope: Scope::Node,
                     rule: "_",
                     key: "_",
-                    limit: &fixed,
+                    limit: &FIXED,
                     cost: 2,
                 },
                 TierCall {
                     scope: Scope::Region,
                     rule: "_",
                     key: "GET/x",
-                    limit: &log,
+                    limit: &LOG,
                     cost: 3,
                 },
             ],
@@ -653,13 +626,153 @@ mod tests {
                 urgent_at: Some(30),
             }),
             epoch_candidate: "cand",
-            day: 20_000,
+            day,
             now_ms: 0,
             counter_ttl_secs: 259_200,
             relaxed_ms: 2000,
             refund: None,
             lease: None,
+        }
+    }
+
+    const NOW: i64 = 1_700_000_000_250;
+    const DAY: u32 = 19_675;
+
+    #[test]
+    fn a_denial_parses_from_its_positions() {
+        // outcome (tier 2), now_ms, p, n, raised, the op's units; the
+        // fixed window's remaining; the log's remaining and reset; retry
+        let check = call(Op::Check, DAY);
+        let r = DecideReply::parse(reply([2, NOW, 7, 1, 0, 0], "e1", &[4, 0, 900, 250]), &check)
+            .unwrap();
+        assert!(!r.allowed);
+        assert_eq!(r.denied, Some(Denied::Tier(1)), "1-based on the wire");
+        assert_eq!(r.retry_ms, Some(250));
+        assert_eq!(r.now_ms, NOW);
+        assert_eq!(
+            r.tiers,
+            [
+                TierReply {
+                    remaining: 4,
+                    reset_ms: 750
+                },
+                TierReply {
+                    remaining: 0,
+                    reset_ms: 900
+                }
+            ],
+            "a window's reset is the rest of the window at Redis' now_ms"
+        );
+        assert_eq!(
+            (r.own_p, r.own_n, r.epoch.as_str(), r.day),
+            (7, 1, "e1", DAY),
+            "the day is Redis' now_ms in UTC days"
+        );
+        assert_eq!(r.raised, 0);
+        assert_eq!(
+            r.global_remaining,
+            Some(100 - (40 - 8) - 6),
+            "the limit less the others' broadcast spend and this actor's count"
+        );
+    }
+
+    #[test]
+    fn the_global_remaining_is_computed_as_the_script_would() {
+        let allowed = |c: &DecideCall<'_>, epoch: &str| {
+            DecideReply::parse(reply([0, NOW, 7, 1, 0, 0], epoch, &[4, 5, 900]), c)
+                .unwrap()
+                .global_remaining
         };
+        let mut c = call(Op::Check, DAY);
+        assert_eq!(allowed(&c, "e1"), Some(62));
+        assert_eq!(
+            allowed(&c, "e2"),
+            Some(100 - 40 - 6),
+            "a new actor has no part in the broadcast: all of it is others'"
+        );
+        c.global.as_mut().unwrap().own_cap = Some(10);
+        assert_eq!(allowed(&c, "e1"), Some(4), "within the cap of a stale view");
+        c.global.as_mut().unwrap().own_cap = Some(3);
+        assert_eq!(allowed(&c, "e1"), Some(0), "never below zero");
+        let other_day = call(Op::Check, DAY + 1);
+        assert_eq!(
+            allowed(&other_day, "e1"),
+            Some(94),
+            "Redis' day is not the node's: the broadcast is not for it"
+        );
+        let mut no_global = call(Op::Check, DAY);
+        no_global.global.as_mut().unwrap().limit = 0;
+        assert_eq!(allowed(&no_global, "e1"), None);
+    }
+
+    #[test]
+    fn the_ops_units_are_a_lease_or_a_refund() {
+        let check = call(Op::Check, DAY);
+        let r = DecideReply::parse(reply([0, NOW, 9, 2, 4, 6], "e", &[5, 3, 800]), &check).unwrap();
+        assert!(r.allowed && r.denied.is_none() && !r.duplicate);
+        assert_eq!((r.raised, r.refunded, r.granted), (4, 0, 6));
+        assert_eq!(r.retry_ms, Some(0), "no retry item when allowed");
+        let refund = call(Op::Refund, DAY);
+        let r =
+            DecideReply::parse(reply([0, NOW, 9, 2, 0, 3], "e", &[5, 3, 800]), &refund).unwrap();
+        assert_eq!((r.refunded, r.granted, r.duplicate), (3, 0, false));
+        let r =
+            DecideReply::parse(reply([0, NOW, 9, 2, 0, -1], "e", &[5, 3, 800]), &refund).unwrap();
+        assert!(r.duplicate && r.refunded == 0, "-1: a used handle");
+    }
+
+    #[test]
+    fn never_is_a_negative_retry_and_expired_is_an_error() {
+        let c = call(Op::Check, DAY);
+        let r = DecideReply::parse(reply([-1, NOW, 0, 0, 0, 0], "", &[1, 2, 3, -1]), &c).unwrap();
+        assert_eq!((r.denied, r.retry_ms), (Some(Denied::Global), None));
+        assert_eq!(
+            DecideReply::parse(vec![Value::Int(-2), Value::Int(5)], &c),
+            Err(ReplyError::Expired { now_ms: 5 })
+        );
+        assert!(
+            matches!(DecideReply::parse(reply([3, NOW, 0, 0, 0, 0], "", &[1, 2, 3, 9]), &c), Err(ReplyError::Malformed(m)) if m.contains("outcome 3")),
+            "a denied tier the call does not have"
+        );
+    }
+
+    #[test]
+    fn a_reply_of_another_layout_is_refused() {
+        let c = call(Op::Check, DAY);
+        // The name/value pairs of an old script.
+        let named = vec![
+            s("allowed"),
+            Value::Int(1),
+            s("denied"),
+            s(""),
+            s("now_ms"),
+            Value::Int(5),
+        ];
+        assert!(matches!(
+            DecideReply::parse(named, &c),
+            Err(ReplyError::Malformed(_))
+        ));
+        // Layout 4: its version first, then 9 integers and the epoch.
+        let mut v4: Vec<Value> = [4, 0, 0, NOW, 7, 1, 0, 0, 0, 50]
+            .iter()
+            .map(|i| Value::Int(*i))
+            .collect();
+        v4.push(s("e"));
+        v4.extend([4, 750, 0, 900].map(Value::Int));
+        assert!(matches!(
+            DecideReply::parse(v4, &c),
+            Err(ReplyError::Malformed(_))
+        ));
+        let no_log_reset = reply([0, NOW, 0, 0, 0, 0], "e", &[1, 2]);
+        assert!(matches!(
+            DecideReply::parse(no_log_reset, &c),
+            Err(ReplyError::Malformed(m)) if m.contains("expected 10")
+        ));
+    }
+
+    #[test]
+    fn encode_lays_out_keys_and_argv_as_the_script_reads_them() {
+        let call = call(Op::Check, 20_000);
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg("sha");
         encode(&mut cmd, &call, 77);
@@ -693,7 +806,7 @@ mod tests {
             &log_key, // keys
             "check",
             "acme",
-            "20000",
+            "g:20000:",
             "cand",
             "<numbers>",
             "n:n1:_:1:", // the node tier's prefix in the hash
