@@ -907,7 +907,7 @@ mod tests {
         );
         assert_eq!(
             (5..8).map(text).collect::<Vec<_>>(),
-            ["check", "acme", "20000"]
+            ["check", "acme", "g:20000:"]
         );
         let n = region_node::storage::script::unpack_numbers(args[9]);
         // deadline, day, TTL; the check's lease: none asked (max 0, share
