@@ -824,7 +824,7 @@ async fn nodes_of_the_previous_release_share_the_counts() {
                 unreachable!("no cursor arguments")
             };
             if i == 7 {
-                assert_eq!(b, format!("g:{}:", c.day).as_bytes(), "ARGV[3]");
+                assert_eq!(b, keys::day_prefix(c.day).as_bytes(), "ARGV[3]");
                 cmd.arg(c.day);
             } else {
                 cmd.arg(b);

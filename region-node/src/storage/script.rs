@@ -282,7 +282,9 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
 
     cmd.arg(call.op.name())
         .arg(t)
-        .arg(day_field_prefix(call.day))
+        // The day's field prefix ready-made: a concatenation in the script
+        // costs Redis a Lua string on every call.
+        .arg(keys::day_prefix(call.day))
         .arg(call.epoch_candidate)
         .arg(n.0);
     for (tier, &loc) in call.tiers.iter().zip(&locs) {
@@ -300,13 +302,6 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     for (epoch, _, _) in parts {
         cmd.arg(epoch);
     }
-}
-
-/// The prefix of a day's fields in the tenant hash (`g:<day>:`; see
-/// `shared/src/keys.rs`), sent ready-made: a concatenation in the script
-/// costs Redis a Lua string on every call.
-fn day_field_prefix(day: u32) -> String {
-    format!("g:{day}:")
 }
 
 /// The numbers of a call, as the script unpacks them (`'<d'` each).
@@ -468,8 +463,9 @@ impl DecideReply {
             let remaining = at(next)?.max(0) as u64;
             next += 1;
             let reset_ms = if reset_in_reply(tier.limit.algorithm) {
+                let reset = at(next)?.max(0) as u64;
                 next += 1;
-                at(next - 1)?.max(0) as u64
+                reset
             } else {
                 let w = tier.limit.window_ms.max(1);
                 w - (now_ms.max(0) as u64) % w
