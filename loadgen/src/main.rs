@@ -89,6 +89,10 @@ enum Command {
         calls: u64,
         #[arg(long)]
         out: PathBuf,
+        /// Calls of this many days before today (a tenant's history, for
+        /// a script whose clock is faked to that day).
+        #[arg(long, default_value_t = 0)]
+        days_ago: u32,
     },
 }
 
@@ -268,9 +272,10 @@ fn main() -> anyhow::Result<()> {
             tenants,
             calls,
             out,
+            days_ago,
         } => {
             let call = script.call();
-            let day = ScriptCall::today();
+            let day = ScriptCall::today().saturating_sub(days_ago);
             let mut w = std::io::BufWriter::new(std::fs::File::create(&out)?);
             for i in 0..calls {
                 let tenant = format!("{:012}", i % tenants.max(1));

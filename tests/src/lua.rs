@@ -7,14 +7,32 @@ use region_node::storage::script::DECIDE_LUA;
 /// Loads the script with the fake clock into `con`'s server and returns
 /// its SHA (`SCRIPT FLUSH` aside, `FLUSHDB` keeps it).
 pub async fn load_with_fake_clock(con: &mut redis::aio::MultiplexedConnection) -> String {
+    load_source_with_fake_clock(con, DECIDE_LUA).await
+}
+
+/// The same for another text of the script (the previous release's).
+pub async fn load_source_with_fake_clock(
+    con: &mut redis::aio::MultiplexedConnection,
+    script: &str,
+) -> String {
     let fake_clock =
         "local t = { redis.call('GET', 'fake:s'), redis.call('GET', 'fake:us') or '0' }";
-    let source = DECIDE_LUA.replace("local t = redis.call('TIME')", fake_clock);
-    assert_ne!(source, DECIDE_LUA, "the script's clock call was not found");
+    let source = script.replace("local t = redis.call('TIME')", fake_clock);
+    assert_ne!(source, script, "the script's clock call was not found");
     redis::cmd("SCRIPT")
         .arg("LOAD")
         .arg(&source)
         .query_async(con)
         .await
         .expect("SCRIPT LOAD")
+}
+
+/// Sets the fake clock to 01:00 UTC of `day`.
+pub async fn set_fake_day(con: &mut redis::aio::MultiplexedConnection, day: u32) {
+    redis::cmd("SET")
+        .arg("fake:s")
+        .arg(u64::from(day) * 86_400 + 3600)
+        .query_async::<()>(con)
+        .await
+        .expect("SET fake:s");
 }

@@ -660,7 +660,9 @@ async fn a_call_past_its_deadline_charges_nothing() {
 }
 
 /// A new day drops the days past retention from the tenant hash and gives
-/// the hash its TTL; the tier states in it stay.
+/// the hash its TTL; the tier states in it stay. The days it keeps move
+/// behind the new day's fields, values unchanged: in a listpack every
+/// decision of the day walks whatever precedes its counter.
 #[tokio::test]
 async fn a_new_day_forgets_days_past_retention() {
     let redis = Redis::start();
@@ -671,12 +673,7 @@ async fn a_new_day_forgets_days_past_retention() {
     let d0 = 20_000u32;
     // TTL 2 days: a day's counter is kept while it is at most 2 days old.
     for d in d0..d0 + 4 {
-        redis::cmd("SET")
-            .arg("fake:s")
-            .arg(u64::from(d) * 86_400 + 3600)
-            .query_async::<()>(&mut con)
-            .await
-            .unwrap();
+        harness::lua::set_fake_day(&mut con, d).await;
         let mut c = check("days", 1);
         c.day = d;
         c.counter_ttl_secs = 2 * 86_400;
@@ -684,9 +681,43 @@ async fn a_new_day_forgets_days_past_retention() {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&sha);
         encode(&mut cmd, &c, 0);
+        let before: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(keys::tenant_hash("days"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
         let r =
             DecideReply::parse(cmd.query_async::<Vec<Value>>(&mut con).await.unwrap(), &c).unwrap();
         assert!(r.allowed);
+        let after: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(keys::tenant_hash("days"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let today = keys::day_prefix(d);
+        let day_of = |f: &str| {
+            f.strip_prefix("g:")
+                .map(|rest| rest.split(':').next().unwrap().to_owned())
+        };
+        let first_older = after
+            .iter()
+            .position(|(f, _)| day_of(f).is_some_and(|x| x != d.to_string()));
+        let last_today = after.iter().rposition(|(f, _)| f.starts_with(&today));
+        if let (Some(o), Some(t)) = (first_older, last_today) {
+            assert!(
+                t < o,
+                "day {d}: today's fields before older days': {after:?}"
+            );
+        }
+        for (f, v) in &before {
+            let kept = day_of(f).is_some_and(|x| x.parse::<u32>().unwrap() + 2 >= d);
+            if kept {
+                assert!(
+                    after.contains(&(f.clone(), v.clone())),
+                    "day {d}: {f} = {v} kept as it was: {after:?}"
+                );
+            }
+        }
     }
     let fields: Vec<String> = redis::cmd("HKEYS")
         .arg(keys::tenant_hash("days"))
@@ -786,85 +817,95 @@ async fn a_lease_takes_a_share_of_what_is_left_and_nothing_near_the_limit() {
     }
 }
 
-/// The previous release's decision script (every argument in text, reply
-/// layout 4), kept as it shipped: during a rolling upgrade its nodes and
-/// this release's share one Redis.
+/// The previous release's decision script (`bba1826`: the same arguments
+/// and reply, a new day's fields appended after the earlier days'), kept as
+/// it shipped: during a rolling upgrade its nodes and this release's share
+/// one Redis.
 const PREVIOUS_RELEASE: &str = include_str!("../fixtures/decide_previous_release.lua");
 
 /// A rolling upgrade: nodes of the previous release and of this one charge
-/// the same tenant in one region, taking turns. The storage layout is what
+/// the same tenant in one region, taking turns, over three days of a faked
+/// clock, each release starting a day in turn. The storage layout is what
 /// they share (each runs its own script by its SHA and reads its own
 /// reply), so each sees every charge the other made: the tiers' remaining
-/// units and the region's PN counter count all of them, and the region tier
-/// denies at its limit whichever release asks.
+/// units and the region's PN counter count all of them, the region tier
+/// denies at its limit whichever release asks, and a day this release
+/// starts (moving the earlier days behind it) leaves the earlier days'
+/// counters as they were for both.
 #[tokio::test]
 async fn nodes_of_the_previous_release_share_the_counts() {
     let redis = Redis::start();
     let mut con = redis.client().await;
+    let new_sha = harness::lua::load_with_fake_clock(&mut con).await;
+    let old_sha = harness::lua::load_source_with_fake_clock(&mut con, PREVIOUS_RELEASE).await;
+    assert_ne!(new_sha, old_sha, "two releases of the script");
     let node = limit(Algorithm::FixedWindow, 1000, 3_600_000, 1000);
     let region = limit(Algorithm::SlidingWindow, 12, 3_600_000, 12);
-    let mut c = check("upgrade", 1);
-    c.tiers = vec![tier(Scope::Node, &node, 1), tier(Scope::Region, &region, 1)];
-    c.global = global(100);
-    let old_sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(PREVIOUS_RELEASE)
+    let d0 = 20_000u32;
+    for d in d0..d0 + 3 {
+        harness::lua::set_fake_day(&mut con, d).await;
+        let mut c = check("upgrade", 1);
+        c.tiers = vec![tier(Scope::Node, &node, 1), tier(Scope::Region, &region, 1)];
+        c.global = global(100);
+        c.day = d;
+        // The previous release starts days d0 and d0 + 2, this one d0 + 1.
+        let old_starts = (d - d0).is_multiple_of(2);
+        let run_as = |old: bool| {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(if old { &old_sha } else { &new_sha });
+            encode(&mut cmd, &c, 0);
+            let mut con = con.clone();
+            let c = c.clone();
+            async move {
+                let v: Vec<Value> = cmd.query_async(&mut con).await.unwrap();
+                DecideReply::parse(v, &c).unwrap()
+            }
+        };
+        for i in 0..12u64 {
+            let r = run_as(i.is_multiple_of(2) == old_starts).await;
+            assert!(r.allowed, "day {d}, charge {i}");
+            assert_eq!(r.epoch, "epochcand", "the first charge named the actor");
+            assert_eq!(r.own_p, i + 1, "P counts both releases' charges");
+            assert_eq!(
+                r.tiers[0].remaining,
+                1000 - (i + 1),
+                "node tier after charge {i}"
+            );
+            assert_eq!(
+                r.tiers[1].remaining,
+                12 - (i + 1),
+                "region tier after charge {i}"
+            );
+        }
+        for old in [true, false] {
+            let r = run_as(old).await;
+            assert_eq!(
+                r.denied,
+                Some(Denied::Tier(1)),
+                "the region tier is full (old: {old})"
+            );
+        }
+        for e in d0..=d {
+            assert_eq!(
+                counter(&mut con, "upgrade", e).await.1,
+                Some(12),
+                "day {e} on day {d}"
+            );
+        }
+    }
+    let fields: Vec<String> = redis::cmd("HKEYS")
+        .arg(keys::tenant_hash("upgrade"))
         .query_async(&mut con)
         .await
         .unwrap();
-    // The previous release's call: this release's arguments, except that
-    // ARGV[3] was the day as text (the script built the field prefix).
-    let old_call = || {
-        let mut new = redis::cmd("EVALSHA");
-        new.arg(&old_sha);
-        encode(&mut new, &c, 0);
-        let mut cmd = redis::cmd("EVALSHA");
-        for (i, a) in new.args_iter().enumerate().skip(1) {
-            let redis::Arg::Simple(b) = a else {
-                unreachable!("no cursor arguments")
-            };
-            if i == 7 {
-                assert_eq!(b, keys::day_prefix(c.day).as_bytes(), "ARGV[3]");
-                cmd.arg(c.day);
-            } else {
-                cmd.arg(b);
-            }
-        }
-        cmd
+    let at = |d: u32| {
+        fields
+            .iter()
+            .position(|f| f.starts_with(&keys::day_prefix(d)))
+            .unwrap()
     };
-    // Layout 4: [2] outcome (0 allowed), [5] own_p, then remaining/reset
-    // from [12].
-    let old_reply = |v: Vec<Value>| {
-        let int = |i: usize| match &v[i - 1] {
-            Value::Int(n) => *n,
-            other => panic!("item {i}: {other:?}"),
-        };
-        assert_eq!(int(1), 4, "the previous release's reply layout");
-        (int(2) == 0, int(5), int(12), int(14))
-    };
-    for i in 0..12u64 {
-        let (allowed, own_p, node_left, region_left) = if i % 2 == 0 {
-            let r = decide(&mut con, &c).await;
-            assert_eq!(r.epoch, "epochcand", "the first charge named the actor");
-            (
-                r.allowed,
-                r.own_p as i64,
-                r.tiers[0].remaining,
-                r.tiers[1].remaining,
-            )
-        } else {
-            let v: Vec<Value> = old_call().query_async(&mut con).await.unwrap();
-            let (allowed, p, n, r) = old_reply(v);
-            (allowed, p, n as u64, r as u64)
-        };
-        assert!(allowed, "charge {i}");
-        assert_eq!(own_p, i as i64 + 1, "P counts both releases' charges");
-        assert_eq!(node_left, 1000 - (i + 1), "node tier after charge {i}");
-        assert_eq!(region_left, 12 - (i + 1), "region tier after charge {i}");
-    }
-    let r = decide(&mut con, &c).await;
-    assert_eq!(r.denied, Some(Denied::Tier(1)), "the region tier is full");
-    let v: Vec<Value> = old_call().query_async(&mut con).await.unwrap();
-    assert!(!old_reply(v).0, "for the previous release too");
-    assert_eq!(counter(&mut con, "upgrade", today()).await.1, Some(12));
+    assert!(
+        at(d0 + 1) < at(d0),
+        "the day this release started leads: {fields:?}"
+    );
 }

@@ -541,6 +541,7 @@ end
 -- once) is due at a point of the relaxed interval fixed by the tenant's
 -- hash, so the region's publishes after midnight spread over the interval
 -- instead of all falling due at the first flush; urgency is unaffected.
+local moved = false -- a new day's retained older fields, written last
 if changed then
   hs[nh + 1] = fields[2]; hs[nh + 2] = fmt('%d', own_p); nh = nh + 2
   if own_n ~= n_read or new_day then hs[nh + 1] = fields[3]; hs[nh + 2] = fmt('%d', own_n); nh = nh + 2 end
@@ -550,20 +551,37 @@ if changed then
     -- A new day: forget days past retention, and give the hash its TTL.
     local keep_from = day - floor(ttl / 86400)
     local kept = { fmt('%d', day) }
+    local older = {}
     local listed = call('HGET', KEYS[1], 'gd')
     if listed then
       for d in string.gmatch(listed, '%d+') do
         local dn = d + 0
         if dn < day then rolled_over = true end
+        local f = { 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d', 'g:' .. d .. ':s' }
         if dn >= keep_from then
-          if dn ~= day then kept[#kept + 1] = d end
+          if dn ~= day then
+            kept[#kept + 1] = d
+            for j = 1, 5 do older[#older + 1] = f[j] end
+          end
         else
-          call('HDEL', KEYS[1], 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d',
-            'g:' .. d .. ':s')
+          call('HDEL', KEYS[1], unpack(f))
         end
       end
     end
     hs[nh + 1] = 'gd'; hs[nh + 2] = table.concat(kept, ','); nh = nh + 2
+    -- The kept days move behind today's fields. A small hash is a listpack,
+    -- where HMGET and HSET find a field by walking the fields before it, so
+    -- three retained days ahead of today's counter cost every decision of
+    -- the day about 9 k instructions (BENCHMARKS.md, "Today's fields
+    -- first"). Moving them costs this call, once a day per tenant.
+    if #older > 0 then
+      local v = call('HMGET', KEYS[1], unpack(older))
+      call('HDEL', KEYS[1], unpack(older))
+      moved = {}
+      for j = 1, #older do
+        if v[j] then moved[#moved + 1] = older[j]; moved[#moved + 1] = v[j] end
+      end
+    end
     call('EXPIRE', KEYS[1], ttl)
   end
   local want = 1
@@ -580,6 +598,10 @@ if changed then
     call('ZADD', KEYS[2], score, A[2] .. '|' .. gp:sub(3, -2))
     hs[nh + 1] = fields[4]; hs[nh + 2] = want; nh = nh + 2
   end
+end
+if moved then
+  for j = 1, #moved do hs[nh + j] = moved[j] end
+  nh = nh + #moved
 end
 if nh > 0 then call('HSET', KEYS[1], unpack(hs, 1, nh)) end
 
