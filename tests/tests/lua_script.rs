@@ -660,9 +660,11 @@ async fn a_call_past_its_deadline_charges_nothing() {
 }
 
 /// A new day drops the days past retention from the tenant hash and gives
-/// the hash its TTL; the tier states in it stay. The days it keeps move
-/// behind the new day's fields, values unchanged: in a listpack every
-/// decision of the day walks whatever precedes its counter.
+/// the hash its TTL (from the tenant's first charge on); the tier states in
+/// it stay. When the day's counter reaches `BUSY_DAY` units the hash is
+/// rewritten with the day's counter first, then the region's tiers, then
+/// the rest, values and TTL unchanged: in a listpack every decision walks
+/// whatever precedes the fields it reads.
 #[tokio::test]
 async fn a_new_day_forgets_days_past_retention() {
     let redis = Redis::start();
@@ -671,53 +673,98 @@ async fn a_new_day_forgets_days_past_retention() {
     let sha = harness::lua::load_with_fake_clock(&mut con).await;
     let node = limit(Algorithm::FixedWindow, 100, 60_000, 100);
     let d0 = 20_000u32;
-    // TTL 2 days: a day's counter is kept while it is at most 2 days old.
-    for d in d0..d0 + 4 {
-        harness::lua::set_fake_day(&mut con, d).await;
-        let mut c = check("days", 1);
+    let hash = keys::tenant_hash("days");
+    let con2 = con.clone();
+    let charge = |node_id: &'static str, cost: u64, d: u32| {
+        let mut c = check("days", cost);
+        c.node_id = node_id;
         c.day = d;
+        // TTL 2 days: a day's counter is kept while it is at most 2 days old.
         c.counter_ttl_secs = 2 * 86_400;
-        c.tiers = vec![tier(Scope::Node, &node, 1)];
+        c.tiers = vec![
+            tier(Scope::Node, &node, cost),
+            tier(Scope::Region, &node, cost),
+        ];
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&sha);
         encode(&mut cmd, &c, 0);
-        let before: Vec<(String, String)> = redis::cmd("HGETALL")
-            .arg(keys::tenant_hash("days"))
-            .query_async(&mut con)
-            .await
-            .unwrap();
-        let r =
-            DecideReply::parse(cmd.query_async::<Vec<Value>>(&mut con).await.unwrap(), &c).unwrap();
-        assert!(r.allowed);
-        let after: Vec<(String, String)> = redis::cmd("HGETALL")
-            .arg(keys::tenant_hash("days"))
-            .query_async(&mut con)
-            .await
-            .unwrap();
-        let today = keys::day_prefix(d);
-        let day_of = |f: &str| {
-            f.strip_prefix("g:")
-                .map(|rest| rest.split(':').next().unwrap().to_owned())
-        };
-        let first_older = after
-            .iter()
-            .position(|(f, _)| day_of(f).is_some_and(|x| x != d.to_string()));
-        let last_today = after.iter().rposition(|(f, _)| f.starts_with(&today));
-        if let (Some(o), Some(t)) = (first_older, last_today) {
-            assert!(
-                t < o,
-                "day {d}: today's fields before older days': {after:?}"
-            );
+        let c = c.clone();
+        let mut con = con2.clone();
+        async move {
+            let v: Vec<Value> = cmd.query_async(&mut con).await.unwrap();
+            let r = DecideReply::parse(v, &c).unwrap();
+            assert!(r.allowed, "{} charges {cost} on day {d}", c.node_id);
+            r.own_p
         }
+    };
+    let day_of = |f: &str| {
+        f.strip_prefix("g:")
+            .map(|rest| rest.split(':').next().unwrap().to_owned())
+    };
+    for d in d0..d0 + 4 {
+        harness::lua::set_fake_day(&mut con, d).await;
+        assert_eq!(charge("n1", 1, d).await, 1);
+        let pttl: i64 = redis::cmd("PTTL")
+            .arg(&hash)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert!(
+            pttl > 86_400_000,
+            "day {d}: the hash has its TTL from its first charge: {pttl}"
+        );
+        // Another node charges later in the day; then the day gets busy.
+        assert_eq!(charge("n2", 1, d).await, 2);
+        let before: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(&hash)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(charge("n1", 62, d).await, 64);
+        let after: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(&hash)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let rank = |f: &str| match day_of(f) {
+            Some(x) if x == d.to_string() => 0,
+            _ if f.starts_with("r:") => 1,
+            _ => 2,
+        };
+        let ranks: Vec<u8> = after.iter().map(|(f, _)| rank(f)).collect();
+        assert!(
+            ranks.windows(2).all(|w| w[0] <= w[1]) && ranks[..4] == [0; 4],
+            "day {d}: the counter, the region tier, the rest: {after:?}"
+        );
         for (f, v) in &before {
-            let kept = day_of(f).is_some_and(|x| x.parse::<u32>().unwrap() + 2 >= d);
-            if kept {
+            if day_of(f).is_some_and(|x| x != d.to_string()) {
                 assert!(
                     after.contains(&(f.clone(), v.clone())),
                     "day {d}: {f} = {v} kept as it was: {after:?}"
                 );
             }
         }
+        let again: i64 = redis::cmd("PTTL")
+            .arg(&hash)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert!(
+            (pttl - 60_000..=pttl).contains(&again),
+            "day {d}: the rewrite keeps the TTL: {pttl} then {again}"
+        );
+        // Past the threshold nothing is rewritten again.
+        charge("n2", 1, d).await;
+        let last: Vec<String> = redis::cmd("HKEYS")
+            .arg(&hash)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(
+            last,
+            after.iter().map(|(f, _)| f.clone()).collect::<Vec<_>>(),
+            "day {d}"
+        );
     }
     let fields: Vec<String> = redis::cmd("HKEYS")
         .arg(keys::tenant_hash("days"))
@@ -818,7 +865,7 @@ async fn a_lease_takes_a_share_of_what_is_left_and_nothing_near_the_limit() {
 }
 
 /// The previous release's decision script (`bba1826`: the same arguments
-/// and reply, a new day's fields appended after the earlier days'), kept as
+/// and reply; a new tenant's hash without a TTL until its second day), kept as
 /// it shipped: during a rolling upgrade its nodes and this release's share
 /// one Redis.
 const PREVIOUS_RELEASE: &str = include_str!("../fixtures/decide_previous_release.lua");
@@ -829,9 +876,8 @@ const PREVIOUS_RELEASE: &str = include_str!("../fixtures/decide_previous_release
 /// they share (each runs its own script by its SHA and reads its own
 /// reply), so each sees every charge the other made: the tiers' remaining
 /// units and the region's PN counter count all of them, the region tier
-/// denies at its limit whichever release asks, and a day this release
-/// starts (moving the earlier days behind it) leaves the earlier days'
-/// counters as they were for both.
+/// denies at its limit whichever release asks, and each day's counter
+/// stays as it was whichever release started the next.
 #[tokio::test]
 async fn nodes_of_the_previous_release_share_the_counts() {
     let redis = Redis::start();
@@ -893,19 +939,4 @@ async fn nodes_of_the_previous_release_share_the_counts() {
             );
         }
     }
-    let fields: Vec<String> = redis::cmd("HKEYS")
-        .arg(keys::tenant_hash("upgrade"))
-        .query_async(&mut con)
-        .await
-        .unwrap();
-    let at = |d: u32| {
-        fields
-            .iter()
-            .position(|f| f.starts_with(&keys::day_prefix(d)))
-            .unwrap()
-    };
-    assert!(
-        at(d0 + 1) < at(d0),
-        "the day this release started leads: {fields:?}"
-    );
 }

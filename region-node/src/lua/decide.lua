@@ -115,6 +115,9 @@ local fmt = string.format
 local LOC, ALG, LIMIT, WIN, COST, BURST, FIRST = 1, 2, 3, 4, 5, 6, 7
 local OK, REMAINING, RESET, RETRY, TTL_MS = 8, 9, 10, 11, 12
 local IDX, N1, N2, EMIT, S1, S3 = 13, 14, 15, 16, 17, 18
+-- Units of the day's counter at which the tenant hash is rewritten with the
+-- day's fields first (see the writes below).
+local BUSY_DAY = 64
 
 local deadline, node_day, ttl, glimit, gcost, btotal, own_cap, urgent_at, relaxed, op1, op2, K, pos =
   unpack_n('<dddddddddddd', A[5])
@@ -315,6 +318,7 @@ if mine_p > own_p or mine_n > own_n then
   own_p = math.max(own_p, mine_p)
   own_n = math.max(own_n, mine_n)
 end
+local p_before = own_p
 
 local global_ok, global_remaining, global_retry = true, -1, 0
 if glimit > 0 then
@@ -541,48 +545,30 @@ end
 -- once) is due at a point of the relaxed interval fixed by the tenant's
 -- hash, so the region's publishes after midnight spread over the interval
 -- instead of all falling due at the first flush; urgency is unaffected.
-local moved = false -- a new day's retained older fields, written last
 if changed then
   hs[nh + 1] = fields[2]; hs[nh + 2] = fmt('%d', own_p); nh = nh + 2
   if own_n ~= n_read or new_day then hs[nh + 1] = fields[3]; hs[nh + 2] = fmt('%d', own_n); nh = nh + 2 end
   local rolled_over = false
   if new_day then
     hs[nh + 1] = fields[1]; hs[nh + 2] = epoch; nh = nh + 2
-    -- A new day: forget days past retention, and give the hash its TTL.
+    -- A new day: forget days past retention (the hash is rewritten in
+    -- order, and given its TTL, below).
     local keep_from = day - floor(ttl / 86400)
     local kept = { fmt('%d', day) }
-    local older = {}
     local listed = call('HGET', KEYS[1], 'gd')
     if listed then
       for d in string.gmatch(listed, '%d+') do
         local dn = d + 0
         if dn < day then rolled_over = true end
-        local f = { 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d', 'g:' .. d .. ':s' }
         if dn >= keep_from then
-          if dn ~= day then
-            kept[#kept + 1] = d
-            for j = 1, 5 do older[#older + 1] = f[j] end
-          end
+          if dn ~= day then kept[#kept + 1] = d end
         else
-          call('HDEL', KEYS[1], unpack(f))
+          call('HDEL', KEYS[1], 'g:' .. d .. ':e', 'g:' .. d .. ':p', 'g:' .. d .. ':n', 'g:' .. d .. ':d',
+            'g:' .. d .. ':s')
         end
       end
     end
     hs[nh + 1] = 'gd'; hs[nh + 2] = table.concat(kept, ','); nh = nh + 2
-    -- The kept days move behind today's fields. A small hash is a listpack,
-    -- where HMGET and HSET find a field by walking the fields before it, so
-    -- three retained days ahead of today's counter cost every decision of
-    -- the day about 9 k instructions (BENCHMARKS.md, "Today's fields
-    -- first"). Moving them costs this call, once a day per tenant.
-    if #older > 0 then
-      local v = call('HMGET', KEYS[1], unpack(older))
-      call('HDEL', KEYS[1], unpack(older))
-      moved = {}
-      for j = 1, #older do
-        if v[j] then moved[#moved + 1] = older[j]; moved[#moved + 1] = v[j] end
-      end
-    end
-    call('EXPIRE', KEYS[1], ttl)
   end
   local want = 1
   if urgent_at >= 0 and own_p - own_n >= urgent_at then want = 2 end
@@ -599,11 +585,55 @@ if changed then
     hs[nh + 1] = fields[4]; hs[nh + 2] = want; nh = nh + 2
   end
 end
-if moved then
-  for j = 1, #moved do hs[nh + j] = moved[j] end
-  nh = nh + #moved
+if changed and p_before < BUSY_DAY and own_p >= BUSY_DAY then
+  -- The tenant's day just became busy: the tenant hash is rewritten in the
+  -- order its readers want, the day's counter, then the region's tiers,
+  -- then the rest (node tiers, `gd`, the days kept). A small hash is a
+  -- listpack, where HMGET and HSET find a field by walking the fields
+  -- before it, and fields are appended as they are first written: the
+  -- day's counter came after every earlier day's and every node's tier
+  -- fields, and each one ahead of it costs every decision 600 to 800
+  -- instructions. The rewrite costs 0.3 to 0.8 M instructions, about what
+  -- 35 decisions save, so it waits for a busy day rather than the day's
+  -- first charge (most tenants of a large region charge a few units a day,
+  -- and midnight would pay it for every tenant at once): BENCHMARKS.md,
+  -- "Today's fields first". A hash past the listpack's size (128 fields
+  -- by default) is a hash table, where order costs nothing.
+  local all = call('HGETALL', KEYS[1])
+  if #all <= 256 then
+    local w, old, seen = {}, {}, {}
+    for j = 1, nh, 2 do w[hs[j]] = hs[j + 1] end
+    for j = 1, #all, 2 do old[all[j]] = all[j + 1] end
+    local names = {}
+    for j = 1, #all, 2 do names[#names + 1] = all[j] end
+    for j = 1, nh, 2 do if not old[hs[j]] then names[#names + 1] = hs[j] end end
+    local ordered, no = {}, 0
+    for j = 1, 4 do
+      local f = fields[j]
+      local v = w[f] or old[f]
+      if v then ordered[no + 1] = f; ordered[no + 2] = v; no = no + 2; seen[f] = true end
+    end
+    for pass = 1, 2 do
+      for j = 1, #names do
+        local f = names[j]
+        if not seen[f] and ((pass == 1) == (string.sub(f, 1, 2) == 'r:')) then
+          ordered[no + 1] = f; ordered[no + 2] = w[f] or old[f]; no = no + 2; seen[f] = true
+        end
+      end
+    end
+    local pttl = call('PTTL', KEYS[1])
+    call('DEL', KEYS[1])
+    call('HSET', KEYS[1], unpack(ordered, 1, no))
+    if pttl > 0 then call('PEXPIRE', KEYS[1], pttl) end
+  else
+    call('HSET', KEYS[1], unpack(hs, 1, nh))
+  end
+elseif nh > 0 then
+  call('HSET', KEYS[1], unpack(hs, 1, nh))
 end
-if nh > 0 then call('HSET', KEYS[1], unpack(hs, 1, nh)) end
+-- A new day gives the hash its TTL, after the write: the first charge of a
+-- tenant creates the hash.
+if new_day and changed then call('EXPIRE', KEYS[1], ttl) end
 
 local out = { outcome, now_ms, own_p, own_n, raised, refunded + granted, epoch, nil, nil }
 local no = 7
