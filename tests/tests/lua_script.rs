@@ -659,6 +659,15 @@ async fn a_call_past_its_deadline_charges_nothing() {
     assert!(r.allowed);
 }
 
+/// `CMD key` (a read such as PTTL, HGETALL or HKEYS), as `T`.
+async fn on_key<T: redis::FromRedisValue>(
+    con: &mut redis::aio::MultiplexedConnection,
+    cmd: &str,
+    key: &str,
+) -> T {
+    redis::cmd(cmd).arg(key).query_async(con).await.unwrap()
+}
+
 /// A new day drops the days past retention from the tenant hash and gives
 /// the hash its TTL (from the tenant's first charge on); the tier states in
 /// it stay. When the day's counter reaches `BUSY_DAY` units the hash is
@@ -704,28 +713,16 @@ async fn a_new_day_forgets_days_past_retention() {
     for d in d0..d0 + 4 {
         harness::lua::set_fake_day(&mut con, d).await;
         assert_eq!(charge("n1", 1, d).await, 1);
-        let pttl: i64 = redis::cmd("PTTL")
-            .arg(&hash)
-            .query_async(&mut con)
-            .await
-            .unwrap();
+        let pttl: i64 = on_key(&mut con, "PTTL", &hash).await;
         assert!(
             pttl > 86_400_000,
             "day {d}: the hash has its TTL from its first charge: {pttl}"
         );
         // Another node charges later in the day; then the day gets busy.
         assert_eq!(charge("n2", 1, d).await, 2);
-        let before: Vec<(String, String)> = redis::cmd("HGETALL")
-            .arg(&hash)
-            .query_async(&mut con)
-            .await
-            .unwrap();
+        let before: Vec<(String, String)> = on_key(&mut con, "HGETALL", &hash).await;
         assert_eq!(charge("n1", 62, d).await, 64);
-        let after: Vec<(String, String)> = redis::cmd("HGETALL")
-            .arg(&hash)
-            .query_async(&mut con)
-            .await
-            .unwrap();
+        let after: Vec<(String, String)> = on_key(&mut con, "HGETALL", &hash).await;
         let rank = |f: &str| match day_of(f) {
             Some(x) if x == d.to_string() => 0,
             _ if f.starts_with("r:") => 1,
@@ -744,22 +741,14 @@ async fn a_new_day_forgets_days_past_retention() {
                 );
             }
         }
-        let again: i64 = redis::cmd("PTTL")
-            .arg(&hash)
-            .query_async(&mut con)
-            .await
-            .unwrap();
+        let again: i64 = on_key(&mut con, "PTTL", &hash).await;
         assert!(
             (pttl - 60_000..=pttl).contains(&again),
             "day {d}: the rewrite keeps the TTL: {pttl} then {again}"
         );
         // Past the threshold nothing is rewritten again.
         charge("n2", 1, d).await;
-        let last: Vec<String> = redis::cmd("HKEYS")
-            .arg(&hash)
-            .query_async(&mut con)
-            .await
-            .unwrap();
+        let last: Vec<String> = on_key(&mut con, "HKEYS", &hash).await;
         assert_eq!(
             last,
             after.iter().map(|(f, _)| f.clone()).collect::<Vec<_>>(),

@@ -585,49 +585,50 @@ if changed then
     hs[nh + 1] = fields[4]; hs[nh + 2] = want; nh = nh + 2
   end
 end
-if changed and p_before < BUSY_DAY and own_p >= BUSY_DAY then
-  -- The tenant's day just became busy: the tenant hash is rewritten in the
-  -- order its readers want, the day's counter, then the region's tiers,
-  -- then the rest (node tiers, `gd`, the days kept). A small hash is a
-  -- listpack, where HMGET and HSET find a field by walking the fields
-  -- before it, and fields are appended as they are first written: the
-  -- day's counter came after every earlier day's and every node's tier
-  -- fields, and each one ahead of it costs every decision 600 to 800
-  -- instructions. The rewrite costs 0.3 to 0.8 M instructions, about what
-  -- 35 decisions save, so it waits for a busy day rather than the day's
-  -- first charge (most tenants of a large region charge a few units a day,
-  -- and midnight would pay it for every tenant at once): BENCHMARKS.md,
-  -- "Today's fields first". A hash past the listpack's size (128 fields
-  -- by default) is a hash table, where order costs nothing.
-  local all = call('HGETALL', KEYS[1])
-  if #all <= 256 then
-    local w, old, seen = {}, {}, {}
-    for j = 1, nh, 2 do w[hs[j]] = hs[j + 1] end
-    for j = 1, #all, 2 do old[all[j]] = all[j + 1] end
-    local names = {}
-    for j = 1, #all, 2 do names[#names + 1] = all[j] end
-    for j = 1, nh, 2 do if not old[hs[j]] then names[#names + 1] = hs[j] end end
-    local ordered, no = {}, 0
-    for j = 1, 4 do
-      local f = fields[j]
-      local v = w[f] or old[f]
-      if v then ordered[no + 1] = f; ordered[no + 2] = v; no = no + 2; seen[f] = true end
-    end
-    for pass = 1, 2 do
-      for j = 1, #names do
-        local f = names[j]
-        if not seen[f] and ((pass == 1) == (string.sub(f, 1, 2) == 'r:')) then
-          ordered[no + 1] = f; ordered[no + 2] = w[f] or old[f]; no = no + 2; seen[f] = true
-        end
+-- The tenant's day just became busy (a charge took the counter past
+-- BUSY_DAY): the tenant hash is rewritten in the order its readers want, the
+-- day's counter, then the region's tiers, then the rest (node tiers, `gd`,
+-- the days kept). A small hash is a listpack, where HMGET and HSET find a
+-- field by walking the fields before it, and fields are appended as they
+-- are first written: the day's counter came after every earlier day's and
+-- every node's tier fields, and each one ahead of it costs every decision
+-- 600 to 800 instructions. The rewrite costs 0.3 to 0.7 M instructions,
+-- about what 35 decisions save, so it waits for a busy day rather than the
+-- day's first charge (most tenants of a large region charge a few units a
+-- day, and midnight would pay it for every tenant at once): BENCHMARKS.md,
+-- "Today's fields first". A hash past the listpack's size (128 fields by
+-- default) is a hash table, where order costs nothing: not rewritten.
+local all = false
+if p_before < BUSY_DAY and own_p >= BUSY_DAY then
+  all = call('HGETALL', KEYS[1])
+  if #all > 256 then all = false end
+end
+if all then
+  -- Each field once: this call's value if it writes one, else the stored.
+  local w, old, seen = {}, {}, {}
+  for j = 1, nh, 2 do w[hs[j]] = hs[j + 1] end
+  for j = 1, #all, 2 do old[all[j]] = all[j + 1] end
+  local names = {}
+  for j = 1, #all, 2 do names[#names + 1] = all[j] end
+  for j = 1, nh, 2 do if not old[hs[j]] then names[#names + 1] = hs[j] end end
+  local ordered, no = {}, 0
+  for j = 1, 4 do
+    local f = fields[j]
+    local v = w[f] or old[f]
+    if v then ordered[no + 1] = f; ordered[no + 2] = v; no = no + 2; seen[f] = true end
+  end
+  for pass = 1, 2 do
+    for j = 1, #names do
+      local f = names[j]
+      if not seen[f] and ((pass == 1) == (string.sub(f, 1, 2) == 'r:')) then
+        ordered[no + 1] = f; ordered[no + 2] = w[f] or old[f]; no = no + 2; seen[f] = true
       end
     end
-    local pttl = call('PTTL', KEYS[1])
-    call('DEL', KEYS[1])
-    call('HSET', KEYS[1], unpack(ordered, 1, no))
-    if pttl > 0 then call('PEXPIRE', KEYS[1], pttl) end
-  else
-    call('HSET', KEYS[1], unpack(hs, 1, nh))
   end
+  local pttl = call('PTTL', KEYS[1])
+  call('DEL', KEYS[1])
+  call('HSET', KEYS[1], unpack(ordered, 1, no))
+  if pttl > 0 then call('PEXPIRE', KEYS[1], pttl) end
 elseif nh > 0 then
   call('HSET', KEYS[1], unpack(hs, 1, nh))
 end
