@@ -173,6 +173,21 @@ impl Samples {
             .reduce(f64::max)
     }
 
+    /// Median of `metric` on `node` sampled in `[from, to]` (µs): what
+    /// the value was most of the time, whatever one stall did to the max.
+    pub fn median_in(&self, node: &str, metric: &str, from: u64, to: u64) -> Option<f64> {
+        let mut v: Vec<f64> = self
+            .of(node, metric)
+            .filter(|s| s.t_us >= from && s.t_us <= to)
+            .map(|s| s.value)
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    }
+
     /// Smallest value of `metric` on `node` sampled in `[from, to]` (µs).
     pub fn min_in(&self, node: &str, metric: &str, from: u64, to: u64) -> Option<f64> {
         self.of(node, metric)
@@ -210,5 +225,37 @@ impl Samples {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples(values: &[f64]) -> Samples {
+        Samples(
+            values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| Sample {
+                    t_us: i as u64 * 100,
+                    node: "eu/a".into(),
+                    metric: "m",
+                    value: *v,
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn the_median_ignores_one_stall_and_the_window_bounds_it() {
+        let s = samples(&[0.5, 0.9, 5.7, 0.4, 0.8]);
+        assert_eq!(s.median_in("eu/a", "m", 0, 400), Some(0.8));
+        assert_eq!(s.max_in("eu/a", "m", 0, 400), Some(5.7));
+        // Only the samples inside the window.
+        assert_eq!(s.median_in("eu/a", "m", 200, 400), Some(0.8));
+        assert_eq!(s.median_in("eu/a", "m", 150, 250), Some(5.7));
+        assert_eq!(s.median_in("eu/b", "m", 0, 400), None);
+        assert_eq!(s.median_in("eu/a", "m", 500, 900), None);
     }
 }
