@@ -2,7 +2,7 @@
 //! keys (`fake:s`, `fake:us`), so a test decides at any instant, in any day,
 //! and the Rust model can be compared at the same microsecond.
 
-use region_node::storage::script::DECIDE_LUA;
+use region_node::storage::script::{encode, DecideCall, DecideReply, DECIDE_LUA};
 
 /// Loads the script with the fake clock into `con`'s server and returns
 /// its SHA (`SCRIPT FLUSH` aside, `FLUSHDB` keeps it).
@@ -35,4 +35,19 @@ pub async fn set_fake_day(con: &mut redis::aio::MultiplexedConnection, day: u32)
         .query_async::<()>(con)
         .await
         .expect("SET fake:s");
+}
+
+/// One decision by the script loaded as `sha` (no deadline), its reply
+/// parsed: how a test drives a script it loaded itself (fake clock, or
+/// another release's text).
+pub async fn decide_by(
+    con: &mut redis::aio::MultiplexedConnection,
+    sha: &str,
+    call: &DecideCall<'_>,
+) -> DecideReply {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha);
+    encode(&mut cmd, call, 0);
+    let reply: Vec<redis::Value> = cmd.query_async(con).await.expect("EVALSHA");
+    DecideReply::parse(reply, call).expect("the reply parses")
 }

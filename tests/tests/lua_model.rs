@@ -8,8 +8,7 @@
 //! reset fails the test with the scenario that produced it.
 
 use harness::Redis;
-use redis::Value;
-use region_node::storage::script::{encode, DecideCall, DecideReply, Op, Scope, TierCall};
+use region_node::storage::script::{DecideCall, Op, Scope, TierCall};
 use tierlimit_shared::algorithm::TierState;
 use tierlimit_shared::config::{Algorithm, Limit};
 
@@ -149,11 +148,7 @@ async fn script_matches_the_model() {
                 refund: None,
                 lease: None,
             };
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(&sha);
-            encode(&mut cmd, &call, 0); // no deadline
-            let reply: Vec<Value> = cmd.query_async(&mut con).await.unwrap();
-            let reply = DecideReply::parse(reply, &call).unwrap();
+            let reply = harness::lua::decide_by(&mut con, &sha, &call).await;
             let ev = model.evaluate(&l, now_us, cost);
             let node = *reply.tiers.first().expect("the reply has no node tier");
             let (allowed, retry, remaining, reset) =

@@ -694,14 +694,9 @@ async fn a_new_day_forgets_days_past_retention() {
             tier(Scope::Node, &node, cost),
             tier(Scope::Region, &node, cost),
         ];
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&sha);
-        encode(&mut cmd, &c, 0);
-        let c = c.clone();
-        let mut con = con2.clone();
+        let (mut con, sha) = (con2.clone(), sha.clone());
         async move {
-            let v: Vec<Value> = cmd.query_async(&mut con).await.unwrap();
-            let r = DecideReply::parse(v, &c).unwrap();
+            let r = harness::lua::decide_by(&mut con, &sha, &c).await;
             assert!(r.allowed, "{} charges {cost} on day {d}", c.node_id);
             r.own_p
         }
@@ -886,15 +881,9 @@ async fn nodes_of_the_previous_release_share_the_counts() {
         // The previous release starts days d0 and d0 + 2, this one d0 + 1.
         let old_starts = (d - d0).is_multiple_of(2);
         let run_as = |old: bool| {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(if old { &old_sha } else { &new_sha });
-            encode(&mut cmd, &c, 0);
-            let mut con = con.clone();
-            let c = c.clone();
-            async move {
-                let v: Vec<Value> = cmd.query_async(&mut con).await.unwrap();
-                DecideReply::parse(v, &c).unwrap()
-            }
+            let sha = if old { &old_sha } else { &new_sha }.clone();
+            let (mut con, c) = (con.clone(), c.clone());
+            async move { harness::lua::decide_by(&mut con, &sha, &c).await }
         };
         for i in 0..12u64 {
             let r = run_as(i.is_multiple_of(2) == old_starts).await;

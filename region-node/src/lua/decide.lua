@@ -605,23 +605,22 @@ if p_before < BUSY_DAY and own_p >= BUSY_DAY then
 end
 if all then
   -- Each field once: this call's value if it writes one, else the stored.
-  local w, old, seen = {}, {}, {}
-  for j = 1, nh, 2 do w[hs[j]] = hs[j + 1] end
-  for j = 1, #all, 2 do old[all[j]] = all[j + 1] end
-  local names = {}
-  for j = 1, #all, 2 do names[#names + 1] = all[j] end
-  for j = 1, nh, 2 do if not old[hs[j]] then names[#names + 1] = hs[j] end end
+  local val, names, seen = {}, {}, {}
+  for j = 1, #all, 2 do val[all[j]] = all[j + 1]; names[#names + 1] = all[j] end
+  for j = 1, nh, 2 do
+    if not val[hs[j]] then names[#names + 1] = hs[j] end
+    val[hs[j]] = hs[j + 1]
+  end
   local ordered, no = {}, 0
   for j = 1, 4 do
     local f = fields[j]
-    local v = w[f] or old[f]
-    if v then ordered[no + 1] = f; ordered[no + 2] = v; no = no + 2; seen[f] = true end
+    if val[f] then ordered[no + 1] = f; ordered[no + 2] = val[f]; no = no + 2; seen[f] = true end
   end
   for pass = 1, 2 do
     for j = 1, #names do
       local f = names[j]
       if not seen[f] and ((pass == 1) == (string.sub(f, 1, 2) == 'r:')) then
-        ordered[no + 1] = f; ordered[no + 2] = w[f] or old[f]; no = no + 2; seen[f] = true
+        ordered[no + 1] = f; ordered[no + 2] = val[f]; no = no + 2; seen[f] = true
       end
     end
   end
