@@ -244,6 +244,25 @@ fn rls() {
     );
     write("rls", "bad-alias.yaml", "a: &a [x, *a]\n");
     write("rls", "bad-domain.yaml", "domain: \"a:b\"\n");
+    // Today's language: quota mode, shared wildcards, metadata, and what
+    // envoyproxy/ratelimit's loader refuses.
+    let language = "tests/fixtures/envoy/language";
+    for (seed, fixture) in [
+        ("ok-quota.yaml", "quota_mode.yaml"),
+        ("ok-share-threshold.yaml", "share_threshold.yaml"),
+        ("ok-metadata.yaml", "metadata.yaml"),
+        ("ok-wildcard.yaml", "wildcard.yaml"),
+        ("bad-replaces-self.yaml", "replaces_self.yaml"),
+        ("bad-replaces-empty.yaml", "replaces_empty.yaml"),
+        ("bad-unlimited-with-unit.yaml", "unlimited_with_unit.yaml"),
+        (
+            "bad-share-threshold-exact.yaml",
+            "share_threshold_exact.yaml",
+        ),
+        ("bad-metadata-null.yaml", "metadata_null.yaml"),
+    ] {
+        copy("rls", seed, &format!("{language}/{fixture}"));
+    }
 }
 
 fn main() {

@@ -81,7 +81,9 @@ enum Command {
         file: PathBuf,
     },
     /// Print the tierlimit TOML ([[rls.domains]]) equivalent to an
-    /// envoyproxy/ratelimit YAML configuration file, with comments.
+    /// envoyproxy/ratelimit YAML configuration file, with comments. A file
+    /// loading would refuse (envoyproxy/ratelimit's rules) prints the key
+    /// and the reason instead, exit 1.
     ImportEnvoyConfig {
         /// The envoyproxy/ratelimit YAML file.
         file: PathBuf,
@@ -123,9 +125,15 @@ fn init_logging(json: bool) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(Command::ImportEnvoyConfig { file }) = &cli.command {
-        return match tierlimit_shared::rls::EnvoyFile::read(file) {
-            Ok(f) => {
-                print!("{}", f.to_toml(&file.display().to_string()));
+        // Checked as loading it would (envoyproxy/ratelimit's rules), so a
+        // file it refuses is not printed as TOML that will not load.
+        let path = file.display().to_string();
+        return match tierlimit_shared::rls::EnvoyFile::read(file)
+            .and_then(|f| f.check(&path).map(|()| f))
+            .and_then(|f| f.to_toml(&path))
+        {
+            Ok(toml) => {
+                print!("{toml}");
                 ExitCode::SUCCESS
             }
             Err(e) => {

@@ -518,9 +518,8 @@ fn resolve(
         .and_then(|k| d.entries.iter().find(|e| e.key == k))
         .map_or(domain.name.as_str(), |e| e.value.as_str())
         .to_string();
-    let rule = domain
-        .rule(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
-        .cloned();
+    let matched = domain.rule(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())));
+    let rule = matched.as_ref().map(|m| Arc::clone(m.rule));
     // A tenant value a client chose that cannot name a tenant is denied,
     // not skipped: skipping would let a malformed header bypass the limit.
     let outcome = if validate::tenant(&tenant).is_err() {
@@ -532,10 +531,16 @@ fn resolve(
             Some(_) => Outcome::Ok,
         }
     };
-    let key = if outcome == Outcome::Ok {
-        counting_key(d.entries.iter().map(|e| e.value.as_str()))
-    } else {
-        String::new()
+    // Each value counted apart, but a `share_threshold` wildcard's values
+    // counted as its pattern: one counter for all of them.
+    let key = match &matched {
+        Some(m) if outcome == Outcome::Ok => counting_key(
+            d.entries
+                .iter()
+                .enumerate()
+                .map(|(i, e)| m.counted(i, e.value.as_str())),
+        ),
+        _ => String::new(),
     };
     Item {
         tenant,
