@@ -6,6 +6,7 @@
 //! - [`service`]: a request's descriptors → tenants, rules and one store
 //!   call per tenant, all-or-nothing, with compensation across tenants;
 //! - [`key`]: counting keys from descriptor values (IPv6 included);
+//! - [`metadata`]: the answer's dynamic metadata (quota mode's routing);
 //! - [`metrics`]: per domain and rule, bounded labels;
 //! - [`unary`]: `ShouldRateLimit` on the plaintext listener, read and
 //!   answered without tonic's codec.
@@ -27,6 +28,7 @@
 //! the health service alike, and drain in-flight calls on shutdown.
 
 pub mod key;
+pub mod metadata;
 pub mod metrics;
 pub mod service;
 pub mod unary;

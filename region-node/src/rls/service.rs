@@ -17,6 +17,16 @@
 //! 4. Shadow mode (global flag, plan, rule): decided and counted, answered
 //!    OK. A shadow rule that denies is taken out of its group's call and the
 //!    call made again, so it never blocks the others.
+//! 5. Quota mode (the rule's `quota_mode`, or `rls.quota_mode` for every
+//!    descriptor), envoyproxy/ratelimit's meaning inside the all-or-nothing
+//!    call: a quota rule that denies is taken out of its group's call and
+//!    the call made again (as a shadow rule), its descriptor answered
+//!    OVER_LIMIT with the request going on, unless it was the request's
+//!    last quota descriptor not over: then the request is over, as when
+//!    every quota descriptor is. The plan's tiers and rules without quota
+//!    mode keep their strict meaning. The answer's dynamic metadata
+//!    carries the `metadata` of the descriptors whose status is OK
+//!    ([`passed_metadata`], [`super::metadata`]).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -31,13 +41,14 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use tonic::Status;
 
 use tierlimit_shared::config::{Limit, Policy, MAX_LIMIT};
-use tierlimit_shared::rls::{Domain, Rule, Unit};
+use tierlimit_shared::rls::{merge_metadata, Domain, Metadata, Rule, Unit};
 use tierlimit_shared::validate;
 
 use crate::decision::{DecideError, Decider, Request, TierStatus, TiersDecision};
 use crate::storage::{Denied, Scope, TierCall};
 
 use super::key::counting_key;
+use super::metadata;
 use super::metrics::RlsMetrics;
 
 /// Why a descriptor ended as it did (the `outcome` label).
@@ -45,6 +56,9 @@ use super::metrics::RlsMetrics;
 enum Outcome {
     Ok,
     OverLimit,
+    /// A quota descriptor over its limit while another quota descriptor of
+    /// the request was not: its status says OVER_LIMIT, the request goes on.
+    OverQuota,
     NoRule,
     Unlimited,
     Replaced,
@@ -57,6 +71,7 @@ impl Outcome {
         match self {
             Outcome::Ok => "ok",
             Outcome::OverLimit => "over_limit",
+            Outcome::OverQuota => "over_quota",
             Outcome::NoRule => "no_rule",
             Outcome::Unlimited => "unlimited",
             Outcome::Replaced => "replaced",
@@ -75,11 +90,21 @@ struct Item {
     cost: u64,
     outcome: Outcome,
     shadow: bool,
+    /// One of the request's quota descriptors: over its limit, no reason to
+    /// deny unless every one of them is (envoyproxy/ratelimit counts every
+    /// descriptor but an `unlimited` one under the global switch, as if a
+    /// descriptor without a rule were a quota that always passes).
+    quota: bool,
     /// Its tier's state after the decision.
     status: Option<TierStatus>,
 }
 
 impl Item {
+    /// A quota descriptor not (yet) found over its limit.
+    fn quota_alive(&self) -> bool {
+        self.quota && self.outcome != Outcome::OverQuota
+    }
+
     fn limit(&self) -> Option<&Limit> {
         match self.outcome {
             Outcome::Ok => self.rule.as_ref()?.limit.as_ref(),
@@ -153,7 +178,10 @@ impl Service {
                 .requests
                 .with_label_values(&["_unknown", "ok"])
                 .inc();
-            return Ok(ok_response(req.descriptors.len()));
+            let mut response = ok_response(req.descriptors.len());
+            response.dynamic_metadata =
+                metadata::answer(&req, None, cfg.rls.response_dynamic_metadata);
+            return Ok(response);
         };
         let request_hits = u64::from(req.hits_addend).max(1);
         let mut items = Vec::with_capacity(req.descriptors.len());
@@ -195,6 +223,11 @@ impl Service {
                     it.outcome = Outcome::Replaced;
                 }
             }
+            it.quota = match it.outcome {
+                Outcome::Ok => cfg.rls.quota || it.rule.as_ref().is_some_and(|r| r.quota),
+                Outcome::NoRule | Outcome::Replaced => cfg.rls.quota,
+                _ => false,
+            };
         }
 
         let mut groups = self.group(&cfg, domain, &mut items);
@@ -226,7 +259,13 @@ impl Service {
                 other => Status::invalid_argument(other.to_string()),
             });
         }
-        Ok(self.respond(domain, &groups, &mut items))
+        let mut response = self.respond(domain, &groups, &mut items);
+        response.dynamic_metadata = metadata::answer(
+            &req,
+            passed_metadata(&items, &response),
+            cfg.rls.response_dynamic_metadata,
+        );
+        Ok(response)
     }
 
     fn group(
@@ -322,13 +361,30 @@ impl Service {
                 )
                 .await?;
             // A shadow rule that denied: recorded, taken out, decided again
-            // without it (it must not block the others).
+            // without it (it must not block the others). A quota rule that
+            // denied: the same, unless it is the request's last quota
+            // descriptor not over (then every one is, and the request is
+            // over: this call's denial stands and nothing is charged).
             if let Some(Denied::Tier(t)) = d.denied {
                 if let Some(j) = t.checked_sub(d.plan_tiers) {
                     if let Some(&i) = g.in_call.get(j) {
                         if items[i].shadow && !g.shadow {
                             items[i].status = d.decision.tiers.get(t).cloned();
                             items[i].outcome = Outcome::OverLimit;
+                            g.in_call.remove(j);
+                            continue;
+                        }
+                        // The descriptors merged into this tier are over
+                        // with it.
+                        let over: Vec<usize> = std::iter::once(i)
+                            .chain(g.merged.iter().filter(|m| m.1 == i).map(|m| m.0))
+                            .collect();
+                        let alive = items.iter().filter(|it| it.quota_alive()).count();
+                        if items[i].quota && alive > over.len() {
+                            for &o in &over {
+                                items[o].status = d.decision.tiers.get(t).cloned();
+                                items[o].outcome = Outcome::OverQuota;
+                            }
                             g.in_call.remove(j);
                             continue;
                         }
@@ -411,6 +467,16 @@ impl Service {
                             items[i].outcome = Outcome::OverLimit;
                         }
                     }
+                    // The last quota descriptor not over: every quota
+                    // descriptor of the request is over, so each is (a
+                    // tenant in shadow mode decides, but does not deny).
+                    if items[b].quota && !g.shadow {
+                        for it in items.iter_mut() {
+                            if it.outcome == Outcome::OverQuota {
+                                it.outcome = Outcome::OverLimit;
+                            }
+                        }
+                    }
                 }
                 // The plan's tiers or the global tier denied: every
                 // descriptor of the tenant is.
@@ -440,9 +506,13 @@ impl Service {
             self.count(&domain.name, rule_label, it.outcome, it.shadow);
             let over = matches!(
                 it.outcome,
-                Outcome::OverLimit | Outcome::UnknownTenant | Outcome::InvalidTenant
+                Outcome::OverLimit
+                    | Outcome::OverQuota
+                    | Outcome::UnknownTenant
+                    | Outcome::InvalidTenant
             );
-            if over && !it.shadow {
+            // A quota descriptor over alone does not deny the request.
+            if over && !it.shadow && it.outcome != Outcome::OverQuota {
                 overall_over = true;
             }
             let mut s = DescriptorStatus {
@@ -549,6 +619,7 @@ fn resolve(
         key,
         cost,
         outcome,
+        quota: false,
         status: None,
     }
 }
@@ -568,6 +639,30 @@ fn tier_calls<'a>(in_call: &[usize], items: &'a [Item]) -> Vec<TierCall<'a>> {
             })
         })
         .collect()
+}
+
+/// The `metadata` of every descriptor whose status is OK and whose rule
+/// limits (not `unlimited`, not replaced), merged in request order as
+/// envoyproxy/ratelimit merges them ([`merge_metadata`]: the first wins);
+/// `None` when none has any.
+fn passed_metadata(items: &[Item], response: &RateLimitResponse) -> Option<Metadata> {
+    let mut passed: Option<Metadata> = None;
+    for (it, status) in items.iter().zip(&response.statuses) {
+        let Some(m) = it.rule.as_ref().and_then(|r| {
+            r.limit.as_ref()?;
+            r.metadata.as_deref()
+        }) else {
+            continue;
+        };
+        let limited = matches!(
+            it.outcome,
+            Outcome::Ok | Outcome::OverLimit | Outcome::OverQuota
+        );
+        if limited && status.code == Code::Ok as i32 {
+            merge_metadata(passed.get_or_insert_with(Metadata::new), m);
+        }
+    }
+    passed
 }
 
 fn ok_response(n: usize) -> RateLimitResponse {
