@@ -9,7 +9,11 @@
 //! calls round robin), and the route's `rate_limits` actions (descriptors
 //! from request headers and `remote_address`) given by the caller. Without
 //! any port the filter is left out: the same Envoy, unlimited (the bench's
-//! ceiling).
+//! ceiling). With `services`, the bootstrap takes the shape of
+//! envoyproxy/ratelimit's quota-mode example (`examples/envoy/proxy.yaml`):
+//! the answer's dynamic metadata becomes a header, the header load-balancer
+//! metadata, and subset load balancing picks one of several
+//! `direct_response` listeners, each answering its service's name.
 
 use std::path::{Path, PathBuf};
 
@@ -74,7 +78,20 @@ pub struct EnvoyOptions {
     /// The virtual host's `rate_limits:` list, as YAML (any indentation;
     /// see [`EnvoyOptions::default_rate_limits`]).
     pub rate_limits: String,
+    /// Empty: one upstream answering `ok`. Otherwise one upstream listener
+    /// per name, answering the name, each an endpoint of the route's
+    /// cluster with `envoy.lb` metadata `service: <name>`; the cluster
+    /// balances by subsets of `service` (any endpoint when no subset
+    /// matches), and two filters after the ratelimit filter choose the
+    /// subset from the rate limit answer, as envoyproxy/ratelimit's
+    /// example does: the header [`SERVICE_HEADER`] is set from the dynamic
+    /// metadata `metadata.service_with_quota.name`, and turned into the
+    /// request's `envoy.lb` metadata `service`.
+    pub services: Vec<String>,
 }
+
+/// The header the quota-mode bootstrap copies the chosen service into.
+pub const SERVICE_HEADER: &str = "x-envoy-service-with-quota";
 
 impl EnvoyOptions {
     /// Two descriptors per request: `[tenant]` from the `x-tenant` header,
@@ -96,6 +113,7 @@ impl EnvoyOptions {
             rls_ports: vec![rls_port],
             failure_mode_deny: false,
             rate_limits: Self::default_rate_limits(),
+            services: Vec::new(),
         }
     }
 
@@ -117,13 +135,32 @@ impl EnvoyOptions {
             rls_ports: Vec::new(),
             failure_mode_deny: false,
             rate_limits: String::new(),
+            services: Vec::new(),
         }
     }
 }
 
 /// The bootstrap YAML of one instance (also a readable example of the
 /// filter's configuration; `deploy/envoy/envoy.yaml` is the deployable one).
+/// One upstream listener on `backend_port`; see [`bootstrap_with_upstreams`]
+/// for `services`.
 pub fn bootstrap(o: &EnvoyOptions, port: u16, admin_port: u16, backend_port: u16) -> String {
+    bootstrap_with_upstreams(o, port, admin_port, &[backend_port])
+}
+
+/// [`bootstrap`] with one upstream port per entry of `o.services` (or one
+/// port when there is none).
+pub fn bootstrap_with_upstreams(
+    o: &EnvoyOptions,
+    port: u16,
+    admin_port: u16,
+    backend_ports: &[u16],
+) -> String {
+    assert_eq!(
+        backend_ports.len(),
+        o.services.len().max(1),
+        "one upstream port per service"
+    );
     // Envoy's ratelimit filter only rate-limits routes with a route entry
     // (a `direct_response` route has none), so the limited route forwards
     // to a second listener of the same Envoy that answers
@@ -139,6 +176,35 @@ pub fn bootstrap(o: &EnvoyOptions, port: u16, admin_port: u16, backend_port: u16
     } else {
         String::new()
     };
+    // envoyproxy/ratelimit's example: the answer's dynamic metadata → a
+    // header → the request's load-balancer metadata, after the ratelimit
+    // filter has answered.
+    let subset_filters = if o.services.is_empty() {
+        String::new()
+    } else {
+        format!(
+            r#"
+                  - name: envoy.filters.http.header_mutation
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+                      mutations:
+                        request_mutations:
+                          - append:
+                              header:
+                                key: {SERVICE_HEADER}
+                                value: "%DYNAMIC_METADATA(envoy.filters.http.ratelimit:metadata:service_with_quota:name)%"
+                              append_action: OVERWRITE_IF_EXISTS_OR_ADD
+                  - name: envoy.filters.http.header_to_metadata
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+                      request_rules:
+                        - header: {SERVICE_HEADER}
+                          on_header_present:
+                            metadata_namespace: envoy.lb
+                            key: service
+                            type: STRING"#
+        )
+    };
     let filter = if limited {
         format!(
             r#"
@@ -151,7 +217,7 @@ pub fn bootstrap(o: &EnvoyOptions, port: u16, admin_port: u16, backend_port: u16
                       rate_limit_service:
                         transport_api_version: V3
                         grpc_service:
-                          envoy_grpc: {{ cluster_name: tierlimit_rls }}"#,
+                          envoy_grpc: {{ cluster_name: tierlimit_rls }}{subset_filters}"#,
             domain = o.domain,
             deny = o.failure_mode_deny,
         )
@@ -185,6 +251,55 @@ pub fn bootstrap(o: &EnvoyOptions, port: u16, admin_port: u16, backend_port: u16
     } else {
         String::new()
     };
+    let names: Vec<&str> = if o.services.is_empty() {
+        vec!["ok"]
+    } else {
+        o.services.iter().map(String::as_str).collect()
+    };
+    let mut backend_listeners = String::new();
+    let mut endpoints = String::new();
+    for (i, (name, p)) in names.iter().zip(backend_ports).enumerate() {
+        let listener = if o.services.is_empty() {
+            "backend".to_string()
+        } else {
+            format!("backend-{i}")
+        };
+        backend_listeners.push_str(&format!(
+            r#"    - name: {listener}
+      address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: {listener}
+                route_config:
+                  virtual_hosts:
+                    - name: all
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: "/" }}
+                          direct_response: {{ status: 200, body: {{ inline_string: {name:?} }} }}
+                http_filters:
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"#
+        ));
+        endpoints.push_str(&format!(
+            "\n              - endpoint:\n                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }}"
+        ));
+        if !o.services.is_empty() {
+            endpoints.push_str(&format!(
+                "\n                metadata: {{ filter_metadata: {{ envoy.lb: {{ service: {name:?} }} }} }}"
+            ));
+        }
+    }
+    let subsets = if o.services.is_empty() {
+        ""
+    } else {
+        "\n      lb_subset_config:\n        fallback_policy: ANY_ENDPOINT\n        subset_selectors:\n          - keys: [service]"
+    };
     format!(
         r#"admin:
   address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }} }}
@@ -209,35 +324,14 @@ static_resources:
                   - name: envoy.filters.http.router
                     typed_config:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-    - name: backend
-      address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend_port} }} }}
-      filter_chains:
-        - filters:
-            - name: envoy.filters.network.http_connection_manager
-              typed_config:
-                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-                stat_prefix: backend
-                route_config:
-                  virtual_hosts:
-                    - name: all
-                      domains: ["*"]
-                      routes:
-                        - match: {{ prefix: "/" }}
-                          direct_response: {{ status: 200, body: {{ inline_string: "ok" }} }}
-                http_filters:
-                  - name: envoy.filters.http.router
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
+{backend_listeners}  clusters:
     - name: backend
       type: STATIC
-      connect_timeout: 1s
+      connect_timeout: 1s{subsets}
       load_assignment:
         cluster_name: backend
         endpoints:
-          - lb_endpoints:
-              - endpoint:
-                  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend_port} }} }}{rls_cluster}
+          - lb_endpoints:{endpoints}{rls_cluster}
 "#
     )
 }
@@ -288,13 +382,16 @@ impl Envoy {
     pub fn start(dir: &Path, o: &EnvoyOptions) -> Envoy {
         let bin = envoy_bin();
         let admin_port = free_port();
-        let backend_port = free_port();
+        let backend_ports: Vec<u16> = (0..o.services.len().max(1)).map(|_| free_port()).collect();
         let (proc, port) = start_on_free_port(
             "envoy",
             |port| {
                 let path = dir.join(format!("envoy-{port}.yaml"));
-                std::fs::write(&path, bootstrap(o, port, admin_port, backend_port))
-                    .expect("writing bootstrap");
+                std::fs::write(
+                    &path,
+                    bootstrap_with_upstreams(o, port, admin_port, &backend_ports),
+                )
+                .expect("writing bootstrap");
                 command(&bin, &path).label(format!("envoy:{port}"))
             },
             accepts,
@@ -343,6 +440,23 @@ mod tests {
         assert!(with.contains("domain: edge"));
         assert!(with.contains("rate_limits:"));
         assert!(with.contains("port_value: 7001") && with.contains("port_value: 7002"));
+
+        // The quota-mode shape: one upstream per service, balanced by
+        // subsets the answer's dynamic metadata picks.
+        let mut q = EnvoyOptions::new("services", 7001);
+        q.services = vec!["alpha".into(), "beta".into()];
+        let quota = bootstrap_with_upstreams(&q, 1, 2, &[3, 4]);
+        for part in [
+            "lb_subset_config:",
+            "service: \"alpha\"",
+            "service: \"beta\"",
+            "inline_string: \"beta\"",
+            "metadata:service_with_quota:name",
+            "envoy.filters.http.header_to_metadata",
+        ] {
+            assert!(quota.contains(part), "{part}\n{quota}");
+        }
+        assert!(!with.contains("lb_subset_config"));
 
         let without = bootstrap(&EnvoyOptions::without_filter(), 1, 2, 3);
         assert!(!without.contains("ratelimit"));
