@@ -3,7 +3,10 @@
 //! front of a real region-node's `--grpc-listen`, against a real
 //! redis-server; and the gRPC service called directly where the test needs
 //! to see per-descriptor statuses (all-or-nothing, compensation across
-//! tenants, hits_addend, the envoyproxy/ratelimit fixture loaded two ways).
+//! tenants, hits_addend, the envoyproxy/ratelimit fixture loaded two ways,
+//! quota mode and dynamic metadata). Quota mode is also driven through a
+//! real Envoy shaped like envoyproxy/ratelimit's example (dynamic metadata
+//! → header → subset load balancing between two upstreams).
 //!
 //! Kafka is pointed at a closed port: descriptors are node and region tiers.
 //! Limits use day or longer units, so a test never crosses a window.
@@ -432,8 +435,41 @@ fn fixture_requests() -> Vec<Vec<RateLimitDescriptor>> {
         ])]);
         out.push(vec![desc(&[("experiment", "x")])]);
         out.push(vec![desc(&[("path", "/elsewhere")])]);
+        out.push(vec![desc(&[("file", "docs/a.md")])]);
+        out.push(vec![desc(&[("file", "docs/b.md")])]);
+        out.push(vec![desc(&[("pool", "a")]), desc(&[("pool", "b")])]);
     }
     out
+}
+
+/// The string at `path` (struct fields) of a dynamic metadata struct.
+fn meta_str(
+    m: Option<&envoy_types::pb::google::protobuf::Struct>,
+    path: &[&str],
+) -> Option<String> {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let (last, up) = path.split_last()?;
+    let mut s = m?;
+    for k in up {
+        match s.fields.get(*k)?.kind.as_ref()? {
+            Kind::StructValue(inner) => s = inner,
+            _ => return None,
+        }
+    }
+    match s.fields.get(*last)?.kind.as_ref()? {
+        Kind::StringValue(v) => Some(v.clone()),
+        Kind::NumberValue(n) => Some(n.to_string()),
+        Kind::BoolValue(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+fn language_fixture(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/envoy/language")
+        .join(name)
+        .display()
+        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -482,7 +518,9 @@ async fn envoy_ratelimit_fixture_loaded_directly_and_imported_decides_identicall
     let (_n2, p2) = node(&via_import).await;
     let (mut c1, mut c2) = (client(p1).await, client(p2).await);
     let mut over = 0;
+    let (mut files_allowed, mut pools) = (0, Vec::new());
     for (i, req) in fixture_requests().into_iter().enumerate() {
+        let first = req[0].entries[0].key.clone();
         let a = ask(&mut c1, "fixture", 0, req.clone()).await;
         let b = ask(&mut c2, "fixture", 0, req).await;
         let view = |r: &RateLimitResponse| {
@@ -492,15 +530,88 @@ async fn envoy_ratelimit_fixture_loaded_directly_and_imported_decides_identicall
                     .iter()
                     .map(|s| (s.code, s.limit_remaining, s.current_limit.clone()))
                     .collect::<Vec<_>>(),
+                r.dynamic_metadata.clone(),
             )
         };
         assert_eq!(view(&a), view(&b), "request {i}");
-        over += usize::from(a.overall_code == Code::OverLimit as i32);
+        let ok = a.overall_code == Code::Ok as i32;
+        over += usize::from(!ok);
+        match first.as_str() {
+            "file" => files_allowed += usize::from(ok),
+            "pool" => pools.push((
+                codes(&a),
+                ok,
+                meta_str(a.dynamic_metadata.as_ref(), &["metadata", "pool", "name"]),
+            )),
+            _ => {}
+        }
     }
     // The sequence reaches limits (so the comparison covers denials): per
     // IP 3 (two IPv6 spellings are two values, as in envoyproxy/ratelimit),
     // /login 2, /api/* 4 a week shared by both /api requests, partner 2.
     assert!(over >= 6, "only {over} denials");
+    // share_threshold: docs/a.md and docs/b.md, 4 each, share 3 a day
+    // (counted apart, each would have had 3).
+    assert_eq!(files_allowed, 3);
+    // Quota mode: both pools pass (the first's metadata wins), then pool a
+    // is over and the request goes on with b's, then both are over.
+    let (o, x) = (Code::Ok, Code::OverLimit);
+    let expected = [
+        (vec![o, o], true, Some("a")),
+        (vec![x, o], true, Some("b")),
+        (vec![x, x], false, None),
+        (vec![x, x], false, None),
+    ];
+    let got: Vec<_> = pools
+        .iter()
+        .map(|(c, ok, name)| (c.clone(), *ok, name.as_deref()))
+        .collect();
+    assert_eq!(got, expected);
+}
+
+/// `import-envoy-config` refuses what loading would refuse, naming the
+/// key, and prints nothing; it writes quota mode, shared wildcards and
+/// metadata with comments.
+#[test]
+fn import_envoy_config_refuses_what_envoyproxy_ratelimit_refuses() {
+    let run = |name: &str| {
+        std::process::Command::new(bin_path("region-node"))
+            .arg("import-envoy-config")
+            .arg(language_fixture(name))
+            .output()
+            .expect("running import-envoy-config")
+    };
+    for (name, key) in [
+        (
+            "replaces_self.yaml",
+            "descriptors[0].descriptors[0].rate_limit.replaces[0].name",
+        ),
+        ("unlimited_with_unit.yaml", "descriptors[0].rate_limit.unit"),
+        (
+            "share_threshold_exact.yaml",
+            "descriptors[1].share_threshold",
+        ),
+    ] {
+        let out = run(name);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name} imported");
+        assert!(out.stdout.is_empty(), "{name} printed TOML");
+        assert!(err.contains(&format!("{name}: {key}: ")), "{name}: {err}");
+    }
+    let out = run("quota_mode.yaml");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let toml = String::from_utf8(out.stdout).unwrap();
+    for part in [
+        "quota_mode = true",
+        "# quota: ",
+        "[rls.domains.descriptors.metadata",
+    ] {
+        assert!(toml.contains(part), "{part}\n{toml}");
+    }
 }
 
 /// On `channel`: both health services SERVING, and tenant `t` of domain
@@ -967,4 +1078,287 @@ tenant_entry = "tenant"
     )
     .await;
     let _ = eu;
+}
+
+/// Two quota rules (a: 1 a day, b: 2) and a strict one (5), under tenants
+/// named by an entry; tenants `tp`, `tq1`, `tq2` have a plan with a region
+/// tier of 2 a day.
+const QUOTA: &str = r#"
+[plans.tight]
+region = { limit = 2, window = "1d", algorithm = "fixed_window" }
+[tenants.tp]
+plan = "tight"
+[tenants.tq1]
+plan = "tight"
+[tenants.tq2]
+plan = "tight"
+[rls]
+plan = "gateway"
+[[rls.domains]]
+domain = "quota"
+tenant_entry = "tenant"
+[[rls.domains.descriptors]]
+key = "tenant"
+[[rls.domains.descriptors.descriptors]]
+key = "service"
+value = "a"
+quota_mode = true
+rate_limit = { unit = "day", requests_per_unit = 1 }
+metadata = { service_with_quota = { name = "a" } }
+[[rls.domains.descriptors.descriptors]]
+key = "service"
+value = "b"
+quota_mode = true
+rate_limit = { unit = "day", requests_per_unit = 2 }
+metadata = { service_with_quota = { name = "b" }, b_only = true }
+[[rls.domains.descriptors.descriptors]]
+key = "strict"
+rate_limit = { unit = "day", requests_per_unit = 5 }
+metadata = { strict = "passed" }
+"#;
+
+/// Quota mode inside the all-or-nothing decision, over gRPC against real
+/// Redis: a quota descriptor over its limit lets the request go on
+/// (charging the others) unless every quota descriptor is over; a strict
+/// rule and the plan's tiers still deny; a tenant charged before another
+/// tenant's last quota turned out over is given its charge back; the
+/// global switch and the whole dynamic metadata.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_mode_denies_only_when_every_quota_descriptor_is_over() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(dir.path(), &config(&redis, QUOTA));
+    let (rls, grpc) = node(&cfg).await;
+    let mut c = client(grpc).await;
+    let d = |t: &str, k: &str, v: &str| desc(&[("tenant", t), (k, v)]);
+    let name = |r: &RateLimitResponse| {
+        meta_str(
+            r.dynamic_metadata.as_ref(),
+            &["metadata", "service_with_quota", "name"],
+        )
+    };
+    let (ok, over) = (Code::Ok, Code::OverLimit);
+
+    // Both quotas pass: both charged, the first's name wins, b adds its own key.
+    let r = ask(
+        &mut c,
+        "quota",
+        0,
+        vec![d("t1", "service", "a"), d("t1", "service", "b")],
+    )
+    .await;
+    assert_eq!((codes(&r), r.overall_code), (vec![ok, ok], ok as i32));
+    assert_eq!(name(&r).as_deref(), Some("a"));
+    assert_eq!(
+        meta_str(r.dynamic_metadata.as_ref(), &["metadata", "b_only"]).as_deref(),
+        Some("true")
+    );
+    // a is over: the request goes on with b (charged: 0 left).
+    let r = ask(
+        &mut c,
+        "quota",
+        0,
+        vec![d("t1", "service", "a"), d("t1", "service", "b")],
+    )
+    .await;
+    assert_eq!((codes(&r), r.overall_code), (vec![over, ok], ok as i32));
+    assert_eq!(name(&r).as_deref(), Some("b"));
+    assert_eq!(
+        (r.statuses[0].limit_remaining, r.statuses[1].limit_remaining),
+        (0, 0)
+    );
+    // Every quota over: over, and nothing charged to the strict rule that
+    // passed (whose metadata still comes back, its status being OK).
+    let r = ask(
+        &mut c,
+        "quota",
+        0,
+        vec![
+            d("t1", "service", "a"),
+            d("t1", "service", "b"),
+            d("t1", "strict", "s"),
+        ],
+    )
+    .await;
+    assert_eq!(
+        (codes(&r), r.overall_code),
+        (vec![over, over, ok], over as i32)
+    );
+    assert_eq!(name(&r), None);
+    assert_eq!(
+        meta_str(r.dynamic_metadata.as_ref(), &["metadata", "strict"]).as_deref(),
+        Some("passed")
+    );
+    let r = ask(&mut c, "quota", 0, vec![d("t1", "strict", "s")]).await;
+    assert_eq!(
+        r.statuses[0].limit_remaining, 4,
+        "the denied request charged nothing"
+    );
+
+    // A strict rule over denies though a quota passes, and a is not charged.
+    let r = ask(&mut c, "quota", 5, vec![d("t2", "strict", "s")]).await;
+    assert_eq!(codes(&r), vec![ok]);
+    let r = ask(
+        &mut c,
+        "quota",
+        0,
+        vec![d("t2", "service", "a"), d("t2", "strict", "s")],
+    )
+    .await;
+    assert_eq!((codes(&r), r.overall_code), (vec![ok, over], over as i32));
+    let r = ask(&mut c, "quota", 0, vec![d("t2", "service", "a")]).await;
+    assert_eq!(codes(&r), vec![ok], "a kept its one unit");
+
+    // The plan's region tier (2 a day) stays strict: its third request is
+    // over though b has quota left; a request whose only quota is over
+    // charges the plan nothing.
+    for (i, (v, want)) in [("a", ok), ("a", over), ("b", ok), ("b", over)]
+        .into_iter()
+        .enumerate()
+    {
+        let r = ask(&mut c, "quota", 0, vec![d("tp", "service", v)]).await;
+        assert_eq!(r.overall_code, want as i32, "tp request {i}");
+    }
+    let r = ask(&mut c, "quota", 0, vec![d("tp", "service", "b")]).await;
+    assert_eq!(r.statuses[0].limit_remaining, 1, "b charged once");
+
+    // Two tenants, each with its only quota spent: tq1's call is made
+    // again without its quota (charging its plan) while tq2's is unknown,
+    // then tq2's turns out over too: the request is over and tq1 is given
+    // its plan's charge back.
+    for t in ["tq1", "tq2"] {
+        let r = ask(&mut c, "quota", 0, vec![d(t, "service", "a")]).await;
+        assert_eq!(codes(&r), vec![ok]);
+    }
+    let m = get_text(&rls.http, &rls.admin_url("/metrics")).await;
+    let refunded = |m: &str| {
+        sample(
+            m,
+            "tierlimit_rls_compensations_total",
+            &[("outcome", "refunded")],
+        )
+    };
+    let before = refunded(&m);
+    let r = ask(
+        &mut c,
+        "quota",
+        0,
+        vec![d("tq1", "service", "a"), d("tq2", "service", "a")],
+    )
+    .await;
+    assert_eq!((codes(&r), r.overall_code), (vec![over, over], over as i32));
+    let m = get_text(&rls.http, &rls.admin_url("/metrics")).await;
+    assert_eq!(refunded(&m) - before, 1.0, "{m}");
+    let r = ask(&mut c, "quota", 0, vec![d("tq1", "service", "b")]).await;
+    assert_eq!(codes(&r), vec![ok], "tq1's plan has its second unit");
+    assert!(
+        sample(
+            &m,
+            "tierlimit_rls_descriptors_total",
+            &[("domain", "quota"), ("outcome", "over_quota")]
+        ) >= 1.0,
+        "{m}"
+    );
+
+    // The global switch: rules without quota_mode behave as quota ones,
+    // and the whole dynamic metadata comes back.
+    let redis2 = Redis::start();
+    let global = config(
+        &redis2,
+        r#"
+[rls]
+plan = "gateway"
+quota_mode = true
+response_dynamic_metadata = true
+[[rls.domains]]
+domain = "everything"
+[[rls.domains.descriptors]]
+key = "x"
+rate_limit = { unit = "day", requests_per_unit = 1 }
+[[rls.domains.descriptors]]
+key = "y"
+rate_limit = { unit = "day", requests_per_unit = 2 }
+"#,
+    );
+    let gdir = temp_dir();
+    let gcfg = write_config(gdir.path(), &global);
+    let (_gnode, gport) = node(&gcfg).await;
+    let mut g = client(gport).await;
+    let xy = || vec![desc(&[("x", "1")]), desc(&[("y", "1")])];
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let r = ask(&mut g, "everything", 0, xy()).await;
+        seen.push((codes(&r), r.overall_code == ok as i32));
+    }
+    assert_eq!(
+        seen,
+        [
+            (vec![ok, ok], true),
+            (vec![over, ok], true),
+            (vec![over, over], false)
+        ]
+    );
+    let r = ask(
+        &mut g,
+        "everything",
+        3,
+        vec![desc(&[("x", "1")]), desc(&[("z", "1")])],
+    )
+    .await;
+    // As envoyproxy/ratelimit: under the switch a descriptor without a
+    // rule is a quota that passes, so the request is not over.
+    assert_eq!((codes(&r), r.overall_code), (vec![over, ok], ok as i32));
+    let meta = r.dynamic_metadata.as_ref();
+    assert_eq!(meta_str(meta, &["domain"]).as_deref(), Some("everything"));
+    assert_eq!(meta_str(meta, &["hitsAddend"]).as_deref(), Some("3"));
+    let descriptors = format!("{:?}", meta.unwrap().fields["descriptors"]);
+    assert!(
+        descriptors.contains("\"x=1\"") && descriptors.contains("\"z=1\""),
+        "{descriptors}"
+    );
+}
+
+/// envoyproxy/ratelimit's quota-mode example behind a real Envoy: the
+/// ratelimit filter asks for two quota descriptors (services alpha, 2 a
+/// day, and beta, 4), the answer's dynamic metadata names the first
+/// service whose quota passed, a header filter and header-to-metadata turn
+/// it into the request's load-balancer metadata, and subset load balancing
+/// sends the request to that service's `direct_response` listener. The
+/// rules are loaded as envoyproxy/ratelimit YAML (`rls.envoy_configs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_mode_behind_envoy_moves_requests_to_the_service_with_quota_then_denies() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            &format!(
+                "[rls]\nplan = \"gateway\"\nenvoy_configs = [{:?}]\n",
+                language_fixture("quota_mode.yaml")
+            ),
+        ),
+    );
+    let (_node, grpc) = node(&cfg).await;
+    let mut o = EnvoyOptions::new("services", grpc);
+    o.rate_limits = r#"
+- actions:
+    - generic_key: { descriptor_key: service, descriptor_value: alpha }
+- actions:
+    - generic_key: { descriptor_key: service, descriptor_value: beta }
+"#
+    .into();
+    o.services = vec!["alpha".into(), "beta".into()];
+    let envoy = Envoy::start(dir.path(), &o);
+    let http = harness::http_client();
+    let mut served = Vec::new();
+    for _ in 0..5 {
+        let r = get(&http, &envoy.url("/"), None).await;
+        served.push(match r.status().as_u16() {
+            200 => r.text().await.unwrap(),
+            other => other.to_string(),
+        });
+    }
+    // Round robin (what the cluster does without a subset) would alternate.
+    assert_eq!(served, ["alpha", "alpha", "beta", "beta", "429"]);
 }
