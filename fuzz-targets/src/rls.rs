@@ -28,14 +28,27 @@ pub fn rls(data: &[u8]) -> bool {
     let domain: DomainConfig = domains[0].clone().try_into().expect("a domain");
     assert_eq!(domain, file.clone().into_domain());
     // Compiled with a configuration: accepted or refused, never a panic;
-    // accepted, the domain is there to be looked up.
+    // accepted, the domain is there to be looked up. The importer's check
+    // (what `import-envoy-config` runs before printing) agrees with
+    // loading: both roads refuse the same files.
     let name = file.domain.clone();
+    let checked = file.check("fuzz.yaml");
     let config = format!("{}\n{toml_text}", fixture::config_text(false));
     match Config::from_toml(&config) {
         Ok(loaded) => {
             assert!(loaded.rls.domain(&name).is_some(), "{name:?}");
+            assert!(
+                checked.is_ok(),
+                "the import refuses what loads: {checked:?}"
+            );
             true
         }
-        Err(_) => false,
+        Err(e) => {
+            assert!(
+                checked.is_err(),
+                "the import accepts what loading refuses: {e}"
+            );
+            false
+        }
     }
 }

@@ -242,6 +242,17 @@ fn rls_basic_matches_as_envoyproxy_ratelimit() {
     assert_eq!(m.limit.as_ref().unwrap().window_ms, 30 * 86_400_000);
     let (y, _) = lookup(&c, "shop", &[("plan", "yearly")]).unwrap();
     assert_eq!(y.limit.as_ref().unwrap().window_ms, 365 * 86_400_000);
+    // The import keeps them, and says so.
+    let toml = EnvoyFile::read(&path("basic.yaml"))
+        .unwrap()
+        .to_toml("basic.yaml")
+        .unwrap();
+    for unit in [
+        "# month: a fixed window of 2592000 s",
+        "# year: a fixed window of 31536000 s",
+    ] {
+        assert!(toml.contains(unit), "{unit}\n{toml}");
+    }
 }
 
 #[test]
