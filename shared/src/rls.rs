@@ -53,8 +53,8 @@ pub struct RlsConfig {
     pub shadow_mode: bool,
     /// Every descriptor with a rule in quota mode, as if each had
     /// `quota_mode: true` (envoyproxy/ratelimit's `QUOTA_MODE`): a request
-    /// is over the limit only when every one of its descriptors is (or a
-    /// plan's tier denies).
+    /// is over the limit only when every one of its descriptors but the
+    /// `unlimited` ones is (or a plan's tier denies).
     #[serde(skip_serializing_if = "is_false")]
     pub quota_mode: bool,
     /// Answer every request with envoyproxy/ratelimit's whole dynamic
