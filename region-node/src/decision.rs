@@ -843,13 +843,15 @@ impl Decider {
                 let (total, own_parts) = seen.unwrap_or_default();
                 let own = crate::view::net_sum(own_parts.iter().map(|(_, p, n)| (*p, *n)));
                 // The aggregator broadcasts a limited tenant once its total
-                // reaches the threshold; below it the view holds no entry,
+                // reaches the threshold θ; below it the view holds no entry,
                 // or one that may no longer be updated (broadcast before a
                 // limit was raised, or before the aggregator restarted). So
-                // the total is taken to be at least the threshold: others ≤
-                // threshold − own part, never 0 for want of an entry
-                // (ARCHITECTURE.md, "Only what decisions need is broadcast").
-                let bounded = total.max(cfg.config.aggregator.broadcast_threshold(limit));
+                // the total is taken to be at least θ − 1, the most an
+                // unbroadcast counter holds: others ≤ θ − 1 − own part,
+                // never 0 for want of an entry, and a region alone still
+                // reaches θ (ARCHITECTURE.md, "Only what decisions need is
+                // broadcast").
+                let bounded = total.max(cfg.config.aggregator.unbroadcast_bound(limit));
                 Some(GlobalArgs {
                     limit,
                     broadcast_total: bounded,
@@ -1149,6 +1151,9 @@ impl Decider {
             self.metrics.shed.with_label_values(&[shed.reason()]).inc();
             return Err(shed.into());
         }
+        if let Some(reason) = error.refused_writes() {
+            return self.refused_writes(req, policy, key, call, reason, &error);
+        }
         if !matches!(error, StoreError::Down) {
             tracing::debug!(%error, tenant = req.tenant, "decision script failed; using on_store_error");
         }
@@ -1161,6 +1166,39 @@ impl Decider {
             StoreErrorMode::Closed => Err(DecideError::Unavailable),
             StoreErrorMode::Open => Ok(self.open_decision(req, policy, key)),
             StoreErrorMode::Local => {
+                let r = self.local.decide_now(call);
+                Ok(self.reply_decision(req, policy, key, r, Mode::Local, call))
+            }
+        }
+    }
+
+    /// Redis answered but refused to write (OOM at `maxmemory` under
+    /// `noeviction`, MISCONF after a failed save): a capacity alarm, not an
+    /// outage, so not the fail mode. `open` would admit uncounted for as
+    /// long as the operator takes to add memory; instead the check is
+    /// decided by the node's local limiter (counted, and published under
+    /// the node's local actor like any `local` decision), for `open` and
+    /// `local` plans alike. A `closed` plan asked never to be decided
+    /// without Redis: 503. Nothing was charged in Redis (a script is
+    /// refused at its first write). Counted in
+    /// `tierlimit_store_writes_refused_total{reason}`.
+    fn refused_writes(
+        &self,
+        req: &Request<'_>,
+        policy: &Policy,
+        key: &str,
+        call: &DecideCall<'_>,
+        reason: &'static str,
+        error: &StoreError,
+    ) -> Result<Decision, DecideError> {
+        self.metrics
+            .store_writes_refused
+            .with_label_values(&[reason])
+            .inc();
+        tracing::debug!(%error, tenant = req.tenant, "Redis refuses writes; deciding with the local limiter");
+        match policy.on_store_error {
+            StoreErrorMode::Closed => Err(DecideError::Unavailable),
+            StoreErrorMode::Open | StoreErrorMode::Local => {
                 let r = self.local.decide_now(call);
                 Ok(self.reply_decision(req, policy, key, r, Mode::Local, call))
             }

@@ -15,6 +15,10 @@ pub struct Metrics {
     pub redis_errors: IntCounterVec,
     /// Decisions taken in a fail mode, by mode.
     pub fail_mode: IntCounterVec,
+    /// Decision calls Redis refused to write (OOM, MISCONF), by reason:
+    /// a capacity alarm, decided without the fail mode (see
+    /// `Decider::refused_writes`).
+    pub store_writes_refused: IntCounterVec,
     /// 1 while Redis answers, 0 while the node runs in its fail mode.
     pub store_up: IntGauge,
     /// Times the node asked for the region's master again (READONLY behind
@@ -176,6 +180,17 @@ impl Metrics {
                         "Decisions taken without Redis, by on_store_error mode",
                     ),
                     &["mode"],
+                )
+                .unwrap(),
+            ),
+            store_writes_refused: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_store_writes_refused_total",
+                        "Decision calls the region's Redis refused to write (reason: oom = used memory over maxmemory under noeviction, misconf = a failed RDB save stops writes); each decided by the node's local limiter, or 503 for plans that fail closed",
+                    ),
+                    &["reason"],
                 )
                 .unwrap(),
             ),
@@ -492,6 +507,9 @@ impl Metrics {
     fn init_labels(&self) {
         for mode in ["open", "closed", "local"] {
             self.fail_mode.with_label_values(&[mode]);
+        }
+        for reason in crate::storage::WRITE_REFUSALS {
+            self.store_writes_refused.with_label_values(&[reason]);
         }
         for op in ["decide", "dirty_read", "dirty_counters", "ack"] {
             for kind in ["down", "timeout", "redis", "reply"] {

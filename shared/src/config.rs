@@ -434,8 +434,8 @@ pub struct AggregatorSettings {
     /// Which counters are broadcast: those of tenants with a global limit
     /// `L` whose merged total reached `broadcast_fraction × L` (and, from
     /// then on, every change of them). A region-node that holds no entry
-    /// for a limited tenant takes the others' spend to be
-    /// `⌈broadcast_fraction × L⌉`, so the view and the global topic's
+    /// for a limited tenant takes the others' spend to be at most
+    /// `⌈broadcast_fraction × L⌉ − 1`, so the view and the global topic's
     /// traffic grow with the tenants near their limit, not with all
     /// tenants. At most ½: a tenant whose traffic is all in one region
     /// must reach the fraction before that region's budget
@@ -468,13 +468,33 @@ impl Default for AggregatorSettings {
 
 impl AggregatorSettings {
     /// The merged total from which a tenant with global limit `limit` is
-    /// broadcast: `⌈broadcast_fraction × limit⌉`. Also what a region-node
-    /// takes as the others' spend of a limited tenant it holds no entry for,
-    /// so both sides compute it here.
+    /// broadcast: `θ = ⌈broadcast_fraction × limit⌉`. The aggregator's rule;
+    /// a region-node bounds an unbroadcast tenant by
+    /// [`AggregatorSettings::unbroadcast_bound`], derived from it here so
+    /// both sides agree.
     pub fn broadcast_threshold(&self, limit: u64) -> u64 {
         // A float-to-int cast saturates; the fraction is at most ½, so the
         // threshold never exceeds the limit.
         ((self.broadcast_fraction * limit as f64).ceil() as u64).min(limit)
+    }
+
+    /// What a region-node takes as the merged total of a limited tenant it
+    /// holds no broadcast entry for: `θ − 1` (0 when `θ` is 0).
+    ///
+    /// Sound: the aggregator broadcasts every counter whose merged total
+    /// reached `θ`, so a counter it has not broadcast is at most `θ − 1`
+    /// (totals are whole units). Not `θ`: taking the others to hold `θ`
+    /// lets a region alone spend only `L − θ`, and when that is below `θ`
+    /// (L = 1 at any fraction: the first request ever was denied; L = 5 at
+    /// ½: 2 admitted, 3 never reachable) the tenant never reaches `θ`, is
+    /// never broadcast, and stays short all day (issue 29, item 3). With
+    /// `θ − 1` a region alone reaches `L − θ + 1 ≥ θ` (as `θ ≤ ⌈L/2⌉`), so
+    /// its crossing of `θ` is always broadcast, after which it reaches `L`.
+    /// The previous release took `θ` itself, which is more cautious, so a
+    /// deployment mixing both releases stays sound whichever upgrades first
+    /// (README, "Upgrading").
+    pub fn unbroadcast_bound(&self, limit: u64) -> u64 {
+        self.broadcast_threshold(limit).saturating_sub(1)
     }
 }
 
@@ -830,6 +850,84 @@ impl Loaded {
     }
 }
 
+/// Refuses a plan that only the gateway names (`rls.plan`, a domain's
+/// `plan`) when it has a global tier the aggregator would not enforce.
+///
+/// Such a plan reaches the tenants `[tenants]` does not list (through
+/// `Loaded::policy_with_plan`): the nodes enforce its global limit, while
+/// the aggregator, which sees only tenant ids, resolves those tenants
+/// through `unknown_tenants`. When that gives no global limit (or another
+/// one) the aggregator never broadcasts them (or at another threshold), so
+/// every region keeps assuming the unbroadcast bound for the others and
+/// admits up to `L` minus it: about `regions × L` in all (issue 29,
+/// item 4). Until deltas carry the limit they were enforced under, the
+/// configuration is refused, naming the key, the plan and the fixes.
+fn check_gateway_plans(
+    config: &crate::rls::RlsConfig,
+    rls: &crate::rls::Compiled,
+    plans: &BTreeMap<String, Policy>,
+    tenants: &BTreeMap<String, Arc<Policy>>,
+    unknown: Option<&Policy>,
+) -> Result<(), ConfigError> {
+    let aggregator_limit = unknown.and_then(|u| u.global);
+    let mut domains: Vec<&crate::rls::Domain> = rls.domains.values().collect();
+    domains.sort_by(|a, b| a.name.cmp(&b.name));
+    for d in domains {
+        let Some(plan) = d.plan.as_deref() else {
+            continue;
+        };
+        let Some(limit) = plans.get(plan).and_then(|p| p.global) else {
+            continue;
+        };
+        if aggregator_limit == Some(limit) {
+            continue;
+        }
+        // Tenants named by an entry may be any id; without one, the domain
+        // itself is the tenant, which `[tenants]` may list.
+        if d.tenant_entry.is_none() && tenants.contains_key(&d.name) {
+            continue;
+        }
+        let key = match config
+            .domains
+            .iter()
+            .position(|c| c.domain == d.name && c.plan.is_some())
+        {
+            Some(i) => format!("rls.domains[{i}].plan"),
+            None => "rls.plan".to_string(),
+        };
+        let aggregator = match (aggregator_limit, unknown) {
+            (None, None) => "denies them (unknown_tenants.policy = \"deny\")".to_string(),
+            (None, Some(u)) => format!(
+                "resolves them through unknown_tenants.plan {:?}, which has no global tier",
+                u.plan
+            ),
+            (Some(l), Some(u)) => format!(
+                "resolves them through unknown_tenants.plan {:?}, whose global limit is {l}",
+                u.plan
+            ),
+            (Some(l), None) => format!("gives them a global limit of {l}"),
+        };
+        let listing = match &d.tenant_entry {
+            Some(_) => String::new(),
+            None => format!(", or list tenant {:?} under [tenants]", d.name),
+        };
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "plan {plan:?} has a global tier ({limit} a day) that the region-nodes would \
+                 enforce for the tenants of RLS domain {:?} that [tenants] does not list, but \
+                 the aggregator knows tenants only by id and {aggregator}: it would never \
+                 broadcast their global count, and every region would admit up to the whole \
+                 limit. Fix: set unknown_tenants.policy = \"plan\" and unknown_tenants.plan = \
+                 {plan:?} (or a plan with the same global limit), or name a plan without a \
+                 global tier here{listing}",
+                d.name
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl Config {
     /// Reads, overrides from the process environment, parses and validates.
     pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
@@ -1003,6 +1101,7 @@ impl Config {
         };
         self.validate_wire()?;
         let rls = crate::rls::compile(&self.rls, |p| plans.contains_key(p))?;
+        check_gateway_plans(&self.rls, &rls, &plans, &tenants, unknown.as_deref())?;
         if self.grpc.tls_cert.is_some() != self.grpc.tls_key.is_some() {
             return Err(ConfigError::invalid(
                 if self.grpc.tls_cert.is_some() {

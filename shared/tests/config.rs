@@ -1422,3 +1422,101 @@ fn auth_and_http_errors_name_the_key() {
         Some("http.tls_key")
     );
 }
+
+// ----- plans only the gateway names (issue 29, item 4) ----------------------
+
+/// BASE (plan `free` has a global limit of 1000, `bucket` none) with
+/// `extra` tables appended.
+fn with_tables(extra: &str) -> Result<Loaded, ConfigError> {
+    Config::from_toml(&format!("{BASE}\n[plans.other]\nglobal = {{ limit = 5 }}\n{extra}"))
+}
+
+/// A domain naming its tenants by an entry, under `rls.plan = plan`.
+fn gateway(plan: &str, unknown: &str) -> String {
+    format!(
+        "{unknown}\n[rls]\nplan = \"{plan}\"\n[[rls.domains]]\ndomain = \"edge\"\ntenant_entry = \"tenant\"\n"
+    )
+}
+
+#[track_caller]
+fn gateway_refused(r: Result<Loaded, ConfigError>, key: &str, reasons: &[&str]) {
+    let e = match r {
+        Ok(_) => panic!("should be refused ({key})"),
+        Err(e) => e,
+    };
+    assert_eq!(e.key(), Some(key), "{e}");
+    let msg = e.to_string();
+    assert!(!msg.contains('\n'), "{msg:?}");
+    for reason in reasons {
+        assert!(msg.contains(reason), "{msg:?} does not contain {reason:?}");
+    }
+}
+
+/// A plan with a global tier that only the gateway names is refused unless
+/// the aggregator resolves the same tenants to the same global limit: it
+/// resolves unlisted tenants through `unknown_tenants` alone, so it would
+/// never broadcast them and every region would admit its whole limit.
+#[test]
+fn a_gateway_plans_global_tier_must_be_the_aggregators() {
+    let deny = "[unknown_tenants]\npolicy = \"deny\"";
+    let plan = |p: &str| format!("[unknown_tenants]\npolicy = \"plan\"\nplan = \"{p}\"");
+    // rls.plan with a global tier, unknown tenants denied.
+    gateway_refused(
+        with_tables(&gateway("free", deny)),
+        "rls.plan",
+        &[
+            "plan \"free\"",
+            "1000 a day",
+            "RLS domain \"edge\"",
+            "unknown_tenants.policy = \"deny\"",
+            "unknown_tenants.plan = \"free\"",
+            "a plan without a global tier",
+        ],
+    );
+    // Unknown tenants under a plan without a global tier, or another limit.
+    gateway_refused(
+        with_tables(&gateway("free", &plan("bucket"))),
+        "rls.plan",
+        &["unknown_tenants.plan \"bucket\", which has no global tier"],
+    );
+    gateway_refused(
+        with_tables(&gateway("free", &plan("other"))),
+        "rls.plan",
+        &["unknown_tenants.plan \"other\", whose global limit is 5"],
+    );
+    // A domain's own plan is named by its own key.
+    gateway_refused(
+        with_tables(&format!(
+            "{deny}\n[rls]\nplan = \"bucket\"\n[[rls.domains]]\ndomain = \"a\"\ntenant_entry = \"t\"\n[[rls.domains]]\ndomain = \"edge\"\ntenant_entry = \"tenant\"\nplan = \"free\"\n"
+        )),
+        "rls.domains[1].plan",
+        &["plan \"free\"", "RLS domain \"edge\""],
+    );
+    // Without a tenant entry the domain is the tenant: listing it is a fix.
+    let single = format!("{deny}\n[rls]\nplan = \"free\"\n[[rls.domains]]\ndomain = \"acme\"\n");
+    gateway_refused(
+        with_tables(&single),
+        "rls.plan",
+        &["or list tenant \"acme\" under [tenants]"],
+    );
+    with_tables(&format!("{single}[tenants.acme]\nplan = \"bucket\"\n")).unwrap();
+
+    // Accepted: the aggregator resolves unlisted tenants to the same limit
+    // (the same plan, or another with the same global limit), or the
+    // gateway's plan has no global tier.
+    for ok in [
+        gateway("free", &plan("free")),
+        format!("[plans.same]\nglobal = {{ limit = 1000 }}\n{}", gateway("free", &plan("same"))),
+        gateway("bucket", deny),
+        gateway("bucket", &plan("other")),
+    ] {
+        let l = with_tables(&ok).unwrap_or_else(|e| panic!("{e}\n{ok}"));
+        // What the nodes enforce for an unlisted tenant through the
+        // gateway, the aggregator enforces too.
+        let domain = l.rls.domain("edge").unwrap();
+        let node = l.policy_with_plan("newcomer", domain.plan.as_deref());
+        if let Some(g) = node.and_then(|p| p.global) {
+            assert_eq!(l.policy("newcomer").and_then(|p| p.global), Some(g), "{ok}");
+        }
+    }
+}

@@ -747,6 +747,7 @@ fn referenced_metrics() -> BTreeMap<String, BTreeSet<String>> {
     for needed in [
         "tierlimit_store_up",
         "tierlimit_fail_mode_decisions_total",
+        "tierlimit_store_writes_refused_total",
         "tierlimit_view_age_seconds",
         "tierlimit_deltas_failed_total",
         "tierlimit_aggregator_consumer_lag",
@@ -916,7 +917,7 @@ store_retry_interval = "100ms"
 broadcast_interval = "100ms"
 group_id = "agg-metrics"
 # Six checks in a row against a limit of 5 in one region: with the default
-# fraction the region would wait for t's entry at 5 − 2 (global.rs tests
+# fraction the region would wait for t's entry at 5 − 1 (global.rs tests
 # that); here every limited tenant is broadcast.
 broadcast_fraction = 0
 [regions.eu]

@@ -1001,8 +1001,12 @@ global = {{ limit = 10 }}
 # Listed, so the aggregator and /v1/tenants know its global limit too.
 [tenants.acme]
 plan = "gateway"
+# The RLS names its tenants by an entry, so any tenant may come through
+# rls.plan; the aggregator must resolve unlisted ones to the same global
+# limit (validation refuses the configuration otherwise).
 [unknown_tenants]
-policy = "deny"
+policy = "plan"
+plan = "gateway"
 [rls]
 plan = "gateway"
 [[rls.domains]]

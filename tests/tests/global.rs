@@ -30,6 +30,11 @@ struct World {
 
 impl World {
     async fn new(regions: &[&str], plans: &str) -> World {
+        World::with_aggregator(regions, plans, "").await
+    }
+
+    /// The same, with `aggregator` lines added to `[aggregator]`.
+    async fn with_aggregator(regions: &[&str], plans: &str, aggregator: &str) -> World {
         let tansu = Tansu::start();
         tansu.create_topics(&[DELTAS, GLOBAL], PARTITIONS).await;
         let redis: Vec<(String, Redis)> = regions
@@ -48,6 +53,7 @@ store_timeout = "2s"
 [aggregator]
 broadcast_interval = "100ms"
 group_id = "agg-test"
+{aggregator}
 [unknown_tenants]
 policy = "deny"
 "#,
@@ -100,7 +106,15 @@ policy = "deny"
 /// Two regions (eu, us) with `plans`: the world, the aggregator and one
 /// node per region, all ready.
 async fn two_regions(plans: &str) -> (World, Aggregator, RegionNode, RegionNode) {
-    let w = World::new(&["eu", "us"], plans).await;
+    two_regions_with(plans, "").await
+}
+
+/// The same, with `aggregator` lines added to `[aggregator]`.
+async fn two_regions_with(
+    plans: &str,
+    aggregator: &str,
+) -> (World, Aggregator, RegionNode, RegionNode) {
+    let w = World::with_aggregator(&["eu", "us"], plans, aggregator).await;
     let agg = Aggregator::start(&w.cfg).await;
     let eu = RegionNode::start(&w.cfg, "eu", "a").await;
     let us = RegionNode::start(&w.cfg, "us", "a").await;
@@ -916,4 +930,91 @@ async fn an_upgrade_from_key_scheme_1_loses_no_count() {
             .is_ok_and(|n| n == 0)
     })
     .await;
+}
+
+/// Sequential checks of one unit of `tenant` on `node` until `n` are
+/// allowed, recording every answer: each must be 200 or a global 429 (the
+/// 429s while the region waits for the tenant's entry). Returns the
+/// history, each answer's status in order.
+async fn admit_until(node: &RegionNode, tenant: &str, n: u64) -> Vec<u16> {
+    let (http, url) = (node.http.clone(), node.url("/v1/check"));
+    let mut history = Vec::new();
+    let deadline = Instant::now() + DEADLINE;
+    while history.iter().filter(|&&s| s == 200).count() < n as usize {
+        let allowed = history.iter().filter(|&&s| s == 200).count();
+        assert!(
+            Instant::now() < deadline,
+            "{tenant}: {allowed} of {n} allowed by the deadline on {}; last answers {:?}",
+            node.region,
+            &history[history.len().saturating_sub(5)..]
+        );
+        let (s, body) = check(&http, &url, tenant).await;
+        match s {
+            200 => {}
+            429 => {
+                assert_eq!(body["violated-policy"], "global", "{tenant}: {body}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            _ => panic!("{tenant}: {s} {body}"),
+        }
+        history.push(s);
+    }
+    history
+}
+
+/// Small and odd global limits (issue 29, item 3). At a broadcast fraction
+/// of ½ the threshold θ = ⌈L/2⌉ was also what a node took the others to
+/// hold without an entry, so a region alone could spend only L − θ < θ:
+/// L = 1's first request ever was denied, L = 3 stopped at 1 and L = 5 at
+/// 2, never broadcast, for the whole day. Now the missing entry reads as
+/// θ − 1: L = 1's first check is allowed, every limit is reached exactly
+/// in one region or split over two, and then both regions deny. The
+/// history of every answer is checked (200 or a global 429 only) against
+/// the regions' Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn small_and_odd_limits_reach_the_threshold_and_then_the_limit() {
+    let mut plans = String::new();
+    for l in [1u64, 2, 3, 5] {
+        plans += &format!("[plans.g{l}]\nglobal = {{ limit = {l} }}\n[tenants.l{l}]\nplan = \"g{l}\"\n");
+    }
+    plans += "[tenants.split5]\nplan = \"g5\"\n";
+    let (w, agg, eu, us) = two_regions_with(&plans, "broadcast_fraction = 0.5").await;
+
+    // L = 1: the very first check is allowed.
+    let (s, body) = check(&eu.http, &eu.url("/v1/check"), "l1").await;
+    assert_eq!(s, 200, "L = 1's first request: {body}");
+    for l in [2u64, 3, 5] {
+        let history = admit_until(&eu, &format!("l{l}"), l).await;
+        println!("L = {l} in one region: {history:?}");
+    }
+    // Split: us spends 1 (below θ = 3, never broadcast alone); eu may take
+    // L − (θ − 1) = 3 before the entry arrives, then exactly 5 − 1 = 4.
+    allow_n(&us, "split5", 1).await;
+    wait_total(&agg, "split5", 1).await;
+    let history = admit_until(&eu, "split5", 4).await;
+    println!("L = 5 split: {history:?}");
+
+    for l in [1u64, 2, 3, 5] {
+        wait_total(&agg, &format!("l{l}"), l).await;
+    }
+    wait_total(&agg, "split5", 5).await;
+    for tenant in ["l1", "l2", "l3", "l5", "split5"] {
+        wait_until(&format!("us's view holds {tenant}"), DEADLINE, || async {
+            let v = harness::try_json(&us.http, &us.url(&format!("/v1/tenants/{tenant}"))).await;
+            v.is_some_and(|v| v["global_total"].as_u64().is_some())
+        })
+        .await;
+        for node in [&eu, &us] {
+            let (s, body) = check(&node.http, &node.url("/v1/check"), tenant).await;
+            assert_eq!(
+                (s, &body["violated-policy"]),
+                (429, &json!("global")),
+                "{tenant} past its limit on {}: {body}",
+                node.region
+            );
+        }
+    }
+    for (tenant, l) in [("l1", 1), ("l2", 2), ("l3", 3), ("l5", 5), ("split5", 5)] {
+        assert_eq!(w.redis_truth(tenant).await, l, "{tenant}");
+    }
 }

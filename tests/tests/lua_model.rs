@@ -1,6 +1,8 @@
 //! Differential test: the decision script in a real redis-server against the
 //! Rust model (`tierlimit_shared::algorithm::TierState`), over random
-//! sequences of checks, refunds and peeks for every algorithm.
+//! sequences of checks, refunds (free-form, and by handle: a past charge's
+//! id and time, given back once, only into the charge's window, and for
+//! the sliding log the charge's own units) and peeks for every algorithm.
 //!
 //! The script reads its clock from Redis `TIME`; here that one call is
 //! replaced (in the test only) by two keys the test sets, so both sides see
@@ -8,7 +10,7 @@
 //! reset fails the test with the scenario that produced it.
 
 use harness::Redis;
-use region_node::storage::script::{DecideCall, Op, Scope, TierCall};
+use region_node::storage::script::{DecideCall, Op, RefundOf, Scope, TierCall};
 use tierlimit_shared::algorithm::TierState;
 use tierlimit_shared::config::{Algorithm, Limit};
 
@@ -91,6 +93,9 @@ async fn script_matches_the_model() {
         let key = if rng.below(2) == 0 { "_" } else { "GET/x" };
         let mut model = TierState::new(&l);
         let mut now_us: u64 = 1_700_000_000_000_000 + rng.below(1_000_000_000_000);
+        // Allowed charges of this scenario: (id, Redis ms, cost, refunded).
+        let mut charges: Vec<(String, u64, u64, bool)> = Vec::new();
+        let mut by_handle_refunds = 0u64;
         for _ in 0..rng.range(1, 80) {
             ops += 1;
             let scale = match rng.below(4) {
@@ -105,11 +110,27 @@ async fn script_matches_the_model() {
                 7..=8 => Op::Refund,
                 _ => Op::Peek,
             };
-            let cost = match (op, rng.below(3)) {
+            let mut cost = match (op, rng.below(3)) {
                 (Op::Peek, _) => 0,
                 (_, 0) => 1,
                 (_, 1) => rng.range(1, limit.max(burst) + 1),
                 _ => rng.range(1, 4),
+            };
+            // Half the refunds name a past charge (maybe one refunded
+            // already): exactly its cost, as a handle carries it.
+            // (The model keeps a log's units per millisecond, not per
+            // charge: a charge sharing its millisecond with another is not
+            // named, since a free-form refund may have taken some of its
+            // units and the model could not tell whose are left.)
+            let handle = if op == Op::Refund && !charges.is_empty() && rng.below(2) == 0 {
+                let i = rng.below(charges.len() as u64) as usize;
+                let shared = charges.iter().filter(|c| c.1 == charges[i].1).count() > 1;
+                (!shared).then(|| {
+                    cost = charges[i].2;
+                    i
+                })
+            } else {
+                None
             };
             redis::pipe()
                 .cmd("SET")
@@ -145,10 +166,22 @@ async fn script_matches_the_model() {
                 now_ms: now_us / 1000,
                 counter_ttl_secs: 100_000,
                 relaxed_ms: 2000,
-                refund: None,
+                refund: handle.map(|i| RefundOf {
+                    id: charges[i].0.clone(),
+                    charged_at_ms: charges[i].1,
+                }),
                 lease: None,
             };
             let reply = harness::lua::decide_by(&mut con, &sha, &call).await;
+            if let Some(i) = handle {
+                by_handle_refunds += 1;
+                if reply.duplicate != charges[i].3 && mismatches.len() < 10 {
+                    mismatches.push(format!(
+                        "scenario {sc} {l:?}: handle {} refunded before: {}, script says duplicate: {}",
+                        charges[i].0, charges[i].3, reply.duplicate
+                    ));
+                }
+            }
             let ev = model.evaluate(&l, now_us, cost);
             let node = *reply.tiers.first().expect("the reply has no node tier");
             let (allowed, retry, remaining, reset) =
@@ -179,14 +212,21 @@ async fn script_matches_the_model() {
                     "scenario {sc} {l:?} key {key} {op} cost {cost} at {now_us}: {bad:?}; script allowed={allowed} retry={retry:?} remaining={remaining} reset={reset}; model {ev:?}"
                 ));
             }
-            match op {
-                Op::Check if ev.allowed => model.commit(&l, now_us, cost),
-                Op::Refund => model.refund(&l, now_us, cost),
+            match (op, handle) {
+                (Op::Check, _) if ev.allowed => {
+                    model.commit(&l, now_us, cost);
+                    charges.push((epoch_candidate.clone(), now_us / 1000, cost, false));
+                }
+                (Op::Refund, Some(i)) if !charges[i].3 => {
+                    model.refund_charge(&l, now_us, cost, charges[i].1);
+                    charges[i].3 = true;
+                }
+                (Op::Refund, None) => model.refund(&l, now_us, cost),
                 _ => {}
             }
         }
     }
-    println!("{ops} operations compared");
+    println!("{ops} operations compared, {by_handle_refunds} of them refunds by handle");
     assert!(
         mismatches.is_empty(),
         "script and model disagree:\n{}",

@@ -918,3 +918,95 @@ async fn nodes_of_the_previous_release_share_the_counts() {
         }
     }
 }
+
+/// Sets the fake clock of a script loaded with `load_with_fake_clock` to
+/// `ms` (Unix ms).
+async fn set_fake_ms(con: &mut redis::aio::MultiplexedConnection, ms: u64) {
+    redis::pipe()
+        .cmd("SET")
+        .arg("fake:s")
+        .arg(ms / 1000)
+        .ignore()
+        .cmd("SET")
+        .arg("fake:us")
+        .arg(ms % 1000 * 1000)
+        .ignore()
+        .query_async::<()>(con)
+        .await
+        .unwrap();
+}
+
+/// Issue 29, item 5, on the script itself at explicit times: limit 2 per
+/// 60 s (sliding log), A at 0 s, B at 59 s; A refunded at 59.5 s; C at
+/// 59.6 s is admitted; at 60.001 s D must be denied, since B and C are in
+/// the window. Popping the newest member (B) for A's refund let D in: three
+/// in one window. A refund by handle (the path of the late-reply
+/// compensation too) removes the charge's own members; a free-form one the
+/// oldest.
+#[tokio::test]
+async fn a_sliding_log_refund_gives_back_the_charges_own_units() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let sha = harness::lua::load_with_fake_clock(&mut con).await;
+    let log = limit(Algorithm::SlidingLog, 2, 60_000, 2);
+    let day = today();
+    let t0 = u64::from(day) * 86_400_000 + 3_600_000;
+    for by_handle in [true, false] {
+        let tenant = if by_handle { "slh" } else { "slf" };
+        let at = |con: &mut redis::aio::MultiplexedConnection, id: &'static str, ms: u64, op: Op| {
+            let mut call = check(tenant, 1);
+            call.op = op;
+            call.epoch_candidate = id;
+            call.day = day;
+            call.now_ms = ms;
+            call.tiers = vec![tier(Scope::Region, &log, 1)];
+            let mut con = con.clone();
+            async move {
+                set_fake_ms(&mut con, ms).await;
+                harness::lua::decide_by(&mut con, &sha, &call).await
+            }
+        };
+        let a = at(&mut con, "chargeA", t0, Op::Check).await;
+        assert!(a.allowed);
+        assert!(at(&mut con, "chargeB", t0 + 59_000, Op::Check).await.allowed);
+        // Refund A at 59.5 s.
+        let mut rf = check(tenant, 1);
+        rf.op = Op::Refund;
+        rf.epoch_candidate = "refund1";
+        rf.day = day;
+        rf.now_ms = t0 + 59_500;
+        rf.tiers = vec![tier(Scope::Region, &log, 1)];
+        if by_handle {
+            rf.refund = Some(RefundOf {
+                id: "chargeA".into(),
+                charged_at_ms: a.now_ms as u64,
+            });
+        }
+        set_fake_ms(&mut con, t0 + 59_500).await;
+        harness::lua::decide_by(&mut con, &sha, &rf).await;
+        let c = at(&mut con, "chargeC", t0 + 59_600, Op::Check).await;
+        assert!(c.allowed, "C (by handle: {by_handle})");
+        let d = at(&mut con, "chargeD", t0 + 60_001, Op::Check).await;
+        assert!(
+            !d.allowed,
+            "D at 60.001 s: B and C fill the window (by handle: {by_handle})"
+        );
+        // What is left in the log: B and C.
+        let members: Vec<String> = redis::cmd("ZRANGE")
+            .arg(keys::tier_key(
+                tenant,
+                &keys::region_tier_id(keys::WHOLE_TENANT, 4),
+                keys::WHOLE_TENANT,
+            ))
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let ids: Vec<&str> = members
+            .iter()
+            .filter_map(|m| m.split(':').nth(1))
+            .collect();
+        assert_eq!(ids, ["chargeB", "chargeC"], "by handle: {by_handle}");
+    }
+}

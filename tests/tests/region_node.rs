@@ -1372,3 +1372,145 @@ plan = "r"
     assert!(sample("blind") >= 1.0, "{metrics}");
     assert_eq!(remaining(&usage(&node, "g").await, "region"), 99);
 }
+
+/// One of `name`'s samples in the node's `/metrics` (label set included in
+/// `name`, e.g. `x_total{reason="oom"}`); 0 when absent.
+async fn metric(n: &RegionNode, name: &str) -> f64 {
+    let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Redis at `maxmemory` under `noeviction` refuses every write with OOM,
+/// and with MISCONF once an RDB save failed (issue 29, item 9). That is a
+/// capacity alarm, not an outage: it answers. Before, each refused check
+/// went to its plan's fail mode, so an `open` plan admitted uncounted past
+/// its limit for as long as memory stayed full. Now the breaker stays
+/// closed, `open` and `local` plans are decided by the node's local limiter
+/// (counted: the region limit's share of this node), `closed` ones get 503,
+/// each refusal is counted by reason, and once writes are accepted again
+/// the next check is decided in Redis.
+#[tokio::test]
+async fn a_redis_refusing_writes_is_decided_locally_never_open() {
+    let redis = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.open]
+region = { limit = 6, window = "1h", algorithm = "fixed_window" }
+on_store_error = "open"
+[plans.closed]
+region = { limit = 6, window = "1h", algorithm = "fixed_window" }
+on_store_error = "closed"
+[plans.local]
+region = { limit = 6, window = "1h", algorithm = "sliding_log" }
+on_store_error = "local"
+[tenants.o]
+plan = "open"
+[tenants.c]
+plan = "closed"
+[tenants.l]
+plan = "local"
+"#,
+        ),
+    );
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    for t in ["o", "c", "l"] {
+        let (s, body) = check(&n, t, 1).await;
+        assert_eq!((s, body["mode"].as_str()), (200, Some("redis")), "{body}");
+    }
+    let mut con = redis.client().await;
+    let cmd = |args: &[&str]| {
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c
+    };
+    // Filled: a megabyte of data, then maxmemory below what is used.
+    let blob = "x".repeat(1 << 20);
+    cmd(&["SET", "ballast", &blob])
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
+    for c in [
+        cmd(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]),
+        cmd(&["CONFIG", "SET", "maxmemory", "1mb"]),
+    ] {
+        c.query_async::<()>(&mut con).await.unwrap();
+    }
+    let refused = cmd(&["SET", "probe", "1"]).query_async::<()>(&mut con).await;
+    assert!(
+        refused.as_ref().is_err_and(|e| e.code() == Some("OOM")),
+        "Redis should refuse writes: {refused:?}"
+    );
+
+    // open: decided by the local limiter, never "open": 6 / 2 expected
+    // nodes = 3 on this node, then 429.
+    let mut allowed = 0;
+    for _ in 0..6 {
+        let (s, body) = check(&n, "o", 1).await;
+        assert_eq!(body["mode"], "local", "{s} {body}");
+        allowed += usize::from(s == 200);
+    }
+    assert_eq!(allowed, 3, "an open plan under OOM admits its local share");
+    // closed: 503 problem+json, nothing decided.
+    let (s, body) = check(&n, "c", 1).await;
+    assert_eq!(s, 503, "{body}");
+    // local: as before, the local limiter (a sliding log too).
+    let (s, body) = check(&n, "l", 1).await;
+    assert_eq!((s, body["mode"].as_str()), (200, Some("local")), "{body}");
+    assert_eq!(
+        metric(&n, "tierlimit_store_writes_refused_total{reason=\"oom\"}").await,
+        8.0
+    );
+    assert_eq!(metric(&n, "tierlimit_store_up").await, 1.0, "breaker closed");
+    assert_eq!(
+        metric(&n, "tierlimit_fail_mode_decisions_total{mode=\"open\"}").await,
+        0.0
+    );
+
+    // Memory freed: back to Redis at the next check, with what Redis held.
+    cmd(&["CONFIG", "SET", "maxmemory", "0"])
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
+    let (s, body) = check(&n, "c", 1).await;
+    assert_eq!((s, body["mode"].as_str()), (200, Some("redis")), "{body}");
+
+    // MISCONF: a save point and a failed BGSAVE (its directory is gone)
+    // stop writes (stop-writes-on-bgsave-error, the default).
+    cmd(&["CONFIG", "SET", "save", "3600 1"])
+        .query_async::<()>(&mut con)
+        .await
+        .unwrap();
+    std::fs::remove_dir_all(redis.dir()).unwrap();
+    cmd(&["BGSAVE"]).query_async::<()>(&mut con).await.unwrap();
+    wait_until("the RDB save fails", Duration::from_secs(10), || {
+        let mut con = con.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("persistence")
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            info.contains("rdb_last_bgsave_status:err") && !info.contains("rdb_bgsave_in_progress:1")
+        }
+    })
+    .await;
+    let (s, body) = check(&n, "o", 1).await;
+    assert_eq!((s, body["mode"].as_str()), (429, Some("local")), "{body}");
+    assert_eq!(
+        metric(&n, "tierlimit_store_writes_refused_total{reason=\"misconf\"}").await,
+        1.0
+    );
+    assert_eq!(metric(&n, "tierlimit_store_up").await, 1.0, "breaker closed");
+    assert_eq!(
+        metric(&n, "tierlimit_fail_mode_decisions_total{mode=\"open\"}").await,
+        0.0
+    );
+}

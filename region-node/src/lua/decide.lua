@@ -393,7 +393,33 @@ if op == 'refund' then
             v1 = fmt('%d', now_us + whole); v2 = fmt('%.17g', a - whole)
           end
         elseif tier[N1] > 0 then
-          call('ZPOPMAX', KEYS[tier[LOC]], c)
+          -- The sliding log gives back units of the log, not a count: which
+          -- ones decides when the room comes back. By handle, the charge's
+          -- own members (scored at its time, named now_us:<id>:j with the
+          -- handle's id), so the refund frees exactly the room the charge
+          -- took, until it would have left the window anyway. Free-form,
+          -- tied to no charge, the oldest: they would leave first. (Popping
+          -- the newest gave a refunded old charge a whole new window of
+          -- room: A at 0 s, B at 59 s, refund A pops B, C is admitted, and
+          -- at 60 s A leaves and D is admitted, three in one window.)
+          local key = KEYS[tier[LOC]]
+          if by_handle then
+            local tag = ':' .. A[6 + K] .. ':'
+            local at = fmt('%d', charged_at)
+            local members = call('ZRANGE', key, at, at, 'BYSCORE')
+            local gone, n = {}, 0
+            for j = 1, #members do
+              if n >= c then break end
+              local m = members[j]
+              if string.find(m, tag, 1, true) then
+                n = n + 1; gone[#gone + 1] = m
+                if #gone >= 1000 then call('ZREM', key, unpack(gone)); gone = {} end
+              end
+            end
+            if #gone > 0 then call('ZREM', key, unpack(gone)) end
+          else
+            call('ZPOPMIN', key, c)
+          end
         end
         if v2 then
           if alg < 3 then v2 = fmt('%d', v2) end

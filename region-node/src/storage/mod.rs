@@ -54,6 +54,9 @@ pub trait CounterStore: Send + Sync {
     ) -> BoxFuture<'a, Result<DecideReply, StoreError>>;
 }
 
+/// The `reason` labels of [`StoreError::refused_writes`].
+pub const WRITE_REFUSALS: [&str; 2] = ["oom", "misconf"];
+
 /// Why a store could not decide.
 #[derive(Debug, Error)]
 pub enum StoreError {
@@ -108,9 +111,32 @@ impl StoreError {
         matches!(self, StoreError::Backlog(_) | StoreError::Expired)
     }
 
+    /// Redis answered that it refuses writes, and why (a label of
+    /// [`WRITE_REFUSALS`]): `oom` (used memory over `maxmemory` under
+    /// `noeviction`) or `misconf` (`stop-writes-on-bgsave-error` after a
+    /// failed RDB save). Such a server answers: a capacity alarm, not an
+    /// outage. The refused call wrote nothing: Redis refuses a script at
+    /// its first write, before any side effect (and a script with side
+    /// effects already is never stopped for memory).
+    pub fn refused_writes(&self) -> Option<&'static str> {
+        let StoreError::Redis(e) = self else {
+            return None;
+        };
+        match e.code() {
+            Some("OOM") => Some("oom"),
+            Some("MISCONF") => Some("misconf"),
+            _ => None,
+        }
+    }
+
     /// Errors that mean "this server cannot serve us now" (as opposed to a
     /// bad reply to one call).
     pub fn is_unavailability(&self) -> bool {
+        if self.refused_writes().is_some() {
+            // It answers (reads, pings): the breaker stays closed, so the
+            // first call after memory is freed is decided in Redis again.
+            return false;
+        }
         match self {
             StoreError::Backlog(_) => false,
             StoreError::Down | StoreError::Timeout(_) | StoreError::Expired => true,

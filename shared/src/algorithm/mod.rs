@@ -236,6 +236,29 @@ impl TierState {
         self.change(limit, now_us, cost, Change::Refund)
     }
 
+    /// Gives back the charge of `cost` made at `charged_at_ms` (a refund
+    /// by handle, as the script does it): only into a window the charge
+    /// was in (the same aligned window for fixed and sliding windows, one
+    /// window length after it for the token bucket and the log), and for
+    /// the sliding log the charge's own units, not any.
+    pub fn refund_charge(&mut self, limit: &Limit, now_us: u64, cost: u64, charged_at_ms: u64) {
+        self.reset_if_changed(limit);
+        let clock = Clock::new(limit, now_us);
+        let same_window = match limit.algorithm {
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => charged_at_ms / clock.w == clock.idx,
+            Algorithm::TokenBucket | Algorithm::SlidingLog => {
+                clock.now_ms.saturating_sub(charged_at_ms) < clock.w
+            }
+        };
+        if !same_window {
+            return;
+        }
+        match &mut self.state {
+            State::Log { runs } => sliding_log::refund_charge(clock, runs, cost, charged_at_ms),
+            _ => self.change(limit, now_us, cost, Change::Refund),
+        }
+    }
+
     fn change(&mut self, limit: &Limit, now_us: u64, cost: u64, change: Change) {
         self.reset_if_changed(limit);
         let clock = Clock::new(limit, now_us);

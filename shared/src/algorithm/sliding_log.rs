@@ -63,17 +63,40 @@ pub(super) fn commit(clock: Clock, runs: &mut VecDeque<(u64, u64)>, cost: u64) {
     add_units(runs, clock.now_ms, cost);
 }
 
+/// A refund tied to no charge (free-form): the oldest units go back first
+/// (the script's `ZPOPMIN`), those that would leave the window first. The
+/// newest would give the refund a whole new window of room (issue 29,
+/// item 5).
 pub(super) fn refund(clock: Clock, runs: &mut VecDeque<(u64, u64)>, cost: u64) {
     prune(runs, clock);
-    // ZPOPMAX: the newest units go back first.
     let mut left = cost;
     while left > 0 {
-        let Some(last) = runs.back_mut() else { break };
-        let take = last.1.min(left);
-        last.1 -= take;
+        let Some(first) = runs.front_mut() else { break };
+        let take = first.1.min(left);
+        first.1 -= take;
         left -= take;
-        if last.1 == 0 {
-            runs.pop_back();
+        if first.1 == 0 {
+            runs.pop_front();
+        }
+    }
+}
+
+/// The refund of one charge (by handle): its own units, scored at its time
+/// `charged_at_ms`, at most `cost` of them; nothing once they left the
+/// window. The script finds them by the handle's id in their names; here
+/// every unit of that millisecond is alike, and a handle gives back at
+/// most what its charge holds.
+pub(super) fn refund_charge(
+    clock: Clock,
+    runs: &mut VecDeque<(u64, u64)>,
+    cost: u64,
+    charged_at_ms: u64,
+) {
+    prune(runs, clock);
+    if let Some(at) = runs.iter().position(|&(ms, _)| ms == charged_at_ms) {
+        runs[at].1 -= runs[at].1.min(cost);
+        if runs[at].1 == 0 {
+            runs.remove(at);
         }
     }
 }
@@ -140,7 +163,7 @@ mod tests {
     }
 
     #[test]
-    fn sliding_log_refund_pops_the_newest_and_never_below_zero() {
+    fn sliding_log_free_form_refund_pops_the_oldest_and_never_below_zero() {
         let l = log(4, 1000);
         let t = T0;
         let mut s = TierState::new(&l);
@@ -149,12 +172,36 @@ mod tests {
         s.commit(&l, t, 2);
         s.commit(&l, t + 500 * MS, 2);
         s.refund(&l, t + 600 * MS, 1);
-        // Left: 2 at t, 1 at t + 500 ms.
+        // Left: 1 at t, 2 at t + 500 ms (the oldest went back).
         assert_eq!(s.evaluate(&l, t + 600 * MS, 0).remaining, 1);
-        assert_eq!(s.evaluate(&l, t + 1000 * MS, 0).remaining, 3);
+        assert_eq!(s.evaluate(&l, t + 1000 * MS, 0).remaining, 2);
         s.refund(&l, t + 600 * MS, 10);
         assert_eq!(s.evaluate(&l, t + 600 * MS, 4), allowed(0, 1000));
         assert!(s.is_idle(&l, t + 600 * MS));
+    }
+
+    /// Issue 29, item 5: limit 2 per 60 s, A at 0 s, B at 59 s; A refunded
+    /// by handle at 59.5 s gives back A's own unit, not B's; C at 59.6 s is
+    /// admitted; at 60.001 s A would have left anyway, and D is denied (B
+    /// and C fill the window). Popping the newest admitted D: three in one
+    /// window.
+    #[test]
+    fn sliding_log_refund_by_handle_gives_back_the_charges_own_units() {
+        let l = log(2, 60_000);
+        let t = T0 - T0 % (60_000 * MS);
+        let a_ms = t / MS;
+        let mut s = TierState::new(&l);
+        assert!(check(&mut s, &l, t, 1).allowed);
+        assert!(check(&mut s, &l, t + 59_000 * MS, 1).allowed);
+        s.refund_charge(&l, t + 59_500 * MS, 1, a_ms);
+        assert!(check(&mut s, &l, t + 59_600 * MS, 1).allowed, "C");
+        assert!(!s.evaluate(&l, t + 60_001 * MS, 1).allowed, "D");
+        // A charge whose units left the window gives nothing back.
+        s.refund_charge(&l, t + 120_000 * MS, 1, (t + 59_000 * MS) / MS);
+        assert_eq!(s.evaluate(&l, t + 120_000 * MS, 0).remaining, 1);
+        // Nor does a handle of another millisecond.
+        s.refund_charge(&l, t + 120_000 * MS, 1, a_ms + 1);
+        assert_eq!(s.evaluate(&l, t + 120_000 * MS, 0).remaining, 1);
     }
 
     #[test]
