@@ -1428,7 +1428,9 @@ fn auth_and_http_errors_name_the_key() {
 /// BASE (plan `free` has a global limit of 1000, `bucket` none) with
 /// `extra` tables appended.
 fn with_tables(extra: &str) -> Result<Loaded, ConfigError> {
-    Config::from_toml(&format!("{BASE}\n[plans.other]\nglobal = {{ limit = 5 }}\n{extra}"))
+    Config::from_toml(&format!(
+        "{BASE}\n[plans.other]\nglobal = {{ limit = 5 }}\n{extra}"
+    ))
 }
 
 /// A domain naming its tenants by an entry, under `rls.plan = plan`.
@@ -1506,7 +1508,10 @@ fn a_gateway_plans_global_tier_must_be_the_aggregators() {
     // gateway's plan has no global tier.
     for ok in [
         gateway("free", &plan("free")),
-        format!("[plans.same]\nglobal = {{ limit = 1000 }}\n{}", gateway("free", &plan("same"))),
+        format!(
+            "[plans.same]\nglobal = {{ limit = 1000 }}\n{}",
+            gateway("free", &plan("same"))
+        ),
         gateway("bucket", deny),
         gateway("bucket", &plan("other")),
     ] {

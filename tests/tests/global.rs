@@ -975,7 +975,8 @@ async fn admit_until(node: &RegionNode, tenant: &str, n: u64) -> Vec<u16> {
 async fn small_and_odd_limits_reach_the_threshold_and_then_the_limit() {
     let mut plans = String::new();
     for l in [1u64, 2, 3, 5] {
-        plans += &format!("[plans.g{l}]\nglobal = {{ limit = {l} }}\n[tenants.l{l}]\nplan = \"g{l}\"\n");
+        plans +=
+            &format!("[plans.g{l}]\nglobal = {{ limit = {l} }}\n[tenants.l{l}]\nplan = \"g{l}\"\n");
     }
     plans += "[tenants.split5]\nplan = \"g5\"\n";
     let (w, agg, eu, us) = two_regions_with(&plans, "broadcast_fraction = 0.5").await;

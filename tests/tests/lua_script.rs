@@ -953,22 +953,27 @@ async fn a_sliding_log_refund_gives_back_the_charges_own_units() {
     let t0 = u64::from(day) * 86_400_000 + 3_600_000;
     for by_handle in [true, false] {
         let tenant = if by_handle { "slh" } else { "slf" };
-        let at = |con: &mut redis::aio::MultiplexedConnection, id: &'static str, ms: u64, op: Op| {
-            let mut call = check(tenant, 1);
-            call.op = op;
-            call.epoch_candidate = id;
-            call.day = day;
-            call.now_ms = ms;
-            call.tiers = vec![tier(Scope::Region, &log, 1)];
-            let mut con = con.clone();
-            async move {
-                set_fake_ms(&mut con, ms).await;
-                harness::lua::decide_by(&mut con, &sha, &call).await
-            }
-        };
+        let at =
+            |con: &mut redis::aio::MultiplexedConnection, id: &'static str, ms: u64, op: Op| {
+                let mut call = check(tenant, 1);
+                call.op = op;
+                call.epoch_candidate = id;
+                call.day = day;
+                call.now_ms = ms;
+                call.tiers = vec![tier(Scope::Region, &log, 1)];
+                let mut con = con.clone();
+                async move {
+                    set_fake_ms(&mut con, ms).await;
+                    harness::lua::decide_by(&mut con, &sha, &call).await
+                }
+            };
         let a = at(&mut con, "chargeA", t0, Op::Check).await;
         assert!(a.allowed);
-        assert!(at(&mut con, "chargeB", t0 + 59_000, Op::Check).await.allowed);
+        assert!(
+            at(&mut con, "chargeB", t0 + 59_000, Op::Check)
+                .await
+                .allowed
+        );
         // Refund A at 59.5 s.
         let mut rf = check(tenant, 1);
         rf.op = Op::Refund;
@@ -1003,10 +1008,7 @@ async fn a_sliding_log_refund_gives_back_the_charges_own_units() {
             .query_async(&mut con)
             .await
             .unwrap();
-        let ids: Vec<&str> = members
-            .iter()
-            .filter_map(|m| m.split(':').nth(1))
-            .collect();
+        let ids: Vec<&str> = members.iter().filter_map(|m| m.split(':').nth(1)).collect();
         assert_eq!(ids, ["chargeB", "chargeC"], "by handle: {by_handle}");
     }
 }

@@ -1443,7 +1443,9 @@ plan = "local"
     ] {
         c.query_async::<()>(&mut con).await.unwrap();
     }
-    let refused = cmd(&["SET", "probe", "1"]).query_async::<()>(&mut con).await;
+    let refused = cmd(&["SET", "probe", "1"])
+        .query_async::<()>(&mut con)
+        .await;
     assert!(
         refused.as_ref().is_err_and(|e| e.code() == Some("OOM")),
         "Redis should refuse writes: {refused:?}"
@@ -1468,7 +1470,11 @@ plan = "local"
         metric(&n, "tierlimit_store_writes_refused_total{reason=\"oom\"}").await,
         8.0
     );
-    assert_eq!(metric(&n, "tierlimit_store_up").await, 1.0, "breaker closed");
+    assert_eq!(
+        metric(&n, "tierlimit_store_up").await,
+        1.0,
+        "breaker closed"
+    );
     assert_eq!(
         metric(&n, "tierlimit_fail_mode_decisions_total{mode=\"open\"}").await,
         0.0
@@ -1498,17 +1504,26 @@ plan = "local"
                 .query_async(&mut con)
                 .await
                 .unwrap();
-            info.contains("rdb_last_bgsave_status:err") && !info.contains("rdb_bgsave_in_progress:1")
+            info.contains("rdb_last_bgsave_status:err")
+                && !info.contains("rdb_bgsave_in_progress:1")
         }
     })
     .await;
     let (s, body) = check(&n, "o", 1).await;
     assert_eq!((s, body["mode"].as_str()), (429, Some("local")), "{body}");
     assert_eq!(
-        metric(&n, "tierlimit_store_writes_refused_total{reason=\"misconf\"}").await,
+        metric(
+            &n,
+            "tierlimit_store_writes_refused_total{reason=\"misconf\"}"
+        )
+        .await,
         1.0
     );
-    assert_eq!(metric(&n, "tierlimit_store_up").await, 1.0, "breaker closed");
+    assert_eq!(
+        metric(&n, "tierlimit_store_up").await,
+        1.0,
+        "breaker closed"
+    );
     assert_eq!(
         metric(&n, "tierlimit_fail_mode_decisions_total{mode=\"open\"}").await,
         0.0

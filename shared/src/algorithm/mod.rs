@@ -245,7 +245,9 @@ impl TierState {
         self.reset_if_changed(limit);
         let clock = Clock::new(limit, now_us);
         let same_window = match limit.algorithm {
-            Algorithm::FixedWindow | Algorithm::SlidingWindow => charged_at_ms / clock.w == clock.idx,
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                charged_at_ms / clock.w == clock.idx
+            }
             Algorithm::TokenBucket | Algorithm::SlidingLog => {
                 clock.now_ms.saturating_sub(charged_at_ms) < clock.w
             }
