@@ -575,7 +575,8 @@ mod tests {
             }
         }
 
-        /// Refunding at once what was just committed restores every answer.
+        /// Refunding at once what was just committed (by its handle)
+        /// restores every answer.
         /// (A token bucket only with a whole number of µs per unit: the stored
         /// TAT is rounded up, so otherwise up to 1 µs of it stays behind.)
         #[test]
@@ -600,7 +601,9 @@ mod tests {
             }
             let before = s.clone();
             s.commit(&l, now, cost);
-            s.refund(&l, now, cost);
+            // By its handle: a sliding log gives back the charge's own
+            // units (a free-form refund gives back the oldest instead).
+            s.refund_charge(&l, now, cost, now / MS);
             for later in [now, now + 1, now + 333 * MS, now + 2 * window_ms * MS] {
                 for c in [0, 1, cost] {
                     prop_assert_eq!(s.evaluate(&l, later, c), before.evaluate(&l, later, c));

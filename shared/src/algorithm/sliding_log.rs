@@ -196,12 +196,15 @@ mod tests {
         s.refund_charge(&l, t + 59_500 * MS, 1, a_ms);
         assert!(check(&mut s, &l, t + 59_600 * MS, 1).allowed, "C");
         assert!(!s.evaluate(&l, t + 60_001 * MS, 1).allowed, "D");
-        // A charge whose units left the window gives nothing back.
-        s.refund_charge(&l, t + 120_000 * MS, 1, (t + 59_000 * MS) / MS);
-        assert_eq!(s.evaluate(&l, t + 120_000 * MS, 0).remaining, 1);
-        // Nor does a handle of another millisecond.
-        s.refund_charge(&l, t + 120_000 * MS, 1, a_ms + 1);
-        assert_eq!(s.evaluate(&l, t + 120_000 * MS, 0).remaining, 1);
+        let d = t + 60_001 * MS;
+        // A charge whose units left the window gives nothing back, nor
+        // does a handle of a millisecond that holds no units.
+        s.refund_charge(&l, d, 1, a_ms);
+        s.refund_charge(&l, d, 1, a_ms + 1);
+        assert_eq!(s.evaluate(&l, d, 0).remaining, 0);
+        // B's handle gives back B's unit.
+        s.refund_charge(&l, d, 1, a_ms + 59_000);
+        assert_eq!(s.evaluate(&l, d, 0).remaining, 1);
     }
 
     #[test]
