@@ -57,6 +57,7 @@ async fn script_matches_the_model() {
     println!("seed {seed}, {scenarios} scenarios (LUA_MODEL_SEED / LUA_MODEL_SCENARIOS)");
     let mut rng = Rng(seed);
     let mut ops = 0u64;
+    let mut by_handle_refunds = 0u64;
     let mut mismatches = Vec::new();
 
     for sc in 0..scenarios {
@@ -95,7 +96,6 @@ async fn script_matches_the_model() {
         let mut now_us: u64 = 1_700_000_000_000_000 + rng.below(1_000_000_000_000);
         // Allowed charges of this scenario: (id, Redis ms, cost, refunded).
         let mut charges: Vec<(String, u64, u64, bool)> = Vec::new();
-        let mut by_handle_refunds = 0u64;
         for _ in 0..rng.range(1, 80) {
             ops += 1;
             let scale = match rng.below(4) {

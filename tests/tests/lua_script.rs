@@ -936,6 +936,25 @@ async fn set_fake_ms(con: &mut redis::aio::MultiplexedConnection, ms: u64) {
         .unwrap();
 }
 
+/// A check of one unit by the script loaded as `sha` with the fake clock:
+/// of `tenant`, with `id` as the call's id, at `ms`, on a region tier `log`.
+async fn log_check(
+    con: &mut redis::aio::MultiplexedConnection,
+    sha: &str,
+    log: &Limit,
+    tenant: &str,
+    id: &str,
+    ms: u64,
+) -> DecideReply {
+    let mut call = check(tenant, 1);
+    call.epoch_candidate = id;
+    call.day = (ms / 86_400_000) as u32;
+    call.now_ms = ms;
+    call.tiers = vec![tier(Scope::Region, log, 1)];
+    set_fake_ms(con, ms).await;
+    harness::lua::decide_by(con, sha, &call).await
+}
+
 /// Issue 29, item 5, on the script itself at explicit times: limit 2 per
 /// 60 s (sliding log), A at 0 s, B at 59 s; A refunded at 59.5 s; C at
 /// 59.6 s is admitted; at 60.001 s D must be denied, since B and C are in
@@ -953,27 +972,10 @@ async fn a_sliding_log_refund_gives_back_the_charges_own_units() {
     let t0 = u64::from(day) * 86_400_000 + 3_600_000;
     for by_handle in [true, false] {
         let tenant = if by_handle { "slh" } else { "slf" };
-        let at =
-            |con: &mut redis::aio::MultiplexedConnection, id: &'static str, ms: u64, op: Op| {
-                let mut call = check(tenant, 1);
-                call.op = op;
-                call.epoch_candidate = id;
-                call.day = day;
-                call.now_ms = ms;
-                call.tiers = vec![tier(Scope::Region, &log, 1)];
-                let mut con = con.clone();
-                async move {
-                    set_fake_ms(&mut con, ms).await;
-                    harness::lua::decide_by(&mut con, &sha, &call).await
-                }
-            };
-        let a = at(&mut con, "chargeA", t0, Op::Check).await;
+        let a = log_check(&mut con, &sha, &log, tenant, "chargeA", t0).await;
         assert!(a.allowed);
-        assert!(
-            at(&mut con, "chargeB", t0 + 59_000, Op::Check)
-                .await
-                .allowed
-        );
+        let b = log_check(&mut con, &sha, &log, tenant, "chargeB", t0 + 59_000).await;
+        assert!(b.allowed);
         // Refund A at 59.5 s.
         let mut rf = check(tenant, 1);
         rf.op = Op::Refund;
@@ -989,9 +991,9 @@ async fn a_sliding_log_refund_gives_back_the_charges_own_units() {
         }
         set_fake_ms(&mut con, t0 + 59_500).await;
         harness::lua::decide_by(&mut con, &sha, &rf).await;
-        let c = at(&mut con, "chargeC", t0 + 59_600, Op::Check).await;
+        let c = log_check(&mut con, &sha, &log, tenant, "chargeC", t0 + 59_600).await;
         assert!(c.allowed, "C (by handle: {by_handle})");
-        let d = at(&mut con, "chargeD", t0 + 60_001, Op::Check).await;
+        let d = log_check(&mut con, &sha, &log, tenant, "chargeD", t0 + 60_001).await;
         assert!(
             !d.allowed,
             "D at 60.001 s: B and C fill the window (by handle: {by_handle})"
