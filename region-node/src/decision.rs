@@ -1180,7 +1180,7 @@ impl Decider {
     /// the node's local actor like any `local` decision), for `open` and
     /// `local` plans alike. A `closed` plan asked never to be decided
     /// without Redis: 503. Nothing was charged in Redis (a script is
-    /// refused at its first write). Counted in
+    /// refused only at its first write). Counted in
     /// `tierlimit_store_writes_refused_total{reason}`.
     fn refused_writes(
         &self,

@@ -1407,7 +1407,7 @@ on_store_error = "open"
 region = { limit = 6, window = "1h", algorithm = "fixed_window" }
 on_store_error = "closed"
 [plans.local]
-region = { limit = 6, window = "1h", algorithm = "sliding_log" }
+region = { limit = 6, window = "1h", algorithm = "token_bucket" }
 on_store_error = "local"
 [tenants.o]
 plan = "open"
@@ -1463,7 +1463,7 @@ plan = "local"
     // closed: 503 problem+json, nothing decided.
     let (s, body) = check(&n, "c", 1).await;
     assert_eq!(s, 503, "{body}");
-    // local: as before, the local limiter (a sliding log too).
+    // local: the local limiter, as for the fail mode.
     let (s, body) = check(&n, "l", 1).await;
     assert_eq!((s, body["mode"].as_str()), (200, Some("local")), "{body}");
     assert_eq!(

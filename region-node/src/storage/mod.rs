@@ -115,9 +115,10 @@ impl StoreError {
     /// [`WRITE_REFUSALS`]): `oom` (used memory over `maxmemory` under
     /// `noeviction`) or `misconf` (`stop-writes-on-bgsave-error` after a
     /// failed RDB save). Such a server answers: a capacity alarm, not an
-    /// outage. The refused call wrote nothing: Redis refuses a script at
-    /// its first write, before any side effect (and a script with side
-    /// effects already is never stopped for memory).
+    /// outage. The refused call wrote nothing: Redis refuses a script only
+    /// at its first write, before any side effect; one whose first write
+    /// cannot grow memory (a sliding log's pruning) it lets run to the end,
+    /// deciding it normally.
     pub fn refused_writes(&self) -> Option<&'static str> {
         let StoreError::Redis(e) = self else {
             return None;
