@@ -999,12 +999,22 @@ async fn small_and_odd_limits_reach_the_threshold_and_then_the_limit() {
         wait_total(&agg, &format!("l{l}"), l).await;
     }
     wait_total(&agg, "split5", 5).await;
-    for tenant in ["l1", "l2", "l3", "l5", "split5"] {
-        wait_until(&format!("us's view holds {tenant}"), DEADLINE, || async {
-            let v = harness::try_json(&us.http, &us.url(&format!("/v1/tenants/{tenant}"))).await;
-            v.is_some_and(|v| v["global_total"].as_u64().is_some())
-        })
-        .await;
+    // Both views hold every tenant at its limit (us learns eu's last units
+    // from the broadcast: the overshoot window every view has).
+    for (tenant, l) in [("l1", 1), ("l2", 2), ("l3", 3), ("l5", 5), ("split5", 5)] {
+        for node in [&eu, &us] {
+            wait_until(
+                &format!("{}'s view holds {tenant} at {l}", node.region),
+                DEADLINE,
+                || async {
+                    let v =
+                        harness::try_json(&node.http, &node.url(&format!("/v1/tenants/{tenant}")))
+                            .await;
+                    v.is_some_and(|v| v["global_total"].as_u64() == Some(l))
+                },
+            )
+            .await;
+        }
         for node in [&eu, &us] {
             let (s, body) = check(&node.http, &node.url("/v1/check"), tenant).await;
             assert_eq!(
