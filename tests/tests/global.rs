@@ -616,8 +616,9 @@ async fn view_part(n: &RegionNode, tenant: &str) -> Option<(u64, u64)> {
 /// Only what decisions need is broadcast (issue 10): tenants far from their
 /// global limit and tenants without one are never broadcast, so the nodes'
 /// views hold only the tenants near their limit; a node with no entry bounds
-/// the other regions' spend by the broadcast threshold (a quarter of the
-/// limit by default), and once the tenant crosses it the entry arrives and
+/// the other regions' spend by the most an unbroadcast tenant holds (one
+/// less than the broadcast threshold, a quarter of the limit by default),
+/// and once the tenant crosses it the entry arrives and
 /// the tenant reaches its limit exactly, whether its traffic is all in one
 /// region or split, and never more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -659,8 +660,9 @@ plan = "free"
     wait_total(&agg, "gap", 45).await;
 
     // A missing entry is never "others = 0": us spent 45 of gap's 200,
-    // which eu cannot see (below 50, not broadcast). 160 more through eu
-    // would make 205: refused, as is anything above 200 − 50.
+    // which eu cannot see (below θ = 50, not broadcast). 160 more through
+    // eu would make 205: refused, as is anything above 200 − 49 (an
+    // unbroadcast tenant holds at most θ − 1 = 49).
     let cost = |n: u64| {
         let (http, url) = (eu.http.clone(), eu.url("/v1/check"));
         async move {
@@ -679,9 +681,9 @@ plan = "free"
         (429, &json!("global")),
         "{body}"
     );
+    let (s, body) = cost(152).await;
+    assert_eq!(s, 429, "the bound is 200 − 49: {body}");
     let (s, body) = cost(151).await;
-    assert_eq!(s, 429, "the bound is 200 − 50: {body}");
-    let (s, body) = cost(150).await;
     assert_eq!(s, 200, "{body}");
 
     // Sequential checks until `n` are allowed; every answer must be 200 or
@@ -710,10 +712,10 @@ plan = "free"
             waited
         }
     };
-    // All in one region: without an entry eu may reach 200 − 50 = 150; the
+    // All in one region: without an entry eu may reach 200 − 49 = 151; the
     // crossing of 50 is broadcast, then eu's own part is not "others".
     let waited = push(&eu, "solo", 200).await;
-    // Split: us spent 30 (never broadcast); eu may take 150 before the entry
+    // Split: us spent 30 (never broadcast); eu may take 151 before the entry
     // arrives, then exactly 200 − 30 = 170.
     push(&eu, "split", 170).await;
     // eu knows at once (its own part is exact); us once eu's last units
@@ -737,7 +739,7 @@ plan = "free"
 
     // Every view holds the three tenants that reached the threshold,
     // nothing of the ten quiet ones or of the unlimited one.
-    wait_total(&agg, "gap", 195).await;
+    wait_total(&agg, "gap", 196).await;
     for n in [&eu, &us] {
         wait_until(
             &format!("{} holds solo, split and gap", n.region),
