@@ -38,7 +38,7 @@ use crate::lease::{Leases, Leftover, Take};
 use crate::local::Local;
 use crate::metrics::Metrics;
 use crate::newcomers::{Newcomers, Refusal, Refused};
-use crate::refund::{Handle, HandleError, Signer};
+use crate::refund::{Handle, HandleError, Signer, Verified, Window};
 use crate::reserve::{self, Reserves};
 use crate::storage::{
     CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, Scope, StoreError,
@@ -211,6 +211,14 @@ pub struct Charged {
     /// Redis' clock at the charge (the node's for `local`).
     pub at_ms: u64,
     pub mode: Mode,
+}
+
+/// Whose charge a refund by handle gives back: the node whose node tier
+/// was charged, and the tiers charged (`None`: every tier of the plan, a
+/// previous release's handle).
+struct Charger<'h> {
+    node: &'h str,
+    windows: Option<&'h [Window]>,
 }
 
 /// A parsed check or refund request.
@@ -551,6 +559,7 @@ impl Decider {
                 call.refund = Some(crate::storage::script::RefundOf {
                     id: charged.id.clone(),
                     charged_at_ms: charged.at_ms,
+                    expires_at_ms: 0,
                 });
                 self.store
                     .decide(&call)
@@ -574,26 +583,81 @@ impl Decider {
             cost = req.cost,
             "free-form refund"
         );
-        self.refund_call(req, None, "free_form").await
+        self.refund_call(req, None, "free_form", None).await
     }
 
     /// A refund by handle: gives back at most the charge the handle names
-    /// (`cost` units if given, else all of it), only to windows the charge
-    /// was in and to its day, once.
+    /// (`cost` units if given, else all of it), to the tiers it names of
+    /// the node that charged it, only while their windows are current and
+    /// to its day's count, once; refused (and counted) in another region,
+    /// once used, and once every window it touched has ended (see
+    /// [`crate::refund`]).
     pub async fn refund_handle(
         &self,
         handle: &str,
         cost: Option<u64>,
     ) -> Result<Refunded, DecideError> {
-        let h = self.signer(&self.live.load())?.verify(handle)?;
-        let cost = cost.unwrap_or(h.cost).min(h.cost);
-        let key = (h.key != keys::WHOLE_TENANT).then_some(h.key.as_str());
-        let req = Request {
-            tenant: &h.tenant,
-            key,
-            cost,
+        let result = self.refund_by_handle(handle, cost).await;
+        if let Err(DecideError::Handle(e)) = &result {
+            self.metrics
+                .refund_refusals
+                .with_label_values(&[e.reason()])
+                .inc();
+        }
+        result
+    }
+
+    async fn refund_by_handle(
+        &self,
+        handle: &str,
+        cost: Option<u64>,
+    ) -> Result<Refunded, DecideError> {
+        let verified = self.signer(&self.live.load())?.verify(handle)?;
+        let (tenant, key, charged, of, charger) = match &verified {
+            Verified::Current(h) => {
+                if h.region != self.region {
+                    return Err(HandleError::OtherRegion {
+                        issued: h.region.clone(),
+                        here: self.region.clone(),
+                    }
+                    .into());
+                }
+                let charger = Charger {
+                    node: &h.node,
+                    windows: Some(&h.windows),
+                };
+                (&h.tenant, &h.key, h.cost, h.refund_of(), charger)
+            }
+            // The previous format names no node or windows: its old
+            // meaning (this node's tiers), within its grace.
+            Verified::Previous(h) => {
+                let charger = Charger {
+                    node: &self.node_id,
+                    windows: None,
+                };
+                (&h.tenant, &h.key, h.cost, h.refund_of(), charger)
+            }
         };
-        self.refund_call(req, Some(h.refund_of()), "handle").await
+        let key = (key != keys::WHOLE_TENANT).then_some(key.as_str());
+        let req = Request {
+            tenant,
+            key,
+            cost: cost.unwrap_or(charged).min(charged),
+        };
+        let r = self
+            .refund_call(req, Some(of), "handle", Some(charger))
+            .await?;
+        if r.duplicate {
+            return Err(HandleError::Used.into());
+        }
+        if r.expired {
+            return Err(match verified {
+                Verified::Current(_) => HandleError::Expired,
+                Verified::Previous(_) => HandleError::Outdated,
+            }
+            .into());
+        }
+        Ok(r)
     }
 
     async fn refund_call(
@@ -601,6 +665,7 @@ impl Decider {
         req: Request<'_>,
         of: Option<crate::storage::script::RefundOf>,
         kind: &'static str,
+        charger: Option<Charger<'_>>,
     ) -> Result<Refunded, DecideError> {
         let (cfg, policy, key) = self.resolve(&req)?;
         let now = now_ms();
@@ -608,8 +673,17 @@ impl Decider {
         let epoch = new_epoch();
         let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
         call.refund = of;
+        if let Some(c) = &charger {
+            // The charging node's node tier, and only the tiers charged.
+            call.node_id = c.node;
+            if let Some(windows) = c.windows {
+                call.tiers
+                    .retain(|t| windows.iter().any(|w| w.is_tier(t.scope, t.limit)));
+            }
+        }
         let by_handle = call.refund.is_some();
-        let node_first = call.tiers.first().is_some_and(|t| t.scope == Scope::Node);
+        let node_first = call.tiers.first().is_some_and(|t| t.scope == Scope::Node)
+            && call.node_id == self.node_id;
         if !by_handle && node_first {
             // Tied to no charge, it gives back to the current window down
             // to zero: this node's unspent reservation goes back with it,
@@ -630,7 +704,9 @@ impl Decider {
                 let kind = if duplicate { "duplicate" } else { kind };
                 self.metrics.refunds.with_label_values(&[kind]).inc();
                 let mut decision = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
-                self.count_reserved(&mut decision, (req.tenant, key));
+                if call.node_id == self.node_id {
+                    self.count_reserved(&mut decision, (req.tenant, key));
+                }
                 Ok(Refunded {
                     decision,
                     refunded,
@@ -681,8 +757,9 @@ impl Decider {
             let of = crate::storage::script::RefundOf {
                 id: l.id,
                 charged_at_ms: l.charged_at_ms,
+                expires_at_ms: 0,
             };
-            let outcome = match self.refund_call(req, Some(of), "lease").await {
+            let outcome = match self.refund_call(req, Some(of), "lease", None).await {
                 Ok(_) => "returned",
                 Err(e) => {
                     tracing::warn!(tenant = l.tenant, units = l.units, error = %e, "lease not returned");
@@ -721,7 +798,9 @@ impl Decider {
         Ok(signer)
     }
 
-    /// The refund handle of an allowed charge, if the region signs them.
+    /// The refund handle of an allowed charge, if the region signs them:
+    /// this region, this node, and the window of each tier of the call at
+    /// the charge's Redis time.
     fn sign_handle(
         &self,
         cfg: &Loaded,
@@ -730,12 +809,20 @@ impl Decider {
         call: &DecideCall<'_>,
     ) -> Option<String> {
         let signer = self.signer(cfg).ok()?;
+        let at = charged_at_ms.max(0) as u64;
         Some(signer.sign(&Handle {
+            region: self.region.clone(),
+            node: self.node_id.clone(),
             tenant: d.tenant.clone(),
             key: d.key.clone(),
             cost: d.cost,
-            charged_at_ms: charged_at_ms.max(0) as u64,
+            charged_at_ms: at,
             id: call.epoch_candidate.to_string(),
+            windows: call
+                .tiers
+                .iter()
+                .map(|t| Window::of_charge(t.scope, t.limit, at))
+                .collect(),
         }))
     }
 
