@@ -18,6 +18,7 @@
 //! tier's arithmetic lives in exactly one place (the script, and its
 //! in-process twin for the fail mode).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -261,6 +262,9 @@ pub struct Decider {
     admission: Arc<Admission>,
     /// When this node started: `node.view_wait` counts from here.
     started: Instant,
+    /// Whether this node's clock was last seen beyond `node.max_clock_offset`
+    /// of its Redis' (logged when it changes).
+    clock_off: AtomicBool,
 }
 
 impl Decider {
@@ -290,6 +294,7 @@ impl Decider {
             leftovers: std::sync::Mutex::default(),
             reserves: Reserves::default(),
             started: Instant::now(),
+            clock_off: AtomicBool::new(false),
         }
     }
 
@@ -367,8 +372,7 @@ impl Decider {
     pub async fn check(&self, req: Request<'_>) -> Result<Decision, DecideError> {
         let started = Instant::now();
         let (cfg, policy, key) = self.resolve(&req)?;
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
         if policy.global.is_some() {
             self.await_view(&cfg).await?;
@@ -425,7 +429,7 @@ impl Decider {
             None => None,
         };
         let sent = Instant::now();
-        let mut result = self.store.decide(&call).await;
+        let mut result = self.decide_on_redis_day(&cfg, &policy, &mut call).await;
         if ask {
             let id = lease_id(call.epoch_candidate);
             if let Ok(r) = &result {
@@ -479,8 +483,7 @@ impl Decider {
         }
         let cfg = self.live.load();
         let key = keys::WHOLE_TENANT;
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
         let plan_tiers = usize::from(policy.node.is_some()) + usize::from(policy.region.is_some());
         if policy.global.is_some() {
@@ -501,7 +504,8 @@ impl Decider {
         let epoch = new_epoch();
         let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
         call.tiers.extend(extra.iter().cloned());
-        let (decision, denied, charged) = match self.store.decide(&call).await {
+        let result = self.decide_on_redis_day(&cfg, &policy, &mut call).await;
+        let (decision, denied, charged) = match result {
             Ok(r) => {
                 let denied = r.denied;
                 let charged = r.allowed.then(|| Charged {
@@ -544,8 +548,7 @@ impl Decider {
         charged: &Charged,
     ) -> Result<(), DecideError> {
         let cfg = self.live.load();
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         let epoch = new_epoch();
         let key = keys::WHOLE_TENANT;
         let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
@@ -668,8 +671,7 @@ impl Decider {
         charger: Option<Charger<'_>>,
     ) -> Result<Refunded, DecideError> {
         let (cfg, policy, key) = self.resolve(&req)?;
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         let epoch = new_epoch();
         let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
         call.refund = of;
@@ -834,8 +836,7 @@ impl Decider {
             cost: 1,
         };
         let (cfg, policy, k) = self.resolve(&req)?;
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         let epoch = new_epoch();
         let mut call = self.call(Op::Peek, &req, &cfg, &policy, k, today, now, &epoch);
         call.cost = 0;
@@ -908,12 +909,55 @@ impl Decider {
         now: u64,
         epoch: &'a [u8; 16],
     ) -> DecideCall<'a> {
+        let global = self.global_args(req.tenant, cfg, policy, today, now);
+        let tier = |scope, limit| TierCall {
+            scope,
+            rule: keys::WHOLE_TENANT,
+            key,
+            limit,
+            cost: req.cost,
+        };
+        let mut tiers = Vec::with_capacity(2);
+        if let Some(l) = &policy.node {
+            tiers.push(tier(Scope::Node, l));
+        }
+        if let Some(l) = &policy.region {
+            tiers.push(tier(Scope::Region, l));
+        }
+        DecideCall {
+            op,
+            tenant: req.tenant,
+            node_id: &self.node_id,
+            cost: req.cost,
+            tiers,
+            expected_nodes: self.expected_nodes(cfg),
+            global,
+            epoch_candidate: std::str::from_utf8(epoch).expect("hex digits are ASCII"),
+            day: today,
+            now_ms: now,
+            counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY,
+            relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
+            refund: None,
+            lease: None,
+        }
+    }
+
+    /// The global tier's inputs of a call for `today`, from the broadcast
+    /// view of that day.
+    fn global_args(
+        &self,
+        tenant: &str,
+        cfg: &Loaded,
+        policy: &Policy,
+        today: u32,
+        now: u64,
+    ) -> Option<GlobalArgs> {
         // One look at the broadcast view: the global total, and this
         // region's actors in it with P and N. The script takes others =
         // total − its actor's part, and raises a rolled-back counter to the
         // part (for every tenant the view holds, global limit or not: the
         // aggregator's count needs the raise as much as the limit does).
-        let global = self.view.with(req.tenant, today, |e| {
+        let global = self.view.with(tenant, today, |e| {
             let e = e?;
             let own_parts: Vec<(String, u64, u64)> = e
                 .parts
@@ -925,7 +969,7 @@ impl Decider {
                 .collect();
             (policy.global.is_some() || !own_parts.is_empty()).then(|| (e.total(), own_parts))
         });
-        let global = match (policy.global, global) {
+        match (policy.global, global) {
             (Some(limit), seen) => {
                 let (total, own_parts) = seen.unwrap_or_default();
                 let own = crate::view::net_sum(own_parts.iter().map(|(_, p, n)| (*p, *n)));
@@ -957,37 +1001,83 @@ impl Decider {
                 ..GlobalArgs::default()
             }),
             (None, None) => None,
+        }
+    }
+
+    /// This node's clock (ms), and the day of a decision by Redis' clock:
+    /// the store's estimate of it (this node's clock plus the offset its
+    /// replies taught), ours only until the first reply. One clock decides
+    /// the day, so a node whose clock is off does not move its tenants'
+    /// midnight; the script refuses a check made for another day anyway
+    /// (see [`Decider::decide_on_redis_day`]). The offset is exported, and
+    /// beyond `node.max_clock_offset` logged and shown in `/readyz`.
+    pub fn clock(&self) -> (u64, u32) {
+        let now = now_ms();
+        let redis = self.store.redis_now_ms(now);
+        if let Some(r) = redis {
+            let offset = now as i64 - r;
+            self.metrics.clock_offset_ms.set(offset);
+            let bound = self.live.load().config.node.max_clock_offset.as_millis() as i64;
+            self.metrics.clock_offset_bound_ms.set(bound);
+            let off = offset.abs() > bound;
+            if self.clock_off.swap(off, Ordering::Relaxed) != off {
+                if off {
+                    tracing::warn!(
+                        offset_ms = offset,
+                        bound_ms = bound,
+                        "this node's clock is off its Redis' by more than node.max_clock_offset; decisions use Redis' day, but fix the node's time sync"
+                    );
+                } else {
+                    tracing::info!(offset_ms = offset, "this node's clock agrees with its Redis' again");
+                }
+            }
+        }
+        let at = redis.unwrap_or(now as i64).max(0) as u64;
+        (now, day::of_unix_secs(at / 1000))
+    }
+
+    /// This node's clock against its Redis' (`/readyz`): the offset (ours
+    /// minus Redis', ms; `None` until a reply taught it), the bound, and
+    /// whether it is within it.
+    pub fn clock_status(&self) -> serde_json::Value {
+        let now = now_ms();
+        let bound = self.live.load().config.node.max_clock_offset.as_millis() as i64;
+        match self.store.redis_now_ms(now) {
+            Some(r) => {
+                let offset = now as i64 - r;
+                serde_json::json!({
+                    "offset_ms": offset,
+                    "max_offset_ms": bound,
+                    "within_bound": offset.abs() <= bound,
+                })
+            }
+            None => serde_json::json!({
+                "offset_ms": null,
+                "max_offset_ms": bound,
+                "within_bound": null,
+            }),
+        }
+    }
+
+    /// One check's store call, decided on Redis' day. A check built for
+    /// another day (the node's estimate of Redis' clock was on the other
+    /// side of midnight) is refused by the script, which did nothing: it is
+    /// built again with the broadcast view of the day Redis says, and sent
+    /// once more. The script never decides with another day's broadcast.
+    async fn decide_on_redis_day(
+        &self,
+        cfg: &Loaded,
+        policy: &Policy,
+        call: &mut DecideCall<'_>,
+    ) -> Result<DecideReply, StoreError> {
+        let first = self.store.decide(call).await;
+        let Err(StoreError::OtherDay { day }) = first else {
+            return first;
         };
-        let tier = |scope, limit| TierCall {
-            scope,
-            rule: keys::WHOLE_TENANT,
-            key,
-            limit,
-            cost: req.cost,
-        };
-        let mut tiers = Vec::with_capacity(2);
-        if let Some(l) = &policy.node {
-            tiers.push(tier(Scope::Node, l));
-        }
-        if let Some(l) = &policy.region {
-            tiers.push(tier(Scope::Region, l));
-        }
-        DecideCall {
-            op,
-            tenant: req.tenant,
-            node_id: &self.node_id,
-            cost: req.cost,
-            tiers,
-            expected_nodes: self.expected_nodes(cfg),
-            global,
-            epoch_candidate: std::str::from_utf8(epoch).expect("hex digits are ASCII"),
-            day: today,
-            now_ms: now,
-            counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY,
-            relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
-            refund: None,
-            lease: None,
-        }
+        self.metrics.day_retries.inc();
+        call.day = day;
+        call.global = self.global_args(call.tenant, cfg, policy, day, call.now_ms);
+        self.store.decide(call).await
     }
 
     /// Redis counts this node's reservation as spent; it is not yet: a

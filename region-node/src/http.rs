@@ -380,7 +380,11 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 async fn readyz(State(s): State<Arc<AppState>>) -> Response {
     let store = s.decider.store().is_up();
     let view = s.view.caught_up();
-    let body = json!({ "redis": store, "broadcast_view_caught_up": view });
+    // The node's clock against Redis': reported, never gating (decisions
+    // take Redis' day; an offset past node.max_clock_offset is for the
+    // operator to fix, and is alerted on).
+    let clock = s.decider.clock_status();
+    let body = json!({ "redis": store, "broadcast_view_caught_up": view, "clock": clock });
     let status = if view {
         StatusCode::OK
     } else {
