@@ -139,6 +139,9 @@ pub struct Refunded {
     pub refunded: u64,
     /// The handle was used already: nothing was given back this time.
     pub duplicate: bool,
+    /// Every window of the handle's charge has ended: nothing given back.
+    #[serde(skip)]
+    pub expired: bool,
 }
 
 /// Usage of one tenant as this node sees it (`GET /v1/tenants/{tenant}`).
@@ -702,7 +705,7 @@ impl Decider {
                 if let (true, Some(t)) = (node_first, r.tiers.first()) {
                     self.reserves.observe((req.tenant, key), t, r.now_ms);
                 }
-                let (refunded, duplicate) = (r.refunded, r.duplicate);
+                let (refunded, duplicate, expired) = (r.refunded, r.duplicate, r.expired);
                 let kind = if duplicate { "duplicate" } else { kind };
                 self.metrics.refunds.with_label_values(&[kind]).inc();
                 let mut decision = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
@@ -713,6 +716,7 @@ impl Decider {
                     decision,
                     refunded,
                     duplicate,
+                    expired,
                 })
             }
             // A refund by handle needs the record of used handles in
@@ -737,6 +741,7 @@ impl Decider {
                     refunded,
                     decision: d,
                     duplicate: false,
+                    expired: false,
                 })
             }
         }
