@@ -1665,6 +1665,13 @@ plan = "g"
     );
     let ready = harness::get_json(&n.http, &n.admin_url("/readyz")).await;
     assert_eq!(ready["clock"]["within_bound"], false, "{ready}");
+    // The node picked Redis' day itself (its estimate of Redis' clock): the
+    // script never had to refuse a check built for the node's own day.
+    assert_eq!(
+        harness::metric_value(&m, "tierlimit_day_retries_total"),
+        0.0,
+        "checks built for the node's day instead of Redis'"
+    );
 
     // Redis' new day: the global count starts again.
     wait_until(
