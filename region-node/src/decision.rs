@@ -817,20 +817,22 @@ impl Decider {
     ) -> Option<String> {
         let signer = self.signer(cfg).ok()?;
         let at = charged_at_ms.max(0) as u64;
-        Some(signer.sign(&Handle {
-            region: self.region.clone(),
-            node: self.node_id.clone(),
-            tenant: d.tenant.clone(),
-            key: d.key.clone(),
-            cost: d.cost,
-            charged_at_ms: at,
-            id: call.epoch_candidate.to_string(),
-            windows: call
-                .tiers
-                .iter()
-                .map(|t| Window::of_charge(t.scope, t.limit, at))
-                .collect(),
-        }))
+        Some(
+            signer.sign(&Handle {
+                region: self.region.clone(),
+                node: self.node_id.clone(),
+                tenant: d.tenant.clone(),
+                key: d.key.clone(),
+                cost: d.cost,
+                charged_at_ms: at,
+                id: call.epoch_candidate.to_string(),
+                windows: call
+                    .tiers
+                    .iter()
+                    .map(|t| Window::of_charge(t.scope, t.limit, at))
+                    .collect(),
+            }),
+        )
     }
 
     /// Current usage without charging anything.
@@ -1033,7 +1035,10 @@ impl Decider {
                         "this node's clock is off its Redis' by more than node.max_clock_offset; decisions use Redis' day, but fix the node's time sync"
                     );
                 } else {
-                    tracing::info!(offset_ms = offset, "this node's clock agrees with its Redis' again");
+                    tracing::info!(
+                        offset_ms = offset,
+                        "this node's clock agrees with its Redis' again"
+                    );
                 }
             }
         }

@@ -187,7 +187,9 @@ pub enum HandleError {
     OtherRegion { issued: String, here: String },
     #[error("the refund handle was used already: its charge was given back once")]
     Used,
-    #[error("every window the refund handle's charge was in has ended: nothing is left to give back")]
+    #[error(
+        "every window the refund handle's charge was in has ended: nothing is left to give back"
+    )]
     Expired,
     #[error("the refund handle is of the previous release's format and more than {} minutes old", PREVIOUS_GRACE_MS / 60_000)]
     Outdated,
@@ -419,7 +421,10 @@ mod tests {
     #[test]
     fn a_signed_handle_verifies_and_round_trips() {
         let s = Signer::new(b"a region secret of at least 32 bytes!");
-        assert_eq!(s.verify(&s.sign(&handle())), Ok(Verified::Current(handle())));
+        assert_eq!(
+            s.verify(&s.sign(&handle())),
+            Ok(Verified::Current(handle()))
+        );
         let mut none = handle();
         none.windows.clear();
         assert_eq!(s.verify(&s.sign(&none)), Ok(Verified::Current(none)));

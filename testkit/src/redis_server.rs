@@ -42,10 +42,13 @@ impl Redis {
     /// preloaded first: malloc and friends are glibc's here.
     pub fn start_with_clock_offset(offset_s: i64) -> Redis {
         let dir = temp_dir();
-        let malloc = ["/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"]
-            .into_iter()
-            .find(|p| Path::new(p).exists())
-            .expect("glibc's libc_malloc_debug.so.0 (glibc >= 2.34)");
+        let malloc = [
+            "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+            "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+        ]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("glibc's libc_malloc_debug.so.0 (glibc >= 2.34)");
         let (proc, port) = spawn_on_free_port(
             "redis-server",
             |port| {

@@ -367,7 +367,11 @@ async fn the_day_is_redis_clocks_and_a_mismatch_is_never_others_zero() {
         matches!(r, Err(ReplyError::OtherDay { sent, .. }) if sent == today() - 1),
         "a check of another day is refused for a retry: {r:?}"
     );
-    assert_eq!(counter(&mut con, "d", today()).await.1, None, "nothing charged");
+    assert_eq!(
+        counter(&mut con, "d", today()).await.1,
+        None,
+        "nothing charged"
+    );
     assert_eq!(counter(&mut con, "d", today() - 1).await.1, None);
     let mut peek = c.clone();
     peek.op = Op::Peek;
@@ -607,7 +611,10 @@ async fn a_refund_by_handle_counts_once() {
         expires_at_ms: charged.now_ms as u64,
     });
     let r = decide(&mut con, &rf).await;
-    assert_eq!((r.refunded, r.expired, r.duplicate, r.own_n), (0, true, false, 4));
+    assert_eq!(
+        (r.refunded, r.expired, r.duplicate, r.own_n),
+        (0, true, false, 4)
+    );
     let used: bool = redis::cmd("SISMEMBER")
         .arg(&rec)
         .arg("charge-2")

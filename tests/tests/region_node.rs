@@ -1413,7 +1413,12 @@ fn offset_to_midnight_minus(before_s: i64) -> i64 {
 }
 
 fn problem_type(p: &Value) -> &str {
-    p["type"].as_str().unwrap_or("").rsplit('/').next().unwrap_or("")
+    p["type"]
+        .as_str()
+        .unwrap_or("")
+        .rsplit('/')
+        .next()
+        .unwrap_or("")
 }
 
 /// Issue 29 item 1: a handle names its region, its node and its windows.
@@ -1458,7 +1463,10 @@ plan = "p"
 
     let (s, body) = check(&a, "t", 2).await;
     assert_eq!(s, 200, "{body}");
-    let h = body["refund_handle"].as_str().expect("a handle").to_string();
+    let h = body["refund_handle"]
+        .as_str()
+        .expect("a handle")
+        .to_string();
     let day = (redis_ms(&eu) / DAY_MS) as u32;
 
     // Another region: refused, named, counted; nothing given back there.
@@ -1613,7 +1621,10 @@ plan = "g"
         ),
     );
     let faked = harness::faketime_env(offset + AHEAD_S, &[]);
-    let env: Vec<(&str, &str)> = faked.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let env: Vec<(&str, &str)> = faked
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     let n = RegionNode::start_with_env(&cfg, "eu", "a", &env).await;
     let midnight = (redis_ms(&redis) / DAY_MS + 1) * DAY_MS;
     let node_midnight = midnight - AHEAD_S * 1000;
@@ -1653,7 +1664,10 @@ plan = "g"
         checks += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(checks >= 5, "only {checks} checks between the two midnights");
+    assert!(
+        checks >= 5,
+        "only {checks} checks between the two midnights"
+    );
 
     // The node says how far off its clock is.
     let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
