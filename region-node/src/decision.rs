@@ -450,7 +450,16 @@ impl Decider {
         }
         if let Some(taken) = reserve {
             result = self
-                .reserve_settle(&req, key, &mut call, covered, taken, sent, result)
+                .reserve_settle(
+                    (&cfg, &policy),
+                    &req,
+                    key,
+                    &mut call,
+                    covered,
+                    taken,
+                    sent,
+                    result,
+                )
                 .await;
         }
         let decision = match result {
@@ -1137,6 +1146,7 @@ impl Decider {
     #[allow(clippy::too_many_arguments)]
     async fn reserve_settle<'a>(
         &self,
+        (cfg, policy): (&Loaded, &Policy),
         req: &Request<'_>,
         key: &str,
         call: &mut DecideCall<'a>,
@@ -1179,7 +1189,7 @@ impl Decider {
                     self.metrics.reserve_retried.inc();
                     reserve = 0;
                     sent = Instant::now();
-                    result = self.store.decide(call).await;
+                    result = self.decide_on_redis_day(cfg, policy, call).await;
                 }
                 let charged = result
                     .as_ref()
