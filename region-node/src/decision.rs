@@ -1268,7 +1268,9 @@ impl Decider {
             };
             tiers.push(status(tier, limit, reply.remaining, reply.reset_ms));
         }
-        let now = call.now_ms;
+        // The global tier resets at midnight of the clock that decided:
+        // Redis' (the local store answers with this node's).
+        let now = u64::try_from(r.now_ms).unwrap_or(call.now_ms);
         if let Some(g) = policy.global {
             tiers.push(global_status(g, r.global_remaining.unwrap_or(0), now));
         }

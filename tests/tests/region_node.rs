@@ -1661,6 +1661,15 @@ plan = "g"
             s, 429,
             "admitted after the node's early midnight with {allowed} spent of 100: {body}"
         );
+        let reset = body["tiers"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|t| t["tier"] == "global"))
+            .and_then(|t| t["reset_ms"].as_i64())
+            .unwrap_or_else(|| panic!("a global tier in {body}"));
+        assert!(
+            reset <= midnight - redis_ms(&redis) + 1000,
+            "the global tier resets at Redis' midnight, not a day after the node's: {body}"
+        );
         checks += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
