@@ -385,7 +385,7 @@ impl Decider {
         if let Some(limit) = policy.global {
             let total = self.view.with(req.tenant, today, |e| e.map(|e| e.total()));
             if total.is_some_and(|t| t >= limit) {
-                let d = self.view_denial(&req, &policy, key, limit, now);
+                let d = self.view_denial(&req, &policy, key, limit, self.redis_now(now));
                 return Ok(self.record(d, started));
             }
         }
@@ -504,7 +504,7 @@ impl Decider {
         if let Some(limit) = policy.global {
             let total = self.view.with(req.tenant, today, |e| e.map(|e| e.total()));
             if total.is_some_and(|t| t >= limit) {
-                let d = self.view_denial(&req, &policy, key, limit, now);
+                let d = self.view_denial(&req, &policy, key, limit, self.redis_now(now));
                 return Ok(TiersDecision {
                     decision: self.record(d, started),
                     plan_tiers,
@@ -1053,6 +1053,14 @@ impl Decider {
         }
         let at = redis.unwrap_or(now as i64).max(0) as u64;
         (now, day::of_unix_secs(at / 1000))
+    }
+
+    /// Redis' clock now as this node estimates it (its own until a reply
+    /// taught the offset): the global tier resets at Redis' midnight.
+    fn redis_now(&self, now: u64) -> u64 {
+        self.store
+            .redis_now_ms(now)
+            .map_or(now, |r| r.max(0) as u64)
     }
 
     /// This node's clock against its Redis' (`/readyz`): the offset (ours
