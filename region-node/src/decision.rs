@@ -18,6 +18,7 @@
 //! tier's arithmetic lives in exactly one place (the script, and its
 //! in-process twin for the fail mode).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -38,7 +39,7 @@ use crate::lease::{Leases, Leftover, Take};
 use crate::local::Local;
 use crate::metrics::Metrics;
 use crate::newcomers::{Newcomers, Refusal, Refused};
-use crate::refund::{Handle, HandleError, Signer};
+use crate::refund::{Handle, HandleError, Signer, Verified, Window};
 use crate::reserve::{self, Reserves};
 use crate::storage::{
     CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, Scope, StoreError,
@@ -138,6 +139,9 @@ pub struct Refunded {
     pub refunded: u64,
     /// The handle was used already: nothing was given back this time.
     pub duplicate: bool,
+    /// Every window of the handle's charge has ended: nothing given back.
+    #[serde(skip)]
+    pub expired: bool,
 }
 
 /// Usage of one tenant as this node sees it (`GET /v1/tenants/{tenant}`).
@@ -213,6 +217,14 @@ pub struct Charged {
     pub mode: Mode,
 }
 
+/// Whose charge a refund by handle gives back: the node whose node tier
+/// was charged, and the tiers charged (`None`: every tier of the plan, a
+/// previous release's handle).
+struct Charger<'h> {
+    node: &'h str,
+    windows: Option<&'h [Window]>,
+}
+
 /// A parsed check or refund request.
 #[derive(Debug, Clone)]
 pub struct Request<'a> {
@@ -253,6 +265,9 @@ pub struct Decider {
     admission: Arc<Admission>,
     /// When this node started: `node.view_wait` counts from here.
     started: Instant,
+    /// Whether this node's clock was last seen beyond `node.max_clock_offset`
+    /// of its Redis' (logged when it changes).
+    clock_off: AtomicBool,
 }
 
 impl Decider {
@@ -282,6 +297,7 @@ impl Decider {
             leftovers: std::sync::Mutex::default(),
             reserves: Reserves::default(),
             started: Instant::now(),
+            clock_off: AtomicBool::new(false),
         }
     }
 
@@ -359,8 +375,7 @@ impl Decider {
     pub async fn check(&self, req: Request<'_>) -> Result<Decision, DecideError> {
         let started = Instant::now();
         let (cfg, policy, key) = self.resolve(&req)?;
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
         if policy.global.is_some() {
             self.await_view(&cfg).await?;
@@ -370,7 +385,7 @@ impl Decider {
         if let Some(limit) = policy.global {
             let total = self.view.with(req.tenant, today, |e| e.map(|e| e.total()));
             if total.is_some_and(|t| t >= limit) {
-                let d = self.view_denial(&req, &policy, key, limit, now);
+                let d = self.view_denial(&req, &policy, key, limit, self.redis_now(now));
                 return Ok(self.record(d, started));
             }
         }
@@ -417,7 +432,7 @@ impl Decider {
             None => None,
         };
         let sent = Instant::now();
-        let mut result = self.store.decide(&call).await;
+        let mut result = self.decide_on_redis_day(&cfg, &policy, &mut call).await;
         if ask {
             let id = lease_id(call.epoch_candidate);
             if let Ok(r) = &result {
@@ -435,7 +450,16 @@ impl Decider {
         }
         if let Some(taken) = reserve {
             result = self
-                .reserve_settle(&req, key, &mut call, covered, taken, sent, result)
+                .reserve_settle(
+                    (&cfg, &policy),
+                    &req,
+                    key,
+                    &mut call,
+                    covered,
+                    taken,
+                    sent,
+                    result,
+                )
                 .await;
         }
         let decision = match result {
@@ -471,8 +495,7 @@ impl Decider {
         }
         let cfg = self.live.load();
         let key = keys::WHOLE_TENANT;
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
         let plan_tiers = usize::from(policy.node.is_some()) + usize::from(policy.region.is_some());
         if policy.global.is_some() {
@@ -481,7 +504,7 @@ impl Decider {
         if let Some(limit) = policy.global {
             let total = self.view.with(req.tenant, today, |e| e.map(|e| e.total()));
             if total.is_some_and(|t| t >= limit) {
-                let d = self.view_denial(&req, &policy, key, limit, now);
+                let d = self.view_denial(&req, &policy, key, limit, self.redis_now(now));
                 return Ok(TiersDecision {
                     decision: self.record(d, started),
                     plan_tiers,
@@ -493,7 +516,8 @@ impl Decider {
         let epoch = new_epoch();
         let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
         call.tiers.extend(extra.iter().cloned());
-        let (decision, denied, charged) = match self.store.decide(&call).await {
+        let result = self.decide_on_redis_day(&cfg, &policy, &mut call).await;
+        let (decision, denied, charged) = match result {
             Ok(r) => {
                 let denied = r.denied;
                 let charged = r.allowed.then(|| Charged {
@@ -536,8 +560,7 @@ impl Decider {
         charged: &Charged,
     ) -> Result<(), DecideError> {
         let cfg = self.live.load();
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         let epoch = new_epoch();
         let key = keys::WHOLE_TENANT;
         let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
@@ -551,6 +574,7 @@ impl Decider {
                 call.refund = Some(crate::storage::script::RefundOf {
                     id: charged.id.clone(),
                     charged_at_ms: charged.at_ms,
+                    expires_at_ms: 0,
                 });
                 self.store
                     .decide(&call)
@@ -574,26 +598,81 @@ impl Decider {
             cost = req.cost,
             "free-form refund"
         );
-        self.refund_call(req, None, "free_form").await
+        self.refund_call(req, None, "free_form", None).await
     }
 
     /// A refund by handle: gives back at most the charge the handle names
-    /// (`cost` units if given, else all of it), only to windows the charge
-    /// was in and to its day, once.
+    /// (`cost` units if given, else all of it), to the tiers it names of
+    /// the node that charged it, only while their windows are current and
+    /// to its day's count, once; refused (and counted) in another region,
+    /// once used, and once every window it touched has ended (see
+    /// [`crate::refund`]).
     pub async fn refund_handle(
         &self,
         handle: &str,
         cost: Option<u64>,
     ) -> Result<Refunded, DecideError> {
-        let h = self.signer(&self.live.load())?.verify(handle)?;
-        let cost = cost.unwrap_or(h.cost).min(h.cost);
-        let key = (h.key != keys::WHOLE_TENANT).then_some(h.key.as_str());
-        let req = Request {
-            tenant: &h.tenant,
-            key,
-            cost,
+        let result = self.refund_by_handle(handle, cost).await;
+        if let Err(DecideError::Handle(e)) = &result {
+            self.metrics
+                .refund_refusals
+                .with_label_values(&[e.reason()])
+                .inc();
+        }
+        result
+    }
+
+    async fn refund_by_handle(
+        &self,
+        handle: &str,
+        cost: Option<u64>,
+    ) -> Result<Refunded, DecideError> {
+        let verified = self.signer(&self.live.load())?.verify(handle)?;
+        let (tenant, key, charged, of, charger) = match &verified {
+            Verified::Current(h) => {
+                if h.region != self.region {
+                    return Err(HandleError::OtherRegion {
+                        issued: h.region.clone(),
+                        here: self.region.clone(),
+                    }
+                    .into());
+                }
+                let charger = Charger {
+                    node: &h.node,
+                    windows: Some(&h.windows),
+                };
+                (&h.tenant, &h.key, h.cost, h.refund_of(), charger)
+            }
+            // The previous format names no node or windows: its old
+            // meaning (this node's tiers), within its grace.
+            Verified::Previous(h) => {
+                let charger = Charger {
+                    node: &self.node_id,
+                    windows: None,
+                };
+                (&h.tenant, &h.key, h.cost, h.refund_of(), charger)
+            }
         };
-        self.refund_call(req, Some(h.refund_of()), "handle").await
+        let key = (key != keys::WHOLE_TENANT).then_some(key.as_str());
+        let req = Request {
+            tenant,
+            key,
+            cost: cost.unwrap_or(charged).min(charged),
+        };
+        let r = self
+            .refund_call(req, Some(of), "handle", Some(charger))
+            .await?;
+        if r.duplicate {
+            return Err(HandleError::Used.into());
+        }
+        if r.expired {
+            return Err(match verified {
+                Verified::Current(_) => HandleError::Expired,
+                Verified::Previous(_) => HandleError::Outdated,
+            }
+            .into());
+        }
+        Ok(r)
     }
 
     async fn refund_call(
@@ -601,15 +680,24 @@ impl Decider {
         req: Request<'_>,
         of: Option<crate::storage::script::RefundOf>,
         kind: &'static str,
+        charger: Option<Charger<'_>>,
     ) -> Result<Refunded, DecideError> {
         let (cfg, policy, key) = self.resolve(&req)?;
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         let epoch = new_epoch();
         let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
         call.refund = of;
+        if let Some(c) = &charger {
+            // The charging node's node tier, and only the tiers charged.
+            call.node_id = c.node;
+            if let Some(windows) = c.windows {
+                call.tiers
+                    .retain(|t| windows.iter().any(|w| w.is_tier(t.scope, t.limit)));
+            }
+        }
         let by_handle = call.refund.is_some();
-        let node_first = call.tiers.first().is_some_and(|t| t.scope == Scope::Node);
+        let node_first = call.tiers.first().is_some_and(|t| t.scope == Scope::Node)
+            && call.node_id == self.node_id;
         if !by_handle && node_first {
             // Tied to no charge, it gives back to the current window down
             // to zero: this node's unspent reservation goes back with it,
@@ -626,15 +714,18 @@ impl Decider {
                 if let (true, Some(t)) = (node_first, r.tiers.first()) {
                     self.reserves.observe((req.tenant, key), t, r.now_ms);
                 }
-                let (refunded, duplicate) = (r.refunded, r.duplicate);
+                let (refunded, duplicate, expired) = (r.refunded, r.duplicate, r.expired);
                 let kind = if duplicate { "duplicate" } else { kind };
                 self.metrics.refunds.with_label_values(&[kind]).inc();
                 let mut decision = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
-                self.count_reserved(&mut decision, (req.tenant, key));
+                if call.node_id == self.node_id {
+                    self.count_reserved(&mut decision, (req.tenant, key));
+                }
                 Ok(Refunded {
                     decision,
                     refunded,
                     duplicate,
+                    expired,
                 })
             }
             // A refund by handle needs the record of used handles in
@@ -659,6 +750,7 @@ impl Decider {
                     refunded,
                     decision: d,
                     duplicate: false,
+                    expired: false,
                 })
             }
         }
@@ -681,8 +773,9 @@ impl Decider {
             let of = crate::storage::script::RefundOf {
                 id: l.id,
                 charged_at_ms: l.charged_at_ms,
+                expires_at_ms: 0,
             };
-            let outcome = match self.refund_call(req, Some(of), "lease").await {
+            let outcome = match self.refund_call(req, Some(of), "lease", None).await {
                 Ok(_) => "returned",
                 Err(e) => {
                     tracing::warn!(tenant = l.tenant, units = l.units, error = %e, "lease not returned");
@@ -721,7 +814,9 @@ impl Decider {
         Ok(signer)
     }
 
-    /// The refund handle of an allowed charge, if the region signs them.
+    /// The refund handle of an allowed charge, if the region signs them:
+    /// this region, this node, and the window of each tier of the call at
+    /// the charge's Redis time.
     fn sign_handle(
         &self,
         cfg: &Loaded,
@@ -730,13 +825,23 @@ impl Decider {
         call: &DecideCall<'_>,
     ) -> Option<String> {
         let signer = self.signer(cfg).ok()?;
-        Some(signer.sign(&Handle {
-            tenant: d.tenant.clone(),
-            key: d.key.clone(),
-            cost: d.cost,
-            charged_at_ms: charged_at_ms.max(0) as u64,
-            id: call.epoch_candidate.to_string(),
-        }))
+        let at = charged_at_ms.max(0) as u64;
+        Some(
+            signer.sign(&Handle {
+                region: self.region.clone(),
+                node: self.node_id.clone(),
+                tenant: d.tenant.clone(),
+                key: d.key.clone(),
+                cost: d.cost,
+                charged_at_ms: at,
+                id: call.epoch_candidate.to_string(),
+                windows: call
+                    .tiers
+                    .iter()
+                    .map(|t| Window::of_charge(t.scope, t.limit, at))
+                    .collect(),
+            }),
+        )
     }
 
     /// Current usage without charging anything.
@@ -747,8 +852,7 @@ impl Decider {
             cost: 1,
         };
         let (cfg, policy, k) = self.resolve(&req)?;
-        let now = now_ms();
-        let today = day::of_unix_secs(now / 1000);
+        let (now, today) = self.clock();
         let epoch = new_epoch();
         let mut call = self.call(Op::Peek, &req, &cfg, &policy, k, today, now, &epoch);
         call.cost = 0;
@@ -821,12 +925,55 @@ impl Decider {
         now: u64,
         epoch: &'a [u8; 16],
     ) -> DecideCall<'a> {
+        let global = self.global_args(req.tenant, cfg, policy, today, now);
+        let tier = |scope, limit| TierCall {
+            scope,
+            rule: keys::WHOLE_TENANT,
+            key,
+            limit,
+            cost: req.cost,
+        };
+        let mut tiers = Vec::with_capacity(2);
+        if let Some(l) = &policy.node {
+            tiers.push(tier(Scope::Node, l));
+        }
+        if let Some(l) = &policy.region {
+            tiers.push(tier(Scope::Region, l));
+        }
+        DecideCall {
+            op,
+            tenant: req.tenant,
+            node_id: &self.node_id,
+            cost: req.cost,
+            tiers,
+            expected_nodes: self.expected_nodes(cfg),
+            global,
+            epoch_candidate: std::str::from_utf8(epoch).expect("hex digits are ASCII"),
+            day: today,
+            now_ms: now,
+            counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY,
+            relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
+            refund: None,
+            lease: None,
+        }
+    }
+
+    /// The global tier's inputs of a call for `today`, from the broadcast
+    /// view of that day.
+    fn global_args(
+        &self,
+        tenant: &str,
+        cfg: &Loaded,
+        policy: &Policy,
+        today: u32,
+        now: u64,
+    ) -> Option<GlobalArgs> {
         // One look at the broadcast view: the global total, and this
         // region's actors in it with P and N. The script takes others =
         // total − its actor's part, and raises a rolled-back counter to the
         // part (for every tenant the view holds, global limit or not: the
         // aggregator's count needs the raise as much as the limit does).
-        let global = self.view.with(req.tenant, today, |e| {
+        let global = self.view.with(tenant, today, |e| {
             let e = e?;
             let own_parts: Vec<(String, u64, u64)> = e
                 .parts
@@ -838,7 +985,7 @@ impl Decider {
                 .collect();
             (policy.global.is_some() || !own_parts.is_empty()).then(|| (e.total(), own_parts))
         });
-        let global = match (policy.global, global) {
+        match (policy.global, global) {
             (Some(limit), seen) => {
                 let (total, own_parts) = seen.unwrap_or_default();
                 let own = crate::view::net_sum(own_parts.iter().map(|(_, p, n)| (*p, *n)));
@@ -872,37 +1019,94 @@ impl Decider {
                 ..GlobalArgs::default()
             }),
             (None, None) => None,
+        }
+    }
+
+    /// This node's clock (ms), and the day of a decision by Redis' clock:
+    /// the store's estimate of it (this node's clock plus the offset its
+    /// replies taught), ours only until the first reply. One clock decides
+    /// the day, so a node whose clock is off does not move its tenants'
+    /// midnight; the script refuses a check made for another day anyway
+    /// (see [`Decider::decide_on_redis_day`]). The offset is exported, and
+    /// beyond `node.max_clock_offset` logged and shown in `/readyz`.
+    pub fn clock(&self) -> (u64, u32) {
+        let now = now_ms();
+        let redis = self.store.redis_now_ms(now);
+        if let Some(r) = redis {
+            let offset = now as i64 - r;
+            self.metrics.clock_offset_ms.set(offset);
+            let bound = self.live.load().config.node.max_clock_offset.as_millis() as i64;
+            self.metrics.clock_offset_bound_ms.set(bound);
+            let off = offset.abs() > bound;
+            if self.clock_off.swap(off, Ordering::Relaxed) != off {
+                if off {
+                    tracing::warn!(
+                        offset_ms = offset,
+                        bound_ms = bound,
+                        "this node's clock is off its Redis' by more than node.max_clock_offset; decisions use Redis' day, but fix the node's time sync"
+                    );
+                } else {
+                    tracing::info!(
+                        offset_ms = offset,
+                        "this node's clock agrees with its Redis' again"
+                    );
+                }
+            }
+        }
+        let at = redis.unwrap_or(now as i64).max(0) as u64;
+        (now, day::of_unix_secs(at / 1000))
+    }
+
+    /// Redis' clock now as this node estimates it (its own until a reply
+    /// taught the offset): the global tier resets at Redis' midnight.
+    fn redis_now(&self, now: u64) -> u64 {
+        self.store
+            .redis_now_ms(now)
+            .map_or(now, |r| r.max(0) as u64)
+    }
+
+    /// This node's clock against its Redis' (`/readyz`): the offset (ours
+    /// minus Redis', ms; `None` until a reply taught it), the bound, and
+    /// whether it is within it.
+    pub fn clock_status(&self) -> serde_json::Value {
+        let now = now_ms();
+        let bound = self.live.load().config.node.max_clock_offset.as_millis() as i64;
+        match self.store.redis_now_ms(now) {
+            Some(r) => {
+                let offset = now as i64 - r;
+                serde_json::json!({
+                    "offset_ms": offset,
+                    "max_offset_ms": bound,
+                    "within_bound": offset.abs() <= bound,
+                })
+            }
+            None => serde_json::json!({
+                "offset_ms": null,
+                "max_offset_ms": bound,
+                "within_bound": null,
+            }),
+        }
+    }
+
+    /// One check's store call, decided on Redis' day. A check built for
+    /// another day (the node's estimate of Redis' clock was on the other
+    /// side of midnight) is refused by the script, which did nothing: it is
+    /// built again with the broadcast view of the day Redis says, and sent
+    /// once more. The script never decides with another day's broadcast.
+    async fn decide_on_redis_day(
+        &self,
+        cfg: &Loaded,
+        policy: &Policy,
+        call: &mut DecideCall<'_>,
+    ) -> Result<DecideReply, StoreError> {
+        let first = self.store.decide(call).await;
+        let Err(StoreError::OtherDay { day }) = first else {
+            return first;
         };
-        let tier = |scope, limit| TierCall {
-            scope,
-            rule: keys::WHOLE_TENANT,
-            key,
-            limit,
-            cost: req.cost,
-        };
-        let mut tiers = Vec::with_capacity(2);
-        if let Some(l) = &policy.node {
-            tiers.push(tier(Scope::Node, l));
-        }
-        if let Some(l) = &policy.region {
-            tiers.push(tier(Scope::Region, l));
-        }
-        DecideCall {
-            op,
-            tenant: req.tenant,
-            node_id: &self.node_id,
-            cost: req.cost,
-            tiers,
-            expected_nodes: self.expected_nodes(cfg),
-            global,
-            epoch_candidate: std::str::from_utf8(epoch).expect("hex digits are ASCII"),
-            day: today,
-            now_ms: now,
-            counter_ttl_secs: (u64::from(cfg.config.aggregator.retention_days) + 1) * SECS_PER_DAY,
-            relaxed_ms: cfg.config.node.relaxed_flush_interval().as_millis() as u64,
-            refund: None,
-            lease: None,
-        }
+        self.metrics.day_retries.inc();
+        call.day = day;
+        call.global = self.global_args(call.tenant, cfg, policy, day, call.now_ms);
+        self.store.decide(call).await
     }
 
     /// Redis counts this node's reservation as spent; it is not yet: a
@@ -952,6 +1156,7 @@ impl Decider {
     #[allow(clippy::too_many_arguments)]
     async fn reserve_settle<'a>(
         &self,
+        (cfg, policy): (&Loaded, &Policy),
         req: &Request<'_>,
         key: &str,
         call: &mut DecideCall<'a>,
@@ -994,7 +1199,7 @@ impl Decider {
                     self.metrics.reserve_retried.inc();
                     reserve = 0;
                     sent = Instant::now();
-                    result = self.store.decide(call).await;
+                    result = self.decide_on_redis_day(cfg, policy, call).await;
                 }
                 let charged = result
                     .as_ref()
@@ -1073,7 +1278,9 @@ impl Decider {
             };
             tiers.push(status(tier, limit, reply.remaining, reply.reset_ms));
         }
-        let now = call.now_ms;
+        // The global tier resets at midnight of the clock that decided:
+        // Redis' (the local store answers with this node's).
+        let now = u64::try_from(r.now_ms).unwrap_or(call.now_ms);
         if let Some(g) = policy.global {
             tiers.push(global_status(g, r.global_remaining.unwrap_or(0), now));
         }

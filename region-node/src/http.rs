@@ -174,6 +174,34 @@ impl From<DecideError> for Problem {
                 "Refund handles are not enabled",
                 e.to_string(),
             ),
+            DecideError::Handle(crate::refund::HandleError::OtherRegion { issued, .. }) => {
+                Problem::new(
+                    StatusCode::FORBIDDEN,
+                    "refund-handle-other-region",
+                    "The refund handle was issued by another region",
+                    e.to_string(),
+                )
+                .with("region", issued.clone())
+            }
+            DecideError::Handle(crate::refund::HandleError::Used) => Problem::new(
+                StatusCode::CONFLICT,
+                "refund-handle-used",
+                "The refund handle was used already",
+                e.to_string(),
+            )
+            .with("duplicate", true),
+            DecideError::Handle(crate::refund::HandleError::Expired) => Problem::new(
+                StatusCode::GONE,
+                "refund-handle-expired",
+                "Every window of the refund handle's charge has ended",
+                e.to_string(),
+            ),
+            DecideError::Handle(crate::refund::HandleError::Outdated) => Problem::new(
+                StatusCode::GONE,
+                "refund-handle-outdated",
+                "The refund handle is of the previous release and past its grace",
+                e.to_string(),
+            ),
             DecideError::Handle(_) => Problem::bad_field("handle", e.to_string()),
             DecideError::FreeFormRefund => Problem::new(
                 StatusCode::FORBIDDEN,
@@ -352,7 +380,11 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 async fn readyz(State(s): State<Arc<AppState>>) -> Response {
     let store = s.decider.store().is_up();
     let view = s.view.caught_up();
-    let body = json!({ "redis": store, "broadcast_view_caught_up": view });
+    // The node's clock against Redis': reported, never gating (decisions
+    // take Redis' day; an offset past node.max_clock_offset is for the
+    // operator to fix, and is alerted on).
+    let clock = s.decider.clock_status();
+    let body = json!({ "redis": store, "broadcast_view_caught_up": view, "clock": clock });
     let status = if view {
         StatusCode::OK
     } else {
@@ -556,13 +588,24 @@ mod tests {
     fn the_tenant_of_a_handle_is_read_without_the_secret() {
         let signer = crate::refund::Signer::new(b"a region secret of at least 32 bytes!");
         let h = signer.sign(&crate::refund::Handle {
+            region: "eu".into(),
+            node: "a".into(),
+            tenant: "acme".into(),
+            key: "k".into(),
+            cost: 1,
+            charged_at_ms: 1,
+            id: "x".into(),
+            windows: Vec::new(),
+        });
+        assert_eq!(check::handle_tenant(&h).as_deref(), Some("acme"));
+        let old = signer.sign_previous(&crate::refund::PreviousHandle {
             tenant: "acme".into(),
             key: "k".into(),
             cost: 1,
             charged_at_ms: 1,
             id: "x".into(),
         });
-        assert_eq!(check::handle_tenant(&h).as_deref(), Some("acme"));
+        assert_eq!(check::handle_tenant(&old).as_deref(), Some("acme"));
         assert_eq!(check::handle_tenant("garbage"), None);
     }
 

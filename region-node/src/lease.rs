@@ -274,6 +274,7 @@ mod tests {
             raised: 0,
             refunded: 0,
             duplicate: false,
+            expired: false,
             granted,
         }
     }

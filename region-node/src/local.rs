@@ -180,6 +180,7 @@ impl Local {
             raised: 0,
             refunded: 0,
             duplicate: false,
+            expired: false,
             granted: 0,
         };
         match call.op {

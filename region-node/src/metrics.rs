@@ -28,6 +28,17 @@ pub struct Metrics {
     /// runs anyway (`--allow-eviction`).
     pub eviction_allowed: IntGauge,
     pub refunds: IntCounterVec,
+    /// Refunds by handle refused, by reason (`HandleError::reason`).
+    pub refund_refusals: IntCounterVec,
+    /// This node's clock minus its Redis', ms, as last learnt (0 until
+    /// known). Set by the decision path (`Decider::clock_offset_ms`).
+    pub clock_offset_ms: IntGauge,
+    /// `node.max_clock_offset` in ms: the alert compares the offset with it.
+    pub clock_offset_bound_ms: IntGauge,
+    /// Checks the decision script refused because they were made for
+    /// another day than Redis' (a node clock near midnight), sent again for
+    /// Redis' day.
+    pub day_retries: IntCounter,
     /// First sights of unknown tenants at the newcomer gate, by outcome.
     pub newcomers: IntCounterVec,
     /// Unknown tenants this node remembers as admitted today.
@@ -222,6 +233,41 @@ impl Metrics {
                         "Refunds by kind: handle (named a charge), duplicate (a handle used already: nothing given back), free_form (named no charge)",
                     ),
                     &["kind"],
+                )
+                .unwrap(),
+            ),
+            refund_refusals: reg(
+                &r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "tierlimit_refund_refusals_total",
+                        "Refunds by handle refused, by reason: used (given back once already), expired (every window of the charge has ended), other_region (issued by another region), outdated (a previous release's handle past its grace), malformed, forged, disabled",
+                    ),
+                    &["reason"],
+                )
+                .unwrap(),
+            ),
+            clock_offset_ms: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_clock_offset_ms",
+                    "This node's clock minus its Redis' (TIME), in ms, as last learnt from Redis' replies: the day of a decision is Redis' (see node.max_clock_offset)",
+                )
+                .unwrap(),
+            ),
+            clock_offset_bound_ms: reg(
+                &r,
+                IntGauge::new(
+                    "tierlimit_clock_offset_bound_ms",
+                    "node.max_clock_offset in ms: beyond it the node's clock is reported as off its Redis' (alert, /readyz)",
+                )
+                .unwrap(),
+            ),
+            day_retries: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_day_retries_total",
+                    "Checks the decision script refused because the node built them for another day than Redis' clock says (near midnight), sent again for Redis' day",
                 )
                 .unwrap(),
             ),
@@ -535,6 +581,17 @@ impl Metrics {
         }
         for outcome in ["compensated", "refused", "not_charged"] {
             self.late_replies.with_label_values(&[outcome]);
+        }
+        for reason in [
+            "used",
+            "expired",
+            "other_region",
+            "outdated",
+            "malformed",
+            "forged",
+            "disabled",
+        ] {
+            self.refund_refusals.with_label_values(&[reason]);
         }
         for reason in ["no_reply", "refund_failed"] {
             self.uncompensated.with_label_values(&[reason]);

@@ -189,7 +189,13 @@ pub fn handle_tenant(handle: &str) -> Option<String> {
         .decode(payload)
         .ok()?;
     let payload = String::from_utf8(payload).ok()?;
-    Some(payload.split('|').next()?.to_owned())
+    let fields: Vec<&str> = payload.split('|').collect();
+    // The current format: `2|region|node|tenant|…` (nine fields); the
+    // previous release's: `tenant|key|cost|charged_at_ms|id`.
+    match fields[..] {
+        ["2", _, _, tenant, _, _, _, _, _] => Some(tenant.to_owned()),
+        _ => Some(fields.first()?.to_string()),
+    }
 }
 
 #[cfg(feature = "http")]
@@ -318,6 +324,12 @@ mod tests {
         let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode("acme|k|1");
         assert_eq!(
             handle_tenant(&format!("{payload}.mac")).as_deref(),
+            Some("acme")
+        );
+        let current =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode("2|eu|a|acme|k|1|5|id|");
+        assert_eq!(
+            handle_tenant(&format!("{current}.mac")).as_deref(),
             Some("acme")
         );
         assert_eq!(handle_tenant("garbage"), None);

@@ -237,6 +237,15 @@ pub struct NodeSettings {
     /// never wait.
     #[serde(with = "serde_human")]
     pub view_wait: Duration,
+    /// How far this node's clock may be from its Redis' (`TIME`) before the
+    /// node says so: `tierlimit_clock_offset_ms` beside
+    /// `tierlimit_clock_offset_bound_ms` (the alert rule), a warning in the
+    /// log and `/readyz`'s `clock` detail. Decisions do not depend on it:
+    /// the day of a decision is Redis' (the node's estimate of Redis'
+    /// clock picks the view's day, and the script refuses a call made for
+    /// another day, which the node then sends again for Redis' day).
+    #[serde(with = "serde_human")]
+    pub max_clock_offset: Duration,
     /// Most dirty entries published per flush (the rest wait for the next).
     pub publish_batch: usize,
     /// A dirty (tenant, day) whose tenant is far from its global limit is
@@ -325,6 +334,7 @@ impl Default for NodeSettings {
             store_retry_interval: Duration::from_millis(500),
             max_staleness: None,
             view_wait: Duration::from_secs(30),
+            max_clock_offset: Duration::from_secs(1),
             publish_batch: 5000,
             relaxed_flush_interval_setting: None,
             urgent_fraction: 0.5,
@@ -1336,6 +1346,12 @@ impl Config {
             range("node.max_staleness", s, ms(100), ms(86_400_000))?;
         }
         range("node.view_wait", n.view_wait, ms(0), ms(3_600_000))?;
+        range(
+            "node.max_clock_offset",
+            n.max_clock_offset,
+            ms(1),
+            ms(3_600_000),
+        )?;
         if !(1..=65_536).contains(&n.max_in_flight) {
             return Err(ConfigError::invalid(
                 "node.max_in_flight",

@@ -34,6 +34,35 @@ impl Redis {
         Redis { proc, port, dir }
     }
 
+    /// A server whose clock (`TIME`) runs `offset_s` seconds off the real
+    /// one, under libfaketime ([`faketime_env`]): a Redis near a midnight
+    /// of its own, to cross it in seconds. Debian's redis-server links
+    /// jemalloc, which deadlocks against libfaketime at start (libfaketime
+    /// issues #130 and #327), so glibc's `libc_malloc_debug.so.0` is
+    /// preloaded first: malloc and friends are glibc's here.
+    pub fn start_with_clock_offset(offset_s: i64) -> Redis {
+        let dir = temp_dir();
+        let malloc = [
+            "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+            "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+        ]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("glibc's libc_malloc_debug.so.0 (glibc >= 2.34)");
+        let (proc, port) = spawn_on_free_port(
+            "redis-server",
+            |port| {
+                let mut cmd = server_cmd(port, dir.path());
+                for (k, v) in faketime_env(offset_s, &[malloc]) {
+                    cmd = cmd.env(k, v);
+                }
+                cmd.spawn()
+            },
+            ping,
+        );
+        Redis { proc, port, dir }
+    }
+
     /// `redis://127.0.0.1:PORT/`
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
@@ -119,6 +148,29 @@ pub(crate) fn member_mut<'a>(members: &'a mut [Member], port: u16, group: &str) 
         .iter_mut()
         .find(|m| m.port == port)
         .unwrap_or_else(|| panic!("no member of the {group} on port {port}"))
+}
+
+/// libfaketime's preload library, from Debian's `faketime` package
+/// (installed by scripts/setup).
+pub const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+/// The environment that runs a process `offset_s` seconds off the real
+/// clock under libfaketime, with `preload_first` loaded before it. The
+/// monotonic clock stays real (`FAKETIME_DONT_FAKE_MONOTONIC`): timers
+/// and timeouts keep their length. Panics, naming the package, if
+/// libfaketime is not installed.
+pub fn faketime_env(offset_s: i64, preload_first: &[&str]) -> Vec<(String, String)> {
+    assert!(
+        Path::new(LIBFAKETIME).exists(),
+        "{LIBFAKETIME} is missing: install Debian's faketime package (scripts/setup)"
+    );
+    let mut preload: Vec<&str> = preload_first.to_vec();
+    preload.push(LIBFAKETIME);
+    vec![
+        ("LD_PRELOAD".into(), preload.join(":")),
+        ("FAKETIME".into(), format!("{offset_s:+}s")),
+        ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+    ]
 }
 
 /// `$REDIS_SERVER_BIN`, or `redis-server` from `PATH`.

@@ -344,22 +344,48 @@ async fn a_rolled_back_counter_is_raised_to_its_broadcast_part() {
     assert_eq!((p, n), (Some(400), Some(10)));
 }
 
+/// One clock decides the day, Redis' (issue 29 item 2). A check the node
+/// built for another day does nothing and says so (the node sends it again
+/// with Redis' day): it is never decided with another day's broadcast, and
+/// a mismatch never reads as "the others spent nothing" (before the fix,
+/// this check was admitted with 99 of 100 spent by the others). A peek of
+/// another day reads Redis' day, the whole broadcast counted as the others'.
 #[tokio::test]
-async fn charges_the_day_of_redis_clock() {
+async fn the_day_is_redis_clocks_and_a_mismatch_is_never_others_zero() {
     let redis = Redis::start();
     let mut con = redis.client().await;
-    // The node believes it is yesterday: the script charges today's counter.
+    // The node believes it is yesterday.
     let mut c = check("d", 1);
     c.global = Some(GlobalArgs {
         limit: 100,
-        // a broadcast for the node's day must be ignored
         broadcast_total: 99,
         ..GlobalArgs::default()
     });
     c.day = today() - 1;
-    let r = decide(&mut con, &c).await;
-    assert!(r.allowed, "broadcast of another day is not applied");
+    let r = run(&mut con, &c, 0).await.expect("the script answered");
+    assert!(
+        matches!(r, Err(ReplyError::OtherDay { sent, .. }) if sent == today() - 1),
+        "a check of another day is refused for a retry: {r:?}"
+    );
+    assert_eq!(
+        counter(&mut con, "d", today()).await.1,
+        None,
+        "nothing charged"
+    );
+    assert_eq!(counter(&mut con, "d", today() - 1).await.1, None);
+    let mut peek = c.clone();
+    peek.op = Op::Peek;
+    peek.cost = 0;
+    let r = decide(&mut con, &peek).await;
     assert_eq!(r.day, today());
+    assert_eq!(
+        r.global_remaining,
+        Some(1),
+        "another day's broadcast is the others' spend, never nothing"
+    );
+    // Sent again for Redis' day, it is decided: 99 + 1 fit in 100.
+    c.day = today();
+    assert!(decide(&mut con, &c).await.allowed);
     assert_eq!(counter(&mut con, "d", today()).await.1, Some(1));
     // More than a day off: refused with an error, nothing written.
     c.day = today() - 5;
@@ -547,6 +573,7 @@ async fn a_refund_by_handle_counts_once() {
     rf.refund = Some(RefundOf {
         id: "charge-1".into(),
         charged_at_ms: charged.now_ms as u64,
+        expires_at_ms: 0,
     });
     let r = decide(&mut con, &rf).await;
     assert_eq!((r.refunded, r.duplicate, r.own_n), (4, false, 4));
@@ -562,6 +589,7 @@ async fn a_refund_by_handle_counts_once() {
     rf.refund = Some(RefundOf {
         id: "charge-0".into(),
         charged_at_ms: charged.now_ms as u64 - 86_400_000,
+        expires_at_ms: 0,
     });
     let r = decide(&mut con, &rf).await;
     assert_eq!((r.refunded, r.own_n), (0, 4));
@@ -574,6 +602,44 @@ async fn a_refund_by_handle_counts_once() {
         .await
         .unwrap();
     assert!(ttl > 0, "{rec}: {ttl}");
+
+    // A handle past its expiry (every window of its charge ended, in
+    // Redis' clock) gives nothing back, records nothing, and says so.
+    rf.refund = Some(RefundOf {
+        id: "charge-2".into(),
+        charged_at_ms: charged.now_ms as u64,
+        expires_at_ms: charged.now_ms as u64,
+    });
+    let r = decide(&mut con, &rf).await;
+    assert_eq!(
+        (r.refunded, r.expired, r.duplicate, r.own_n),
+        (0, true, false, 4)
+    );
+    let used: bool = redis::cmd("SISMEMBER")
+        .arg(&rec)
+        .arg("charge-2")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(!used, "an expired handle is not recorded");
+    // One whose charge touched a window longer than the record's TTL keeps
+    // the record past it.
+    let later = charged.now_ms as u64 + 9 * 86_400_000;
+    rf.refund = Some(RefundOf {
+        id: "charge-3".into(),
+        charged_at_ms: charged.now_ms as u64,
+        expires_at_ms: later,
+    });
+    decide(&mut con, &rf).await;
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&rec)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(
+        pttl > 8 * 86_400_000,
+        "{rec} lives until the longest window it guards ends: {pttl} ms"
+    );
 }
 
 #[tokio::test]

@@ -837,13 +837,9 @@ plan = "p"
     let u = usage(&n, "t").await;
     assert_eq!(remaining(&u, "node"), 100);
     assert_eq!(spent(&u), 0);
-    // A retried refund gives nothing more.
+    // A retried refund gives nothing more: refused as used (issue 29).
     let (s, r) = refund(json!({ "handle": h1 })).await;
-    assert_eq!(
-        (s, r["refunded"].as_u64(), r["duplicate"].as_bool()),
-        (200, Some(0), Some(true)),
-        "{r}"
-    );
+    assert_eq!((s, r["duplicate"].as_bool()), (409, Some(true)), "{r}");
     assert_eq!(spent(&usage(&n, "t").await), 0);
 
     // Forged: one character of the signature changed (a changed payload
@@ -1371,6 +1367,344 @@ plan = "r"
     assert!(sample("shed") >= 1.0, "{metrics}");
     assert!(sample("blind") >= 1.0, "{metrics}");
     assert_eq!(remaining(&usage(&node, "g").await, "region"), 99);
+}
+
+// --- Issue 29, items 1 and 2: refund handles and one clock for the day ---
+
+const SECRET: &str = "0123456789abcdef0123456789abcdef-test";
+const DAY_MS: i64 = 86_400_000;
+
+async fn post_refund(node: &RegionNode, body: Value) -> (u16, Value) {
+    let r = node
+        .http
+        .post(node.url("/v1/refund"))
+        .json(&body)
+        .send()
+        .await
+        .expect("refund request");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// `tierlimit_refund_refusals_total{reason}` of a node.
+async fn refusals(node: &RegionNode, reason: &str) -> f64 {
+    let m = harness::get_text(&node.http, &node.admin_url("/metrics")).await;
+    harness::metric_sample(
+        &m,
+        &format!("tierlimit_refund_refusals_total{{reason=\"{reason}\"}}"),
+    )
+    .unwrap_or_else(|| panic!("no refusals sample for {reason} in {m}"))
+}
+
+/// Redis' clock (`TIME`), ms.
+fn redis_ms(redis: &Redis) -> i64 {
+    let (s, us): (i64, i64) = harness::query(redis.port(), &redis::cmd("TIME")).expect("TIME");
+    s * 1000 + us / 1000
+}
+
+/// The offset, in whole seconds, that puts a clock `before_s` seconds
+/// before the real clock's next UTC midnight.
+fn offset_to_midnight_minus(before_s: i64) -> i64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    (now / 86_400 + 1) * 86_400 - before_s - now
+}
+
+fn problem_type(p: &Value) -> &str {
+    p["type"]
+        .as_str()
+        .unwrap_or("")
+        .rsplit('/')
+        .next()
+        .unwrap_or("")
+}
+
+/// Issue 29 item 1: a handle names its region, its node and its windows.
+/// Refunded in another region (the secret is the deployment's, and each
+/// region keeps its own record of used handles) it is refused, 403
+/// `refund-handle-other-region`, and counted. Refunded through another node
+/// of its region, it gives back to the CHARGING node's node tier (a client
+/// behind a load balancer cannot pick the node; the charging node is the one
+/// that holds the charge). Once used it is refused, 409 `refund-handle-used`.
+/// The record of used handles lives as long as the longest window the
+/// charge touched (a 7-day log here, past retention + 1 = 3 days). A
+/// previous release's handle is accepted for 15 minutes after its charge,
+/// then refused, 410 `refund-handle-outdated`.
+#[tokio::test]
+async fn refund_handles_are_bound_to_their_region_node_and_windows() {
+    let eu = Redis::start();
+    let us = Redis::start();
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &eu,
+            &format!(
+                r#"
+[regions.us]
+redis_url = "{}"
+expected_nodes = 1
+[plans.p]
+node = {{ limit = 5, window = "1h", algorithm = "fixed_window" }}
+region = {{ limit = 100, window = "7d", algorithm = "sliding_log" }}
+[tenants.t]
+plan = "p"
+"#,
+                us.url()
+            ),
+        ),
+    );
+    let env = [("TIERLIMIT__NODE__REFUND_SECRET", SECRET)];
+    let a = RegionNode::start_with_env(&cfg, "eu", "a", &env).await;
+    let b = RegionNode::start_with_env(&cfg, "eu", "b", &env).await;
+    let x = RegionNode::start_with_env(&cfg, "us", "x", &env).await;
+
+    let (s, body) = check(&a, "t", 2).await;
+    assert_eq!(s, 200, "{body}");
+    let h = body["refund_handle"]
+        .as_str()
+        .expect("a handle")
+        .to_string();
+    let day = (redis_ms(&eu) / DAY_MS) as u32;
+
+    // Another region: refused, named, counted; nothing given back there.
+    let (s, r) = post_refund(&x, json!({ "handle": h })).await;
+    assert_eq!(
+        (s, problem_type(&r)),
+        (403, "refund-handle-other-region"),
+        "{r}"
+    );
+    assert_eq!(r["region"], "eu", "{r}");
+    assert_eq!(refusals(&x, "other_region").await, 1.0);
+
+    // Through node b: node a's node tier gets the 2 units back.
+    assert_eq!(remaining(&usage(&a, "t").await, "node"), 3);
+    let (s, r) = post_refund(&b, json!({ "handle": h })).await;
+    assert_eq!((s, r["refunded"].as_u64()), (200, Some(2)), "{r}");
+    assert_eq!(
+        remaining(&usage(&a, "t").await, "node"),
+        5,
+        "the charging node's node tier got the charge back"
+    );
+    assert_eq!(remaining(&usage(&b, "t").await, "node"), 5);
+    assert_eq!(remaining(&usage(&a, "t").await, "region"), 100);
+
+    // Used: refused on every node of the region, counted.
+    for n in [&a, &b] {
+        let (s, r) = post_refund(n, json!({ "handle": h })).await;
+        assert_eq!((s, problem_type(&r)), (409, "refund-handle-used"), "{r}");
+    }
+    assert_eq!(refusals(&a, "used").await + refusals(&b, "used").await, 2.0);
+    assert_eq!(remaining(&usage(&a, "t").await, "node"), 5);
+
+    // The record lives as long as the 7-day window the charge touched.
+    let record = tierlimit_shared::keys::refund_record("t", day);
+    let pttl: i64 = harness::query(eu.port(), redis::cmd("PTTL").arg(&record)).unwrap();
+    assert!(
+        pttl > 7 * DAY_MS - 60_000,
+        "the used-handle record {record} expires in {pttl} ms, before the 7-day window it guards"
+    );
+
+    // A previous release's handle: accepted within its grace (its old
+    // meaning: this node's tiers), refused past it.
+    let signer = region_node::refund::Signer::new(SECRET.as_bytes());
+    let (s, _) = check(&a, "t", 1).await;
+    assert_eq!(s, 200);
+    let now = redis_ms(&eu) as u64;
+    let previous = |id: &str, charged_at_ms: u64| {
+        signer.sign_previous(&region_node::refund::PreviousHandle {
+            tenant: "t".into(),
+            key: tierlimit_shared::keys::WHOLE_TENANT.into(),
+            cost: 1,
+            charged_at_ms,
+            id: id.into(),
+        })
+    };
+    let (s, r) = post_refund(&a, json!({ "handle": previous("old-1", now) })).await;
+    assert_eq!((s, r["refunded"].as_u64()), (200, Some(1)), "{r}");
+    assert_eq!(remaining(&usage(&a, "t").await, "node"), 5);
+    let stale = previous("old-2", now - 16 * 60 * 1000);
+    let (s, r) = post_refund(&a, json!({ "handle": stale })).await;
+    assert_eq!(
+        (s, problem_type(&r)),
+        (410, "refund-handle-outdated"),
+        "{r}"
+    );
+    assert_eq!(refusals(&a, "outdated").await, 1.0);
+}
+
+/// Issue 29 item 1: a handle is refused, 410 `refund-handle-expired`, once
+/// every window its charge touched has ended (its tiers' 2 s windows and
+/// the day's global count), in Redis' clock; and a used handle whose record
+/// expired (deleted here, as its TTL would) does not count again. Redis runs
+/// under libfaketime a few seconds before its midnight.
+#[tokio::test]
+async fn a_refund_handle_is_refused_once_every_window_it_touched_has_ended() {
+    let redis = Redis::start_with_clock_offset(offset_to_midnight_minus(8));
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.p]
+node = { limit = 5, window = "2s", algorithm = "fixed_window" }
+region = { limit = 10, window = "2s", algorithm = "sliding_log" }
+[tenants.t]
+plan = "p"
+"#,
+        ),
+    );
+    let env = [("TIERLIMIT__NODE__REFUND_SECRET", SECRET)];
+    let n = RegionNode::start_with_env(&cfg, "eu", "a", &env).await;
+    let midnight = (redis_ms(&redis) / DAY_MS + 1) * DAY_MS;
+    let day = (midnight / DAY_MS - 1) as u32;
+
+    let mut handles = Vec::new();
+    for _ in 0..2 {
+        let (s, body) = check(&n, "t", 1).await;
+        assert_eq!(s, 200, "{body}");
+        handles.push(body["refund_handle"].as_str().unwrap().to_string());
+    }
+    let (s, r) = post_refund(&n, json!({ "handle": handles[0] })).await;
+    assert_eq!((s, r["refunded"].as_u64()), (200, Some(1)), "{r}");
+    assert!(
+        redis_ms(&redis) < midnight,
+        "the charges and the first refund must fall before Redis' midnight (the setup was slow)"
+    );
+
+    // Redis' day ended and so did every 2 s window of the charges.
+    wait_until(
+        "Redis' clock 2.5 s past its midnight",
+        Duration::from_secs(20),
+        || async { redis_ms(&redis) >= midnight + 2500 },
+    )
+    .await;
+    let (s, r) = post_refund(&n, json!({ "handle": handles[1] })).await;
+    assert_eq!((s, problem_type(&r)), (410, "refund-handle-expired"), "{r}");
+    assert_eq!(refusals(&n, "expired").await, 1.0);
+
+    // The used handle after its record is gone: still refused.
+    let record = tierlimit_shared::keys::refund_record("t", day);
+    let deleted: i64 = harness::query(redis.port(), redis::cmd("DEL").arg(&record)).unwrap();
+    assert_eq!(deleted, 1, "the record {record} existed");
+    let (s, r) = post_refund(&n, json!({ "handle": handles[0] })).await;
+    assert_eq!((s, problem_type(&r)), (410, "refund-handle-expired"), "{r}");
+}
+
+/// Issue 29 item 2: one clock decides the day, Redis'. The node runs under
+/// libfaketime 7 s ahead of its Redis, which is itself just before its
+/// midnight: the node's midnight comes 7 s early. A tenant denied by its
+/// global tier stays denied through those 7 s (before the fix the script
+/// read the day mismatch as "nobody else spent" and admitted L − own more),
+/// and is admitted again once Redis' own day begins. The node reports its
+/// offset (`tierlimit_clock_offset_ms`, `/readyz`'s `clock`).
+#[tokio::test]
+async fn a_fast_node_clock_keeps_a_tenant_denied_through_its_early_midnight() {
+    const AHEAD_S: i64 = 7;
+    let offset = offset_to_midnight_minus(16);
+    let redis = Redis::start_with_clock_offset(offset);
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.g]
+region = { limit = 1000, window = "1h", algorithm = "fixed_window" }
+global = { limit = 100 }
+[tenants.g]
+plan = "g"
+"#,
+        ),
+    );
+    let faked = harness::faketime_env(offset + AHEAD_S, &[]);
+    let env: Vec<(&str, &str)> = faked
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let n = RegionNode::start_with_env(&cfg, "eu", "a", &env).await;
+    let midnight = (redis_ms(&redis) / DAY_MS + 1) * DAY_MS;
+    let node_midnight = midnight - AHEAD_S * 1000;
+
+    // Spend until the global tier denies (the view holds no entry: the
+    // others' spend is taken to be the broadcast threshold).
+    let mut allowed = 0;
+    loop {
+        let (s, body) = check(&n, "g", 1).await;
+        if s == 429 {
+            assert_eq!(body["violated-policy"], "global", "{body}");
+            break;
+        }
+        assert_eq!(s, 200, "{body}");
+        allowed += 1;
+        assert!(allowed < 100, "never denied");
+    }
+    assert!(
+        redis_ms(&redis) < node_midnight - 300,
+        "the spending must end before the node's midnight (the setup was slow)"
+    );
+
+    // The node's clock is past its midnight, Redis' is not: still denied.
+    wait_until(
+        "the node's clock past its midnight",
+        Duration::from_secs(20),
+        || async { redis_ms(&redis) >= node_midnight + 300 },
+    )
+    .await;
+    let mut checks = 0;
+    while redis_ms(&redis) < midnight - 500 {
+        let (s, body) = check(&n, "g", 1).await;
+        assert_eq!(
+            s, 429,
+            "admitted after the node's early midnight with {allowed} spent of 100: {body}"
+        );
+        let reset = body["tiers"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|t| t["tier"] == "global"))
+            .and_then(|t| t["reset_ms"].as_i64())
+            .unwrap_or_else(|| panic!("a global tier in {body}"));
+        assert!(
+            reset <= midnight - redis_ms(&redis) + 1000,
+            "the global tier resets at Redis' midnight, not a day after the node's: {body}"
+        );
+        checks += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        checks >= 5,
+        "only {checks} checks between the two midnights"
+    );
+
+    // The node says how far off its clock is.
+    let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
+    let off = harness::metric_value(&m, "tierlimit_clock_offset_ms");
+    assert!(
+        (off - (AHEAD_S * 1000) as f64).abs() < 1000.0,
+        "clock offset {off} ms, expected about {} ms",
+        AHEAD_S * 1000
+    );
+    let ready = harness::get_json(&n.http, &n.admin_url("/readyz")).await;
+    assert_eq!(ready["clock"]["within_bound"], false, "{ready}");
+    // The node picked Redis' day itself (its estimate of Redis' clock): the
+    // script never had to refuse a check built for the node's own day.
+    assert_eq!(
+        harness::metric_value(&m, "tierlimit_day_retries_total"),
+        0.0,
+        "checks built for the node's day instead of Redis'"
+    );
+
+    // Redis' new day: the global count starts again.
+    wait_until(
+        "Redis' clock past its midnight",
+        Duration::from_secs(20),
+        || async { redis_ms(&redis) >= midnight + 200 },
+    )
+    .await;
+    let (s, body) = check(&n, "g", 1).await;
+    assert_eq!(s, 200, "a new day of Redis' clock: {body}");
 }
 
 /// One of `name`'s samples in the node's `/metrics` (label set included in

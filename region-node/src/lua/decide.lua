@@ -44,8 +44,13 @@
 --               (expired: the node gave up at its store_timeout and
 --               answered from its fail mode, so charging now would count
 --               the request twice)
---             the node's day; if Redis' clock says otherwise the broadcast
---               is not for this day (others = 0)
+--             the node's day (its estimate of Redis' clock): the day of the
+--               broadcast it sends. Redis' clock decides the day: a check
+--               made for another day does nothing and answers outcome -3
+--               (the node sends it again with Redis' day); a refund or a
+--               peek goes on, without the rollback raise (the parts are of
+--               another day) and with others = the whole broadcast total,
+--               never 0
 --             TTL of the tenant hash, s (retention + 1 day): days older
 --               than TTL/86400 are dropped from the hash when a new day
 --               starts
@@ -72,7 +77,9 @@
 --             per actor of this region in the broadcast: its P and N
 -- ARGV[5 + i]  tier i's field prefix in the tenant hash ("-" for a tier
 --           in a key of its own), i = 1..K
--- then      a refund's handle id ("-" when none)
+-- then      a refund's handle id ("-" when none) and its expiry, Redis ms
+--           (0 = none): from then on every window the charge touched has
+--           ended, and the refund is refused
 -- then      the epoch of each actor of this region in the broadcast, in
 --           the order of their P and N above
 --
@@ -84,13 +91,14 @@
 -- broadcast and its own parts).
 --   [1] outcome: 0 allowed (a refund and a peek always are), i > 0 denied
 --       by tier i, -1 denied by the global tier, -2 expired (nothing done;
---       the reply is then { -2, now_ms })
+--       the reply is then { -2, now_ms }), -3 a check made for another day
+--       than Redis' (nothing done; the reply is then { -3, now_ms })
 --   [2] now_ms (Redis TIME; the day is now_ms / 86400000)
 --   [3] own_p   [4] own_n: this region's PN counter for the day
 --   [5] raised: units the rollback check added to P (see below)
 --   [6] the op's units: a check's lease granted beyond its cost; a
 --       refund's global units given back (-1: the handle was used already,
---       nothing given back); a peek's 0
+--       -2: the handle expired; nothing given back either way); a peek's 0
 --   [7] epoch, naming this region's actor of the day's PN counter
 --   then each tier's remaining, in call order, followed by its reset_ms
 --       for a token bucket or a sliding log (state-dependent)
@@ -135,6 +143,13 @@ local day = (now_ms - now_ms % 86400000) / 86400000
 if day - node_day > 1 or node_day - day > 1 then
   return redis.error_reply('ERR tierlimit: node clock is more than a day off Redis TIME')
 end
+-- One clock decides the day: Redis'. A check carries the broadcast of the
+-- node's day; for another day it would read others' spend of the wrong
+-- day (0 just after the node's early midnight), so it does nothing and the
+-- node sends it again with Redis' day.
+if day ~= node_day and op == 'check' then
+  return { -3, now_ms }
+end
 -- The day's field prefix: the node's own when it agrees, since formatting
 -- a number costs more than the rest of a field name.
 local gp = A[3]
@@ -166,7 +181,7 @@ end
 -- This region's actors in the broadcast: their P and N follow the tiers in
 -- A[5], their epochs are the string arguments from `first_epoch`.
 local first_epoch = 6 + K
-if op == 'refund' then first_epoch = first_epoch + 1 end
+if op == 'refund' then first_epoch = first_epoch + 2 end
 local h = call('HMGET', KEYS[1], unpack(fields, 1, nf))
 
 -- Evaluate every tier: the decision (ok, remaining, reset, retry) and what
@@ -322,11 +337,10 @@ local p_before = own_p
 
 local global_ok, global_remaining, global_retry = true, -1, 0
 if glimit > 0 then
-  local others = 0
-  if day == node_day then
-    others = btotal - (mine_p - mine_n)
-    if others < 0 then others = 0 end
-  end
+  -- On another day (a refund or a peek) mine is 0: the whole broadcast
+  -- total counts as others', never nothing.
+  local others = btotal - (mine_p - mine_n)
+  if others < 0 then others = 0 end
   local own = own_p - own_n
   global_remaining = glimit - others - own
   if own_cap >= 0 and own_cap - own < global_remaining then
@@ -352,19 +366,31 @@ local changed = raised > 0
 
 if op == 'refund' then
   -- A refund by handle: once per handle, and only into what the charge was
-  -- in (its windows, its day). The record of used handles is written only
-  -- here, so checks stay cheap; it lives as long as the day's counter.
+  -- in (its windows, its day), until every window it touched has ended.
+  -- The record of used handles is written only here, so checks stay cheap;
+  -- it lives as long as the day's counter, and longer when the charge
+  -- touched a longer window, so that a handle never outlives its record.
   local by_handle = op1 > 0
   local charged_at = op2
   local fresh = true
   if by_handle then
     local rf = KEYS[op1]
-    if call('SADD', rf, A[6 + K]) == 0 then
+    local expires_at = A[7 + K] + 0
+    if expires_at > 0 and now_ms >= expires_at then
+      -- Every window of the charge has ended: nothing left to give back,
+      -- nothing written.
+      fresh = false; refunded = -2; changed = false
+    elseif call('SADD', rf, A[6 + K]) == 0 then
       -- Used already: nothing given back and nothing written, not even a
       -- rollback raise (the next call raises again).
       fresh = false; refunded = -1; changed = false
     else
-      call('EXPIRE', rf, ttl)
+      local keep_until = now_ms + ttl * 1000
+      if expires_at + 1000 > keep_until then keep_until = expires_at + 1000 end
+      local left = call('PTTL', rf)
+      if left < 0 or now_ms + left < keep_until then
+        call('PEXPIREAT', rf, fmt('%d', keep_until))
+      end
     end
   end
   if fresh then

@@ -52,6 +52,20 @@ pub trait CounterStore: Send + Sync {
         &'a self,
         call: &'a DecideCall<'a>,
     ) -> BoxFuture<'a, Result<DecideReply, StoreError>>;
+
+    /// The store's clock now, estimated from ours (`now_ms`) and what its
+    /// replies said: Redis' `TIME`, which decides the day of every
+    /// decision. `None` until known, and for a store without a clock of its
+    /// own (the `local` fail mode).
+    ///
+    /// Behind Redis Cluster the masters' clocks differ: the estimate is of
+    /// the master that answered most recently with the least delay, and a
+    /// check built for the wrong day near midnight is refused by its
+    /// master's script ([`StoreError::OtherDay`]) and sent again, so no
+    /// decision depends on the masters agreeing.
+    fn redis_now_ms(&self, _now_ms: u64) -> Option<i64> {
+        None
+    }
 }
 
 /// The `reason` labels of [`StoreError::refused_writes`].
@@ -85,6 +99,10 @@ pub enum StoreError {
     Url { url: String, reason: String },
     #[error("Redis refused at start: {0}")]
     Unsafe(String),
+    /// A check built for another day than Redis' clock says: it did
+    /// nothing; sent again for `day`.
+    #[error("the check was built for another day than Redis' clock says (day {day})")]
+    OtherDay { day: u32 },
 }
 
 impl StoreError {
@@ -98,6 +116,7 @@ impl StoreError {
             StoreError::Redis(_) => "redis",
             StoreError::Reply(_) => "reply",
             StoreError::Url { .. } | StoreError::Unsafe(_) => "config",
+            StoreError::OtherDay { .. } => "other_day",
         }
     }
 
@@ -156,7 +175,10 @@ impl StoreError {
                             | ::redis::ErrorKind::Server(::redis::ServerErrorKind::MasterDown)
                     )
             }
-            StoreError::Reply(_) | StoreError::Url { .. } | StoreError::Unsafe(_) => false,
+            StoreError::Reply(_)
+            | StoreError::Url { .. }
+            | StoreError::Unsafe(_)
+            | StoreError::OtherDay { .. } => false,
         }
     }
 

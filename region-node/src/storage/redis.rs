@@ -316,6 +316,9 @@ impl Compensation {
         let handle = RefundOf {
             id: self.id.clone(),
             charged_at_ms,
+            // The node's own undo, sent again until it gets through: its
+            // windows decide what it gives back, never an expiry.
+            expires_at_ms: 0,
         };
         self.call(Op::Refund, granted, Some(handle))
     }
@@ -646,11 +649,18 @@ impl RedisStore {
         let parsed = DecideReply::parse(items, call);
         match &parsed {
             Ok(r) => self.learn_offset(r.now_ms),
-            Err(ReplyError::Expired { now_ms }) => self.learn_offset(*now_ms),
+            Err(ReplyError::Expired { now_ms }) | Err(ReplyError::OtherDay { now_ms, .. }) => {
+                self.learn_offset(*now_ms)
+            }
             Err(ReplyError::Malformed(_)) => {}
         }
         match parsed {
             Ok(r) => Ok(r),
+            // Made for another day than Redis' clock says: nothing done,
+            // the decision path sends it again for Redis' day.
+            Err(ReplyError::OtherDay { now_ms, .. }) => Err(StoreError::OtherDay {
+                day: (now_ms.max(0) as u64 / 86_400_000) as u32,
+            }),
             // Past its deadline the script did nothing: for the caller a
             // timeout known not to have charged. Redis answered, so it is
             // no sign of an outage.
@@ -710,7 +720,9 @@ impl RedisStore {
                 match DecideReply::parse(items, &undo.call(Op::Check, 0, None)) {
                     Ok(r) if r.allowed => (r.now_ms, r.granted),
                     Ok(_) => return late("not_charged"),
-                    Err(ReplyError::Expired { .. }) => return late("refused"),
+                    Err(ReplyError::Expired { .. }) | Err(ReplyError::OtherDay { .. }) => {
+                        return late("refused")
+                    }
                     Err(ReplyError::Malformed(why)) => {
                         tracing::error!(tenant = %undo.tenant, %why, "late decision reply unreadable; it may have charged");
                         return self.uncompensated("no_reply");
@@ -1025,6 +1037,13 @@ impl CounterStore for RedisStore {
         call: &'a DecideCall<'a>,
     ) -> BoxFuture<'a, Result<DecideReply, StoreError>> {
         Box::pin(self.run_decide(call))
+    }
+
+    fn redis_now_ms(&self, now_ms: u64) -> Option<i64> {
+        match self.clock.get() {
+            i64::MIN => None,
+            offset => Some(now_ms as i64 + offset),
+        }
     }
 }
 

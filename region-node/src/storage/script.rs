@@ -117,6 +117,10 @@ pub struct RefundOf {
     pub id: String,
     /// Redis' clock when the charge ran, ms.
     pub charged_at_ms: u64,
+    /// Redis' clock from which nothing is given back and the refund is
+    /// refused (every window the charge touched has ended), ms; 0: never.
+    /// The record of used handles lives at least until then.
+    pub expires_at_ms: u64,
 }
 
 impl RefundOf {
@@ -298,6 +302,9 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     }
     if call.op == Op::Refund {
         cmd.arg(refund.map_or("-", |r| r.id.as_str()));
+        // Read only by a refund by handle: a string (a strtod on the rare
+        // refund) rather than a number every call would carry.
+        cmd.arg(refund.map_or(0, |r| r.expires_at_ms));
     }
     for (epoch, _, _) in parts {
         cmd.arg(epoch);
@@ -390,6 +397,9 @@ pub struct DecideReply {
     pub refunded: u64,
     /// A refund by handle that was used already: nothing given back.
     pub duplicate: bool,
+    /// A refund by handle past its expiry (every window of the charge has
+    /// ended, in Redis' clock): nothing given back, nothing recorded.
+    pub expired: bool,
     /// Units of lease charged beyond the check's cost (every tier and the
     /// PN counter alike).
     pub granted: u64,
@@ -401,6 +411,10 @@ pub enum ReplyError {
     /// The call reached Redis after its deadline and did nothing.
     #[error("the call reached Redis after its deadline (at Redis time {now_ms} ms)")]
     Expired { now_ms: i64 },
+    /// A check built for another day than Redis' clock says: it did
+    /// nothing, and is to be sent again for Redis' day.
+    #[error("the check was made for day {sent} but Redis' clock says {now_ms} ms (another day)")]
+    OtherDay { sent: u32, now_ms: i64 },
     #[error("decision script reply: {0}")]
     Malformed(String),
 }
@@ -435,6 +449,12 @@ impl DecideReply {
         let now_ms = at(1)?;
         if outcome == -2 {
             return Err(ReplyError::Expired { now_ms });
+        }
+        if outcome == -3 {
+            return Err(ReplyError::OtherDay {
+                sent: call.day,
+                now_ms,
+            });
         }
         let k = call.tiers.len();
         let expected = HEADER
@@ -502,6 +522,7 @@ impl DecideReply {
             raised,
             refunded,
             duplicate: call.op == Op::Refund && units == -1,
+            expired: call.op == Op::Refund && units == -2,
             granted,
         })
     }
@@ -509,9 +530,10 @@ impl DecideReply {
 
 /// What the global tier leaves this region after the call, as the script
 /// computes it: the limit less the other actors' broadcast spend (the
-/// broadcast total less this actor's part in it, when Redis' day is the
-/// node's) and this actor's count in Redis (`own_p − own_n`, after the
-/// call), within `own_cap` when the view is stale. `None`: no global tier.
+/// broadcast total less this actor's part in it when Redis' day is the
+/// call's; all of it otherwise) and this actor's count in Redis
+/// (`own_p − own_n`, after the call), within `own_cap` when the view is
+/// stale. `None`: no global tier.
 fn global_remaining(
     call: &DecideCall<'_>,
     day: u32,
@@ -521,19 +543,18 @@ fn global_remaining(
 ) -> Option<u64> {
     let g = call.global.as_ref().filter(|g| g.limit > 0)?;
     let own = i128::from(own_p) - i128::from(own_n);
-    let others = if day == call.day {
-        // The script takes the last part of the epoch, as it reads them in
-        // order.
-        let mine = g
-            .own_parts
+    // The script takes the last part of the epoch, as it reads them in
+    // order; on another day it reads none.
+    let mine = if day == call.day {
+        g.own_parts
             .iter()
             .rev()
             .find(|(e, _, _)| e == epoch)
-            .map_or(0, |(_, p, n)| i128::from(*p) - i128::from(*n));
-        (i128::from(g.broadcast_total) - mine).max(0)
+            .map_or(0, |(_, p, n)| i128::from(*p) - i128::from(*n))
     } else {
         0
     };
+    let others = (i128::from(g.broadcast_total) - mine).max(0);
     let mut remaining = i128::from(g.limit) - others - own;
     if let Some(cap) = g.own_cap {
         remaining = remaining.min(i128::from(cap) - own);
@@ -690,11 +711,11 @@ mod tests {
         assert_eq!(allowed(&c, "e1"), Some(4), "within the cap of a stale view");
         c.global.as_mut().unwrap().own_cap = Some(3);
         assert_eq!(allowed(&c, "e1"), Some(0), "never below zero");
-        let other_day = call(Op::Check, DAY + 1);
+        let other_day = call(Op::Peek, DAY + 1);
         assert_eq!(
             allowed(&other_day, "e1"),
-            Some(94),
-            "Redis' day is not the node's: the broadcast is not for it"
+            Some(100 - 40 - 6),
+            "Redis' day is not the call's: no part is this actor's, the whole total is others'"
         );
         let mut no_global = call(Op::Check, DAY);
         no_global.global.as_mut().unwrap().limit = 0;
