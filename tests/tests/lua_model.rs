@@ -169,6 +169,9 @@ async fn script_matches_the_model() {
                 refund: handle.map(|i| RefundOf {
                     id: charges[i].0.clone(),
                     charged_at_ms: charges[i].1,
+                    // Never expires here: the model has no handle expiry
+                    // (lua_script.rs tests it).
+                    expires_at_ms: 0,
                 }),
                 lease: None,
             };
