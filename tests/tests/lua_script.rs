@@ -1053,6 +1053,7 @@ async fn a_sliding_log_refund_gives_back_the_charges_own_units() {
             rf.refund = Some(RefundOf {
                 id: "chargeA".into(),
                 charged_at_ms: a.now_ms as u64,
+                expires_at_ms: 0,
             });
         }
         set_fake_ms(&mut con, t0 + 59_500).await;
