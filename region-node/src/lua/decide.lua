@@ -387,9 +387,11 @@ if op == 'refund' then
     else
       local keep_until = now_ms + ttl * 1000
       if expires_at + 1000 > keep_until then keep_until = expires_at + 1000 end
+      -- Relative (PEXPIRE, not PEXPIREAT): the same in Redis' clock, and
+      -- right under a script-level fake clock too (lua_model.rs).
       local left = call('PTTL', rf)
       if left < 0 or now_ms + left < keep_until then
-        call('PEXPIREAT', rf, fmt('%d', keep_until))
+        call('PEXPIRE', rf, fmt('%d', keep_until - now_ms))
       end
     end
   end
