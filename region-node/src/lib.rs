@@ -160,7 +160,10 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         // node-tier reservations of ended windows are forgotten.
         let state = Arc::clone(&state);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
+            // Often enough that a lease expiring `RETURN_MARGIN` before its
+            // window ends is back in that window (see `lease`).
+            let mut tick = tokio::time::interval(crate::lease::RETURN_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 state.decider.return_leases().await;

@@ -79,6 +79,41 @@ pub struct Ticket {
     cost: u64,
 }
 
+/// A [`Take`] whose check is in flight. Dropped before it is settled (the
+/// check's future dropped: a client that disconnected), it undoes itself:
+/// a covered unit goes back to the reservation and a pending charge's
+/// `charging` flag is cleared (what the script may have charged meanwhile
+/// is given back by the store's late-reply path), so a cancelled check
+/// cannot stop reserving for its key or pin its slot.
+pub struct Pending<'a> {
+    reserves: &'a Reserves,
+    at: (&'a str, &'a str),
+    take: Option<Take>,
+}
+
+impl Pending<'_> {
+    pub fn get(&self) -> &Take {
+        self.take.as_ref().expect("unsettled")
+    }
+
+    /// The take, to settle: the guard is disarmed.
+    pub fn into_take(mut self) -> Take {
+        self.take.take().expect("unsettled")
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        match self.take.take() {
+            Some(Take::Covered { ticket, .. }) => self.reserves.give_back(self.at, ticket),
+            Some(Take::Charge { reserve }) if reserve > 0 => {
+                self.reserves.settle(self.at, reserve, None, Instant::now());
+            }
+            _ => {}
+        }
+    }
+}
+
 /// The node's reservations, by (tenant, key).
 pub struct Reserves {
     shards: Vec<Mutex<HashMap<String, Slot>>>,
@@ -95,6 +130,15 @@ impl Default for Reserves {
 impl Reserves {
     fn shard(&self, k: &str) -> &Mutex<HashMap<String, Slot>> {
         &self.shards[shard_of(k)]
+    }
+
+    /// Guards `take` (of `at`) until its check settles it.
+    pub fn pending<'a>(&'a self, at: (&'a str, &'a str), take: Take) -> Pending<'a> {
+        Pending {
+            reserves: self,
+            at,
+            take: Some(take),
+        }
     }
 
     /// Decides the node tier of a check of `cost` from the reservation if

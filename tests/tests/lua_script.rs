@@ -5,8 +5,8 @@
 use harness::Redis;
 use redis::Value;
 use region_node::storage::script::{
-    encode, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, RefundOf, ReplyError, Scope,
-    TierCall, DECIDE_LUA,
+    encode, lease_grant, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, LeaseTier, Op,
+    RefundOf, ReplyError, Scope, TierCall, DECIDE_LUA, MIN_GRANT,
 };
 use tierlimit_shared::config::{Algorithm, Limit};
 use tierlimit_shared::keys;
@@ -791,7 +791,11 @@ async fn a_lease_takes_a_share_of_what_is_left_and_nothing_near_the_limit() {
     let mut con = redis.client().await;
     let region = limit(Algorithm::FixedWindow, 100, 3_600_000, 100);
     let node = limit(Algorithm::SlidingWindow, 1000, 3_600_000, 1000);
-    let ask = Some(LeaseAsk { max: 30, share: 4 });
+    let ask = Some(LeaseAsk {
+        max: 30,
+        share: 4,
+        tail_ms: 0,
+    });
     let leased = |cost| {
         let mut c = check("t", cost);
         c.tiers = vec![
@@ -812,15 +816,16 @@ async fn a_lease_takes_a_share_of_what_is_left_and_nothing_near_the_limit() {
     assert_eq!(r.global_remaining, Some(975));
     // 75 left → 18; 56 → 13; … the lease shrinks with what is left.
     let mut left = 75;
-    while left > 4 {
+    while (left - 1) / 4 >= MIN_GRANT {
         let r = decide(&mut con, &leased(1)).await;
         let want = ((left - 1) / 4).min(30);
         assert_eq!(r.granted, want, "with {left} left");
         left -= 1 + want;
         assert_eq!(r.tiers[1].remaining, left);
     }
-    // Near the limit (fewer than `share` left after the request): single
-    // decisions, until the tier denies and nothing more is granted.
+    // Near the limit (fewer than MIN_GRANT × `share` left after the
+    // request): no lease, single decisions, until the tier denies and
+    // nothing more is granted.
     while left > 0 {
         let r = decide(&mut con, &leased(1)).await;
         assert_eq!((r.allowed, r.granted), (true, 0), "with {left} left");
@@ -846,6 +851,103 @@ async fn a_lease_takes_a_share_of_what_is_left_and_nothing_near_the_limit() {
         let r = decide(&mut con, &c).await;
         assert_eq!((r.allowed, r.granted), (true, 0), "{alg:?}");
     }
+}
+
+/// The script's lease arithmetic against its Rust twin
+/// (`script::lease_grant`, what the bound on leased units is proved
+/// against in `lease::bound`): random tiers (fixed and sliding windows, now
+/// and then a GCRA or a log), what they have used, the global budget, the
+/// node's want and share, and a tail that sometimes reaches past a
+/// window's end. Each case is a fresh tenant, so a tier has left its limit
+/// less what the case charged first.
+#[tokio::test]
+async fn the_scripts_lease_is_the_models() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut rnd = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut granted_some = 0;
+    for case in 0..300 {
+        let tenant = format!("m{case}");
+        let k = 1 + rnd(2) as usize;
+        let limits: Vec<Limit> = (0..k)
+            .map(|_| {
+                let alg = match rnd(10) {
+                    0 => Algorithm::TokenBucket,
+                    1 => Algorithm::SlidingLog,
+                    2..=5 => Algorithm::SlidingWindow,
+                    _ => Algorithm::FixedWindow,
+                };
+                let l = 1 + rnd(400);
+                limit(alg, l, [10_000, 60_000, 3_600_000][rnd(3) as usize], l)
+            })
+            .collect();
+        let used: Vec<u64> = limits.iter().map(|l| rnd(l.limit)).collect();
+        let glimit = (rnd(3) > 0).then(|| 1 + rnd(600));
+        let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+        let before = secs * 1000 + micros / 1000;
+        // Charge each tier its `used` alone (a tier at a time, the others
+        // left out), and the global count with the first.
+        for (i, (l, u)) in limits.iter().zip(&used).enumerate() {
+            if *u == 0 {
+                continue;
+            }
+            let mut c = check(&tenant, *u);
+            c.tiers = vec![tier(if i == 0 { Scope::Node } else { Scope::Region }, l, *u)];
+            c.cost = if i == 0 { *u } else { 0 };
+            let r = decide(&mut con, &c).await;
+            assert!(r.allowed, "case {case}: setup");
+        }
+        let g_used = used[0];
+        let cost = 1 + rnd(3);
+        let ask = LeaseAsk {
+            max: rnd(80),
+            share: 1 + rnd(8),
+            tail_ms: [0, 500, 2_250, 20_000][rnd(4) as usize],
+        };
+        let mut c = check(&tenant, cost);
+        c.tiers = limits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| tier(if i == 0 { Scope::Node } else { Scope::Region }, l, cost))
+            .collect();
+        c.global = glimit.and_then(global);
+        c.lease = Some(ask);
+        let r = decide(&mut con, &c).await;
+        let now = r.now_ms as u64;
+        if limits.iter().any(|l| before / l.window_ms != now / l.window_ms) {
+            continue; // a window ended during the case: its state is not `used`
+        }
+        let allowed = limits.iter().zip(&used).all(|(l, u)| u + cost <= l.limit)
+            && glimit.is_none_or(|g| g_used + cost <= g);
+        assert_eq!(r.allowed, allowed, "case {case}");
+        if !allowed {
+            assert_eq!(r.granted, 0, "case {case}: a denied check takes no lease");
+            continue;
+        }
+        let tiers: Vec<LeaseTier> = limits
+            .iter()
+            .zip(&used)
+            .map(|(l, u)| LeaseTier {
+                windowed: matches!(
+                    l.algorithm,
+                    Algorithm::FixedWindow | Algorithm::SlidingWindow
+                ),
+                remaining: l.limit - u,
+                cost,
+                reset_ms: l.window_ms - now % l.window_ms,
+            })
+            .collect();
+        let model = lease_grant(&ask, &tiers, glimit.map(|g| g - g_used), cost, now);
+        assert_eq!(r.granted, model, "case {case}: {ask:?} {tiers:?} global {glimit:?}−{g_used}");
+        granted_some += u64::from(model > 0);
+    }
+    assert!(granted_some > 30, "the cases exercise grants: {granted_some}");
 }
 
 /// The previous release's decision script (`bba1826`: the same arguments
