@@ -459,6 +459,7 @@ mod tests {
         t
     }
 
+    #[track_caller]
     fn ask<'a>(leases: &'a Leases, k: (&str, &str), t: Instant) -> Asking<'a> {
         match leases.take(k, 1, (t, 0), (LIFE, 1000)) {
             Take::Redis { ask: Some(a) } => a,
@@ -556,13 +557,15 @@ mod tests {
         assert_eq!(leases.expire(late + LIFE).len(), 1);
 
         // 100 ms before the day's end (Redis' clock): the day ends it,
-        // whatever its window.
-        let a = ask(&leases, ("t", "k"), late);
+        // whatever its window. (The slot above was forgotten with its rate
+        // two seconds after its last check: another key, warmed.)
+        let t = warm(&leases, ("t", "d"), late, Duration::from_millis(10), 30);
+        let a = ask(&leases, ("t", "d"), t);
         let mut r = reply(5, &[3_600_000]);
-        r.now_ms = 3 * DAY_MS - 100;
-        leases.settle(a, Some(&r), (late, LIFE), "c");
-        assert_eq!(leases.expire(late + Duration::from_millis(98)).len(), 0);
-        let back = leases.expire(late + Duration::from_millis(99));
+        r.now_ms = (3 * DAY_MS - 100) as i64;
+        leases.settle(a, Some(&r), (t, LIFE), "c");
+        assert_eq!(leases.expire(t + Duration::from_millis(98)).len(), 0);
+        let back = leases.expire(t + Duration::from_millis(99));
         assert_eq!(back.len(), 1, "the day's end (less 1 ms) ends a lease");
         assert_eq!(back[0].first_end_ms, 3 * DAY_MS);
     }
@@ -745,7 +748,7 @@ mod bound {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
 
         /// Never over L; no unit lost at a window's end while nodes return
         /// their leases; at most min(N × cap, L / 2) units in live leases
@@ -754,11 +757,11 @@ mod bound {
         #[test]
         fn leases_strand_nothing_and_hold_at_most_half_the_limit(
             l in 20u64..3000,
-            w in prop::sample::select(vec![2_000u64, 10_000, 30_000]),
+            w in prop::sample::select(vec![1_000u64, 2_000, 10_000]),
             cap in 2u64..400,
             weights in prop::collection::vec(1u64..5, 1..6),
             demand in 1.3f64..4.0,
-            crash in prop::option::weighted(0.3, (0usize..6, 0u64..90_000)),
+            crash in prop::option::weighted(0.3, (0usize..6, 0u64..30_000)),
         ) {
             let n = weights.len() as u64;
             let crash = crash.map(|(c, t)| (c % weights.len(), t % (3 * w)));
