@@ -985,7 +985,13 @@ async fn nodes_of_the_previous_release_share_the_counts() {
         let run_as = |old: bool| {
             let sha = if old { &old_sha } else { &new_sha }.clone();
             let (mut con, c) = (con.clone(), c.clone());
-            async move { harness::lua::decide_by(&mut con, &sha, &c).await }
+            async move {
+                if old {
+                    harness::lua::decide_by_previous(&mut con, &sha, &c).await
+                } else {
+                    harness::lua::decide_by(&mut con, &sha, &c).await
+                }
+            }
         };
         for i in 0..12u64 {
             let r = run_as(i.is_multiple_of(2) == old_starts).await;
