@@ -1095,7 +1095,10 @@ async fn leases_stay_strict_with_three_nodes_racing_for_one_tenant() {
     use harness::history::{self, Client, History};
     let redis = Redis::start();
     let dir = temp_dir();
-    let plans = "[plans.hot]\nregion = { limit = 150, window = \"1s\" }\n\
+    // A fixed window: each one starts with the whole limit, where leases
+    // are worth taking (a sliding window lives near its limit from the
+    // first one on, where leases are refused).
+    let plans = "[plans.hot]\nregion = { limit = 150, window = \"1s\", algorithm = \"fixed_window\" }\n\
                  node = { limit = 100000, window = \"1h\", algorithm = \"sliding_window\" }\n\
                  [tenants.hot]\nplan = \"hot\"\n";
     let cfg = write_config(dir.path(), &lease_config(&redis, 20, plans));
@@ -1124,16 +1127,13 @@ async fn leases_stay_strict_with_three_nodes_racing_for_one_tenant() {
     println!("{}: {:?}", r.describe(), r.usage);
     assert!(r.violations.is_empty(), "{:?}", r.violations);
     assert!(r.unplaced.is_empty(), "{:?}", &r.unplaced[..1]);
-    // Leases may strand what a node holds when its window ends (under-
-    // admission, never more): at most nodes × lease_max per window. The
-    // windows the run covered whole must be filled that close.
+    // Leases are given back before their window ends: the windows the run
+    // covered whole are filled (99 %: a unit may be placed in the next
+    // window by the checker when its call straddled the edge).
     let windows: Vec<u64> = r.usage.values().copied().collect();
     assert!(windows.len() >= 3, "{windows:?}");
     for used in &windows[1..windows.len() - 1] {
-        assert!(
-            *used >= 150 - 3 * 20,
-            "window filled to {used}: {windows:?}"
-        );
+        assert!(*used >= 148, "window filled to {used}: {windows:?}");
     }
     let denied = ev
         .iter()
@@ -1148,8 +1148,8 @@ async fn leases_stay_strict_with_three_nodes_racing_for_one_tenant() {
         .filter(|e| e.allowed() && e.mode() == Some("lease"))
         .count();
     let allowed = ev.iter().filter(|e| e.allowed()).count();
-    // Far from the limit most decisions are leased; this tenant lives at
-    // its limit, where leases shrink to nothing: some, not most.
+    // Leases are taken at each window's start, far from the limit, and
+    // refused near it: some decisions leased, not most.
     assert!(
         leased >= 20 && leased < allowed,
         "{leased} of {allowed} allowed decisions came from leases"
@@ -1284,19 +1284,24 @@ async fn checks_dropped_mid_call_leave_no_flag_and_no_charge() {
         .query_async(&mut con)
         .await
         .unwrap();
-    let quick = reqwest::Client::builder()
-        .timeout(Duration::from_millis(100))
-        .build()
-        .unwrap();
     let mut burst = Vec::new();
     for _ in 0..100 {
-        let q = quick.clone();
+        let q = n.http.clone();
         let url = n.url("/v1/check");
         burst.push(tokio::spawn(async move {
-            let r = q.post(url).json(&json!({ "tenant": "t", "cost": 1 })).send().await;
+            let r = q
+                .post(url)
+                .timeout(Duration::from_millis(100))
+                .json(&json!({ "tenant": "t", "cost": 1 }))
+                .send()
+                .await;
             match r {
                 Ok(r) if r.status() == 200 => 1u64,
-                _ => 0,
+                Ok(r) => panic!("{}", r.status()),
+                Err(e) => {
+                    assert!(e.is_timeout(), "{e:?}");
+                    0
+                }
             }
         }));
     }
@@ -1572,3 +1577,4 @@ plan = "r"
     assert!(sample("blind") >= 1.0, "{metrics}");
     assert_eq!(remaining(&usage(&node, "g").await, "region"), 99);
 }
+
