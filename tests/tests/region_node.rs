@@ -609,6 +609,9 @@ async fn one_slow_call_does_not_open_the_breaker_three_do() {
 [plans.p]
 region = { limit = 1000, window = "1h" }
 on_store_error = "open"
+# Every check in Redis: the breaker is what is tested (a plan switches
+# leasing off with its own lease_max = 0).
+lease_max = 0
 [tenants.t]
 plan = "p"
 "#,
@@ -1422,6 +1425,8 @@ async fn node_tier_reservations_are_strict_and_a_crash_strands_at_most_one() {
 [plans.p]
 node = {{ limit = {LIMIT}, window = "1h", algorithm = "fixed_window" }}
 region = {{ limit = 100000, window = "1h", algorithm = "sliding_window" }}
+# Reservations serve plans that do not lease.
+lease_max = 0
 [tenants.t]
 plan = "p"
 [tenants.u]
@@ -1429,6 +1434,7 @@ plan = "p"
 [plans.q]
 node = {{ limit = {LIMIT}, window = "1h", algorithm = "sliding_window" }}
 region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
+lease_max = 0
 [tenants.v]
 plan = "q"
 "#
