@@ -502,8 +502,15 @@ mod tests {
     fn a_rare_caller_never_asks() {
         let leases = Leases::default();
         let t0 = Instant::now();
-        // One check every 2 s, for a minute: never a lease.
-        warm(&leases, ("t", "_"), t0, Duration::from_secs(2), 30);
+        // One check every 2 s, or every 600 ms (1.7/s: it would spend 1
+        // unit in half a 2 s life): never a lease.
+        for (k, gap) in [("t", 2_000), ("r", 600)] {
+            let t = warm(&leases, (k, "_"), t0, Duration::from_millis(gap), 30);
+            assert!(matches!(
+                leases.take((k, "_"), 1, (t, 0), (LIFE, 1000)),
+                Take::Redis { ask: None }
+            ));
+        }
         // One every 300 ms: ~3.3/s wants 3 units of a 2 s life: asks.
         let t = warm(&leases, ("u", "_"), t0, Duration::from_millis(300), 3);
         let a = ask(&leases, ("u", "_"), t);
