@@ -435,9 +435,9 @@ impl Decider {
                     .with_label_values(&["granted"])
                     .inc_by(r.granted);
             }
-            if let Some(left) =
-                self.leases
-                    .settle(asking, result.as_ref().ok(), (sent, life), &id)
+            if let Some(left) = self
+                .leases
+                .settle(asking, result.as_ref().ok(), (sent, life), &id)
             {
                 self.leftovers.lock().expect("leftovers").push(left);
             }
@@ -651,7 +651,11 @@ impl Decider {
         }
         let result = self.store.decide(&call).await;
         if withdrawn > 0 {
-            let event = if result.is_ok() { "returned" } else { "unreturned" };
+            let event = if result.is_ok() {
+                "returned"
+            } else {
+                "unreturned"
+            };
             self.metrics
                 .lease_units
                 .with_label_values(&[event])
@@ -1234,9 +1238,9 @@ impl Decider {
 /// ([`crate::lease::life`]), and neither `node.lease_max` nor the plan's
 /// `lease_max` is 0.
 fn lease_life(cfg: &Loaded, p: &Policy) -> Option<(Duration, u64)> {
-    let cap = p
-        .lease_max
-        .map_or(cfg.config.node.lease_max, |m| m.min(cfg.config.node.lease_max));
+    let cap = p.lease_max.map_or(cfg.config.node.lease_max, |m| {
+        m.min(cfg.config.node.lease_max)
+    });
     if cap == 0 {
         return None;
     }

@@ -540,7 +540,12 @@ mod tests {
         let a = ask(&leases, ("t", "k"), t);
         leases.settle(a, Some(&reply(5, &[200, 60_000])), (t, LIFE), "a");
         assert!(matches!(
-            leases.take(("t", "k"), 1, (t + Duration::from_millis(100), 0), (LIFE, 1000)),
+            leases.take(
+                ("t", "k"),
+                1,
+                (t + Duration::from_millis(100), 0),
+                (LIFE, 1000)
+            ),
             Take::Leased(..)
         ));
         // At the end of the 200 ms window the lease is no good any more,
@@ -560,7 +565,10 @@ mod tests {
         // Windows of an hour: the lease's life ends it.
         let a = ask(&leases, ("t", "k"), late);
         leases.settle(a, Some(&reply(5, &[3_600_000])), (late, LIFE), "b");
-        assert_eq!(leases.expire(late + LIFE - Duration::from_millis(1)).len(), 0);
+        assert_eq!(
+            leases.expire(late + LIFE - Duration::from_millis(1)).len(),
+            0
+        );
         assert_eq!(leases.expire(late + LIFE).len(), 1);
 
         // 100 ms before the day's end (Redis' clock): the day ends it,
@@ -655,7 +663,14 @@ mod bound {
 
     /// `demand` × L per window, split between nodes by `weights`, for
     /// three windows of `w` ms; `crash`: (node, ms) at which one stops.
-    fn run(l: u64, w: u64, cap: u64, weights: &[u64], demand: f64, crash: Option<(usize, u64)>) -> Outcome {
+    fn run(
+        l: u64,
+        w: u64,
+        cap: u64,
+        weights: &[u64],
+        demand: f64,
+        crash: Option<(usize, u64)>,
+    ) -> Outcome {
         let n = weights.len();
         let total: u64 = weights.iter().sum();
         let rates: Vec<f64> = weights
@@ -683,8 +698,8 @@ mod bound {
             let alive = |i: usize| crash.is_none_or(|(c, ct)| c != i || t < ct);
             if let Some((c, ct)) = crash {
                 if t == ct {
-                    let held = tables[c].outstanding()
-                        + pending[c].iter().map(|p| p.units).sum::<u64>();
+                    let held =
+                        tables[c].outstanding() + pending[c].iter().map(|p| p.units).sum::<u64>();
                     out.windows[idx as usize].2 += held;
                 }
             }
@@ -748,7 +763,10 @@ mod bound {
                     }
                 }
             }
-            let held: u64 = (0..n).filter(|&i| alive(i)).map(|i| tables[i].outstanding()).sum();
+            let held: u64 = (0..n)
+                .filter(|&i| alive(i))
+                .map(|i| tables[i].outstanding())
+                .sum();
             out.most_held = out.most_held.max(held);
         }
         out

@@ -898,7 +898,11 @@ async fn the_scripts_lease_is_the_models() {
                 continue;
             }
             let mut c = check(&tenant, *u);
-            c.tiers = vec![tier(if i == 0 { Scope::Node } else { Scope::Region }, l, *u)];
+            c.tiers = vec![tier(
+                if i == 0 { Scope::Node } else { Scope::Region },
+                l,
+                *u,
+            )];
             c.cost = if i == 0 { *u } else { 0 };
             let r = decide(&mut con, &c).await;
             assert!(r.allowed, "case {case}: setup");
@@ -920,7 +924,10 @@ async fn the_scripts_lease_is_the_models() {
         c.lease = Some(ask);
         let r = decide(&mut con, &c).await;
         let now = r.now_ms as u64;
-        if limits.iter().any(|l| before / l.window_ms != now / l.window_ms) {
+        if limits
+            .iter()
+            .any(|l| before / l.window_ms != now / l.window_ms)
+        {
             continue; // a window ended during the case: its state is not `used`
         }
         let allowed = limits.iter().zip(&used).all(|(l, u)| u + cost <= l.limit)
@@ -944,10 +951,16 @@ async fn the_scripts_lease_is_the_models() {
             })
             .collect();
         let model = lease_grant(&ask, &tiers, glimit.map(|g| g - g_used), cost, now);
-        assert_eq!(r.granted, model, "case {case}: {ask:?} {tiers:?} global {glimit:?}−{g_used}");
+        assert_eq!(
+            r.granted, model,
+            "case {case}: {ask:?} {tiers:?} global {glimit:?}−{g_used}"
+        );
         granted_some += u64::from(model > 0);
     }
-    assert!(granted_some > 30, "the cases exercise grants: {granted_some}");
+    assert!(
+        granted_some > 30,
+        "the cases exercise grants: {granted_some}"
+    );
 }
 
 /// The previous release's decision script (`bba1826`: the same arguments

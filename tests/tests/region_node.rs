@@ -1101,7 +1101,8 @@ async fn leases_stay_strict_with_three_nodes_racing_for_one_tenant() {
     // A fixed window: each one starts with the whole limit, where leases
     // are worth taking (a sliding window lives near its limit from the
     // first one on, where leases are refused).
-    let plans = "[plans.hot]\nregion = { limit = 150, window = \"1s\", algorithm = \"fixed_window\" }\n\
+    let plans =
+        "[plans.hot]\nregion = { limit = 150, window = \"1s\", algorithm = \"fixed_window\" }\n\
                  node = { limit = 100000, window = \"1h\", algorithm = \"sliding_window\" }\n\
                  [tenants.hot]\nplan = \"hot\"\n";
     let cfg = write_config(dir.path(), &lease_config(&redis, 20, plans));
@@ -1205,7 +1206,10 @@ async fn the_unused_part_of_a_lease_goes_back_to_the_days_count() {
         "granted = spent + given back"
     );
     assert_eq!(units("lost"), 0, "no lease outlived its window");
-    assert!(units("granted") <= 50 * (allowed - leased), "capped by lease_max");
+    assert!(
+        units("granted") <= 50 * (allowed - leased),
+        "capped by lease_max"
+    );
 }
 
 /// Checks of `tenant` on `n` back to back until one is answered from a
@@ -1221,7 +1225,10 @@ async fn until_leased(n: &RegionNode, tenant: &str) -> u64 {
         if body["mode"] == "lease" {
             return allowed;
         }
-        assert!(std::time::Instant::now() < until, "no lease after {allowed} checks");
+        assert!(
+            std::time::Instant::now() < until,
+            "no lease after {allowed} checks"
+        );
     }
 }
 
@@ -1241,7 +1248,10 @@ async fn a_free_form_refund_withdraws_the_nodes_lease() {
     let allowed = until_leased(&n, "t").await;
     // Redis counts what was allowed and what the lease still holds.
     let counted = 300 - remaining(&usage(&n, "t").await, "region");
-    assert!(counted > allowed, "the node holds a lease: {counted} counted, {allowed} allowed");
+    assert!(
+        counted > allowed,
+        "the node holds a lease: {counted} counted, {allowed} allowed"
+    );
     let r = n
         .http
         .post(n.url("/v1/refund"))
@@ -1393,13 +1403,21 @@ async fn four_nodes_at_unequal_rates_fill_the_limit_and_never_pass_it() {
     println!("{}: {:?}", r.describe(), r.usage);
     assert!(r.violations.is_empty(), "{:?}", r.violations);
     assert!(r.unplaced.is_empty(), "{:?}", &r.unplaced[..1]);
-    let leased = ev.iter().filter(|e| e.allowed() && e.mode() == Some("lease")).count();
+    let leased = ev
+        .iter()
+        .filter(|e| e.allowed() && e.mode() == Some("lease"))
+        .count();
+    let allowed = ev.iter().filter(|e| e.allowed()).count();
+    println!("{leased} of {allowed} allowed checks answered from leases");
     assert!(leased > 500, "leases on by default: {leased} leased");
     let windows: Vec<u64> = r.usage.values().copied().collect();
     assert!(windows.len() >= 3, "{windows:?}");
     // The first window lacks the run's first 20 ms, the last most of it.
     for used in &windows[..2] {
-        assert!(*used >= 1188, "a whole window admitted {used} of 1200: {windows:?}");
+        assert!(
+            *used >= 1188,
+            "a whole window admitted {used} of 1200: {windows:?}"
+        );
     }
     assert!(ev.iter().all(|e| !e.unknown()), "every check was answered");
 }
@@ -1583,4 +1601,3 @@ plan = "r"
     assert!(sample("blind") >= 1.0, "{metrics}");
     assert_eq!(remaining(&usage(&node, "g").await, "region"), 99);
 }
-

@@ -625,11 +625,8 @@ impl RedisStore {
         };
         let started = Instant::now();
         self.progress.sent();
-        let waited = tokio::time::timeout(
-            self.timeout,
-            in_flight.reply.as_mut().expect("set above"),
-        )
-        .await;
+        let waited =
+            tokio::time::timeout(self.timeout, in_flight.reply.as_mut().expect("set above")).await;
         let reply = in_flight.reply.take().expect("set above");
         let result = match waited {
             Ok(result) => {
