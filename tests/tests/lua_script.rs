@@ -963,6 +963,53 @@ async fn the_scripts_lease_is_the_models() {
     );
 }
 
+/// Issue 29 item 7: a lease ends at the earlier of its window's end and
+/// the day's end. On a faked clock, windows of a week: ten seconds before
+/// midnight a check takes a lease; two seconds before (less than the
+/// lease's tail of 2.25 s) none, so no unit charged on day D is spent on
+/// D + 1.
+#[tokio::test]
+async fn no_lease_is_granted_that_would_outlive_its_day() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let sha = harness::lua::load_with_fake_clock(&mut con).await;
+    let week = limit(Algorithm::FixedWindow, 100_000, 7 * 86_400_000, 100_000);
+    let day = 20_003u32;
+    let ask = LeaseAsk {
+        max: 50,
+        share: 4,
+        tail_ms: 2_250,
+    };
+    for (before_midnight_s, granted) in [(10, 50), (2, 0)] {
+        let secs = u64::from(day + 1) * 86_400 - before_midnight_s;
+        let _: () = redis::cmd("SET")
+            .arg("fake:s")
+            .arg(secs)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let mut c = check("d", 1);
+        c.day = day;
+        c.tiers = vec![tier(Scope::Region, &week, 1)];
+        c.lease = Some(ask);
+        let r = harness::lua::decide_by(&mut con, &sha, &c).await;
+        assert!(r.allowed);
+        assert_eq!(r.granted, granted, "{before_midnight_s} s before midnight");
+        let now = r.now_ms as u64;
+        let tiers = [LeaseTier {
+            windowed: true,
+            remaining: 100_000 - (if granted == 0 { 51 } else { 0 }),
+            cost: 1,
+            reset_ms: 7 * 86_400_000 - now % (7 * 86_400_000),
+        }];
+        assert_eq!(
+            lease_grant(&ask, &tiers, None, 0, now),
+            granted,
+            "the model agrees"
+        );
+    }
+}
+
 /// The previous release's decision script (`bba1826`: the same arguments
 /// and reply; a new tenant's hash without a TTL until its second day), kept as
 /// it shipped: during a rolling upgrade its nodes and this release's share
