@@ -410,7 +410,7 @@ impl Decider {
             call.lease = Some(LeaseAsk {
                 max: a.want,
                 share: 2 * u64::from(call.expected_nodes.max(1)),
-                tail_ms: crate::lease::tail_ms(life),
+                life_ms: life.as_millis() as u64,
             });
         } else if life.is_none() {
             reserve = self

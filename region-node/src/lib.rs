@@ -160,8 +160,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         // node-tier reservations of ended windows are forgotten.
         let state = Arc::clone(&state);
         tokio::spawn(async move {
-            // Often enough that a lease expiring `RETURN_MARGIN` before its
-            // window ends is back in that window (see `lease`).
+            // Often: a lease that expires with units left (its life over,
+            // its holder's rate fell) gives them back to its window while
+            // it is current (see `lease`).
             let mut tick = tokio::time::interval(crate::lease::RETURN_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {

@@ -59,7 +59,7 @@
 --             relaxed_ms: how long after its last publication a (T, day)
 --               that is not urgent is due again (relaxed_flush_interval)
 --             the op's own three: a check's lease want, lease_share and
---               tail_ms (see "Leases" below; want 0 = no lease); a refund's
+--               life_ms (see "Leases" below; want 0 = no lease); a refund's
 --               index in KEYS of the set of used refund handles (0 = a
 --               free-form refund), the charge's Redis time in ms (a refund
 --               by handle gives back only to a window the charge was in,
@@ -448,27 +448,31 @@ elseif op == 'check' then
     -- Leases. An allowed check may charge `granted` more units, which the
     -- node then spends in process (region-node/src/lease.rs). They are
     -- charged here like any other unit, so the sum of outstanding leases
-    -- never exceeds what the limits leave. The node asks for `want` (its
-    -- recent rate at this node times the lease's life; 0 = no lease); a
-    -- lease takes at most 1/lease_share of what every tier and the global
-    -- budget leave after the request (lease_share = 2 × the region's
-    -- nodes), and none below 2 units, so near the limit (fewer than
-    -- 2 × lease_share left) every decision comes here again. No lease is
-    -- granted when a tier's window or the day ends within `tail` ms (the
-    -- lease's life plus the node's return margin): a lease then expires and
-    -- is given back while its windows are current, so its unspent units
-    -- are not lost to the window. Only fixed and sliding windows lease: a
+    -- never exceeds what the limits leave. The node asks for `want` (what
+    -- it expects to spend in half a lease's `life` ms at its recent rate;
+    -- 0 = no lease). With less than `life` left before a tier's window or
+    -- the day ends, the want shrinks in proportion (so at a steady rate a
+    -- lease is spent before its window ends, and dies with it: it never
+    -- crosses into the next window or day). A lease takes at most
+    -- 1/lease_share of what every tier and the global budget leave after the
+    -- request (lease_share = 2 × the region's nodes), and none below 2
+    -- units, so near the limit (fewer than 2 × lease_share left) every
+    -- decision comes here again. Only fixed and sliding windows lease: a
     -- unit charged to them now belongs to the current window, which is what
     -- the lease's lifetime follows (GCRA and the exact log keep no window a
     -- lease could die with). The node's twin: script::lease_grant.
     if op1 > 0 and K > 0 then
-      local want = op1
-      local share = math.max(1, op2)
-      local room = want * share
-      if 86400000 - now_ms % 86400000 < op3 then room = 0 end
+      local want, share, life = op1, math.max(1, op2), op3
+      local left = 86400000 - now_ms % 86400000
       for i = 1, K do
         local tier = tiers[i]
-        if tier[ALG] > 2 or tier[RESET] < op3 then room = 0; break end
+        if tier[ALG] > 2 then want = 0; break end
+        if tier[RESET] < left then left = tier[RESET] end
+      end
+      if left < life then want = floor(want * left / life) end
+      local room = want * share
+      for i = 1, K do
+        local tier = tiers[i]
         room = math.min(room, tier[REMAINING] - tier[COST])
       end
       if global_remaining >= 0 then room = math.min(room, global_remaining - gcost) end

@@ -161,17 +161,17 @@ pub struct DecideCall<'a> {
 }
 
 /// How big a lease a check may take: at most `max` units beyond its cost
-/// (what the node wants: its recent rate times the lease's life, capped),
-/// at most 1/`share` of what every tier and the global budget leave after
-/// it, and none below [`MIN_GRANT`] (so near the limit there is no lease);
-/// none either when a tier's window or the day ends within `tail_ms` (so a
-/// lease is given back before its windows end). [`lease_grant`] is the
-/// script's arithmetic in Rust.
+/// (what the node wants: its recent rate times half the lease's life,
+/// capped), scaled down by the time left when a tier's window or the day
+/// ends within `life_ms` (so a lease is spent before its windows end at a
+/// steady rate); at most 1/`share` of what every tier and the global
+/// budget leave after it; none below [`MIN_GRANT`] (so near the limit there
+/// is no lease). [`lease_grant`] is the script's arithmetic in Rust.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseAsk {
     pub max: u64,
     pub share: u64,
-    pub tail_ms: u64,
+    pub life_ms: u64,
 }
 
 /// The smallest lease the script grants: with fewer than
@@ -191,7 +191,7 @@ pub struct LeaseTier {
 
 /// The units a lease takes beyond an allowed request: `decide.lua`'s
 /// "Leases" in Rust (the script-vs-model test checks they agree), also what
-/// the bound on units held in leases is proved against.
+/// the bound on units held in leases is proved against (`lease::bound`).
 /// `global_left` is the global budget left before the request (`None`: no
 /// global tier), `gcost` what the request charges to it, `now_ms` Redis'
 /// clock.
@@ -202,26 +202,25 @@ pub fn lease_grant(
     gcost: u64,
     now_ms: u64,
 ) -> u64 {
-    if ask.max == 0 || tiers.is_empty() {
+    if ask.max == 0 || tiers.is_empty() || tiers.iter().any(|t| !t.windowed) {
         return 0;
     }
     let share = ask.share.max(1);
     let day_left = SECS_PER_DAY * 1000 - now_ms % (SECS_PER_DAY * 1000);
-    let mut room = ask.max.saturating_mul(share) as i128;
-    if day_left < ask.tail_ms {
-        room = 0;
-    }
+    let left = tiers.iter().map(|t| t.reset_ms).fold(day_left, u64::min);
+    let want = if left < ask.life_ms {
+        (u128::from(ask.max) * u128::from(left) / u128::from(ask.life_ms)) as u64
+    } else {
+        ask.max
+    };
+    let mut room = i128::from(want) * i128::from(share);
     for t in tiers {
-        if !t.windowed || t.reset_ms < ask.tail_ms {
-            room = 0;
-            break;
-        }
-        room = room.min(t.remaining as i128 - t.cost as i128);
+        room = room.min(i128::from(t.remaining) - i128::from(t.cost));
     }
     if let Some(g) = global_left {
-        room = room.min(g as i128 - gcost as i128);
+        room = room.min(i128::from(g) - i128::from(gcost));
     }
-    let granted = ask.max.min((room.max(0) as u64) / share);
+    let granted = want.min((room.max(0) as u64) / share);
     if granted < MIN_GRANT {
         0
     } else {
@@ -285,7 +284,7 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
             Some(l) => {
                 n.int(l.max);
                 n.int(l.share.max(1));
-                n.int(l.tail_ms);
+                n.int(l.life_ms);
             }
             None => {
                 n.int(0);
