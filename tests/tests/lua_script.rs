@@ -1007,7 +1007,11 @@ async fn no_lease_is_sized_past_its_day() {
             cost: 1,
             reset_ms: 7 * 86_400_000 - now % (7 * 86_400_000),
         }];
-        assert_eq!(lease_grant(&ask, &tiers, None, 0, now), granted, "the model agrees");
+        assert_eq!(
+            lease_grant(&ask, &tiers, None, 0, now),
+            granted,
+            "the model agrees"
+        );
         used += 1 + granted;
     }
 }

@@ -1202,7 +1202,11 @@ async fn the_unused_part_of_a_lease_goes_back_to_the_days_count() {
     assert_eq!(metric("tierlimit_lease_checks_total"), leased);
     let (granted, returned, lost) = (units("granted"), units("returned"), units("lost"));
     println!("granted {granted}, spent {leased}, returned {returned}, lost {lost}");
-    assert_eq!(granted, leased + returned + lost, "granted = spent + given back");
+    assert_eq!(
+        granted,
+        leased + returned + lost,
+        "granted = spent + given back"
+    );
     // A lease is sized to be spent before its window ends at the rate
     // measured: only the one held when the client stopped outlives it
     // (its units stay in that window, and go back to the day's count).
