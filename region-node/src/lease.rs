@@ -78,6 +78,9 @@ pub const LIFE_MIN: Duration = Duration::from_millis(100);
 pub const RETURN_EVERY: Duration = Duration::from_millis(50);
 /// A (tenant, key)'s rate is measured over at least this long.
 pub const RATE_PERIOD: Duration = Duration::from_millis(250);
+/// Fewer checks than this in a rate period measure no rate: a few calls of
+/// a large cost are not a busy tenant.
+pub const MIN_CHECKS: u32 = 4;
 /// A slot not seen for this long is forgotten (its rate with it).
 const FORGET_AFTER: Duration = Duration::from_secs(2);
 
@@ -107,25 +110,34 @@ pub fn want(rate: f64, life: Duration, cap: u64) -> u64 {
 pub struct Rate {
     since: Option<Instant>,
     units: u64,
+    checks: u32,
     per_s: f64,
 }
 
 impl Rate {
     /// Counts `cost` units at `now`; the rate in units/s (0 until a first
-    /// period is complete).
+    /// period is complete, and for a period of fewer than [`MIN_CHECKS`]
+    /// checks).
     pub fn observe(&mut self, cost: u64, now: Instant) -> f64 {
         match self.since {
             None => {
                 self.since = Some(now);
                 self.units = cost;
+                self.checks = 1;
             }
             Some(since) => {
                 self.units += cost;
+                self.checks += 1;
                 let elapsed = now.saturating_duration_since(since);
                 if elapsed >= RATE_PERIOD {
-                    self.per_s = self.units as f64 / elapsed.as_secs_f64();
+                    self.per_s = if self.checks >= MIN_CHECKS {
+                        self.units as f64 / elapsed.as_secs_f64()
+                    } else {
+                        0.0
+                    };
                     self.since = Some(now);
                     self.units = 0;
+                    self.checks = 0;
                 }
             }
         }
@@ -499,19 +511,30 @@ mod tests {
     fn a_rare_caller_never_asks() {
         let leases = Leases::default();
         let t0 = Instant::now();
-        // One check every 2 s, or every 600 ms (1.7/s: it would spend 1
-        // unit in half a 2 s life): never a lease.
-        for (k, gap) in [("t", 2_000), ("r", 600)] {
+        // One check every 2 s, every 600 ms, or every 300 ms (fewer than
+        // MIN_CHECKS a period): never a lease. Nor a few calls of a large
+        // cost.
+        for (k, gap) in [("t", 2_000), ("r", 600), ("u", 300)] {
             let t = warm(&leases, (k, "_"), t0, Duration::from_millis(gap), 30);
             assert!(matches!(
                 leases.take((k, "_"), 1, (t, 0), (LIFE, 1000)),
                 Take::Redis { ask: None }
             ));
         }
-        // One every 300 ms: ~3.3/s wants 3 units of a 2 s life: asks.
-        let t = warm(&leases, ("u", "_"), t0, Duration::from_millis(300), 3);
-        let a = ask(&leases, ("u", "_"), t);
-        assert_eq!(a.want, 3);
+        for cost in [50, 50] {
+            assert!(matches!(
+                leases.take(("big", "_"), cost, (t0, 0), (LIFE, 1000)),
+                Take::Redis { ask: None }
+            ));
+        }
+        assert!(matches!(
+            leases.take(("big", "_"), 50, (t0 + RATE_PERIOD, 0), (LIFE, 1000)),
+            Take::Redis { ask: None }
+        ));
+        // One every 50 ms: 20/s wants 20 units of a 2 s life.
+        let t = warm(&leases, ("b", "_"), t0, Duration::from_millis(50), 10);
+        let a = ask(&leases, ("b", "_"), t);
+        assert!((18..=24).contains(&a.want), "want {}", a.want);
         // Nor does anything ask with a cap below the smallest grant.
         assert_eq!(want(1000.0, LIFE, 1), 0);
         assert_eq!(want(1000.0, LIFE, 64), 64);

@@ -1332,17 +1332,36 @@ async fn checks_dropped_mid_call_leave_no_flag_and_no_charge() {
     assert!(left > 0, "some clients left mid-call");
     // Leasing goes on for the key: a later check is answered from a lease.
     allowed += until_leased(&n, "t").await;
-    // Every charge of a check whose client left is given back: once the
-    // leases are returned, the day's count is what was answered allowed.
+    // Every charge of a check whose client left mid-call is given back:
+    // once the leases are returned, the day's count is what the node
+    // decided allowed (a check decided just as its client gave up counts
+    // there, not in `allowed`).
+    let decided = || async {
+        let text = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
+        ["lease", "redis"]
+            .iter()
+            .map(|m| {
+                let name = format!(
+                    "tierlimit_decisions_total{{mode=\"{m}\",outcome=\"allowed\",tier=\"none\"}}"
+                );
+                harness::metric_sample(&text, &name).unwrap_or(0.0) as u64
+            })
+            .sum::<u64>()
+    };
     wait_until(
-        "the day's count is what was allowed",
+        "the day's count is what was decided allowed",
         Duration::from_secs(10),
         || async {
             let u = usage(&n, "t").await;
-            u["region_p"].as_u64().unwrap() - u["region_n"].as_u64().unwrap() == allowed
+            let spent = u["region_p"].as_u64().unwrap() - u["region_n"].as_u64().unwrap();
+            spent == decided().await
         },
     )
     .await;
+    assert!(
+        decided().await >= allowed,
+        "the node decided what the clients saw"
+    );
     let text = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
     let abandoned = harness::metric_sample(&text, "tierlimit_abandoned_calls_total").unwrap_or(0.0);
     assert!(abandoned >= 1.0, "calls of dropped checks: {abandoned}");
