@@ -342,6 +342,34 @@ mod tests {
         );
     }
 
+    /// Issue 29 item 8: a check dropped mid-call (its client disconnected)
+    /// drops its guard: a pending charge's flag is cleared (else no check
+    /// of the key would reserve again, and `expire` would keep its slot for
+    /// good) and a covered unit goes back.
+    #[test]
+    fn a_dropped_check_clears_its_charging_flag_and_puts_its_unit_back() {
+        let r = Reserves::default();
+        let t0 = Instant::now();
+        let p = r.pending(T, r.take(T, 1, (100, 10), (t0, 0, NO_MARGIN)));
+        assert_eq!(p.get(), &Take::Charge { reserve: 10 });
+        drop(p);
+        assert_eq!(
+            r.take(T, 1, (100, 10), (t0, 0, NO_MARGIN)),
+            Take::Charge { reserve: 10 },
+            "the dropped charge left no flag"
+        );
+        r.settle(T, 10, Some((&tier(89, 1_000), 5_000)), t0);
+        let p = r.pending(T, r.take(T, 1, (100, 10), (t0, 5_000, NO_MARGIN)));
+        assert!(matches!(p.get(), Take::Covered { .. }));
+        assert_eq!(r.unspent(T, t0), 9);
+        drop(p);
+        assert_eq!(r.unspent(T, t0), 10, "the covered unit is back");
+        // Settled normally, nothing is undone.
+        let p = r.pending(T, r.take(T, 1, (100, 10), (t0, 5_000, NO_MARGIN)));
+        let _ = p.into_take();
+        assert_eq!(r.unspent(T, t0), 9);
+    }
+
     #[test]
     fn near_the_limit_a_reservation_shrinks_to_what_is_left() {
         let r = Reserves::default();
