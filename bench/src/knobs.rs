@@ -54,7 +54,8 @@ pub const SCENARIOS: &[&str] = &[
 ///   peer       7: throttlecrab-server under the same load generator
 ///                 (its rounds alternate with ceiling's)
 ///   cluster    8: standalone vs 3-master Redis Cluster; failovers
-///   leases     9: node.lease_max = 0 vs 64, uniform and Zipf tenants
+///   leases     9: node.lease_max = 0 vs the defaults (adaptive leases),
+///                 uniform and Zipf tenants
 ///   baseline   9b: region-node before the hot-path issue
 ///                 (BENCH_BASELINE_REV, built once) vs today's, leases off
 ///                 and on: CPU per decision and decisions/s

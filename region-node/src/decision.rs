@@ -142,6 +142,9 @@ pub struct Refunded {
     /// Every window of the handle's charge has ended: nothing given back.
     #[serde(skip)]
     pub expired: bool,
+    /// Redis' clock when the refund ran (the node's without Redis).
+    #[serde(skip)]
+    pub at_ms: u64,
 }
 
 /// Usage of one tenant as this node sees it (`GET /v1/tenants/{tenant}`).
@@ -392,20 +395,23 @@ impl Decider {
 
         // 2. A lease this node holds: units charged in Redis already.
         let epoch = new_epoch();
-        let lease_max = cfg.config.node.lease_max;
-        let mut ask = false;
-        if lease_max > 0 && leasable(&policy) {
-            match self
-                .leases
-                .take(req.tenant, key, req.cost, Instant::now(), now)
-            {
+        let life = lease_life(&cfg, &policy);
+        let mut asking = None;
+        if let Some((life, cap)) = life {
+            match self.leases.take(
+                (req.tenant, key),
+                req.cost,
+                (Instant::now(), now),
+                (life, cap),
+            ) {
                 Take::Leased(r, from) => {
                     let call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
                     let mut d = self.reply_decision(&req, &policy, key, *r, Mode::Lease, &call);
                     d.refund_handle = self.sign_handle(&cfg, &d, from.charged_at_ms as i64, &call);
+                    self.metrics.lease_checks.inc();
                     return Ok(self.record(d, started));
                 }
-                Take::Redis { ask: a } => ask = a,
+                Take::Redis { ask } => asking = ask,
             }
         }
 
@@ -415,15 +421,18 @@ impl Decider {
         // without it (see `crate::reserve`).
         let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
         let mut reserve = None;
-        if ask {
+        if let (Some(a), Some((life, _))) = (&asking, life) {
             call.lease = Some(LeaseAsk {
-                max: lease_max,
+                max: a.want,
                 share: 2 * u64::from(call.expected_nodes.max(1)),
+                life_ms: life.as_millis() as u64,
             });
-        } else if !(lease_max > 0 && leasable(&policy)) {
-            reserve = self.reserve_take(&cfg, &policy, &req, key, now);
+        } else if life.is_none() {
+            reserve = self
+                .reserve_take(&cfg, &policy, &req, key, now)
+                .map(|t| self.reserves.pending((req.tenant, key), t));
         }
-        let covered = match &reserve {
+        let covered = match reserve.as_ref().map(reserve::Pending::get) {
             Some(reserve::Take::Covered { .. }) => Some(call.tiers.remove(0)),
             Some(reserve::Take::Charge { reserve }) => {
                 call.tiers[0].cost += reserve;
@@ -433,7 +442,7 @@ impl Decider {
         };
         let sent = Instant::now();
         let mut result = self.decide_on_redis_day(&cfg, &policy, &mut call).await;
-        if ask {
+        if let (Some(asking), Some((life, _))) = (asking, life) {
             let id = lease_id(call.epoch_candidate);
             if let Ok(r) = &result {
                 self.metrics
@@ -443,12 +452,13 @@ impl Decider {
             }
             if let Some(left) = self
                 .leases
-                .settle(req.tenant, key, result.as_ref().ok(), sent, &id)
+                .settle(asking, result.as_ref().ok(), (sent, life), &id)
             {
                 self.leftovers.lock().expect("leftovers").push(left);
             }
         }
         if let Some(taken) = reserve {
+            let taken = taken.into_take();
             result = self
                 .reserve_settle(
                     (&cfg, &policy),
@@ -709,12 +719,44 @@ impl Decider {
             );
             call.tiers[0].cost += held;
         }
-        match self.store.decide(&call).await {
+        // Likewise this node's live lease: its units are charged in every
+        // tier and the day's count, so a refund tied to no charge could
+        // otherwise floor them below what the lease still holds. It goes
+        // back with the refund (an expired one through the usual return).
+        let mut withdrawn = 0;
+        if !by_handle {
+            if let Some((left, live)) = self.leases.withdraw(req.tenant, key, Instant::now()) {
+                if live {
+                    withdrawn = left.units;
+                    call.cost += withdrawn;
+                    for t in &mut call.tiers {
+                        t.cost += withdrawn;
+                    }
+                } else {
+                    self.leftovers.lock().expect("leftovers").push(left);
+                }
+            }
+        }
+        let result = self.store.decide(&call).await;
+        if withdrawn > 0 {
+            let event = if result.is_ok() {
+                "returned"
+            } else {
+                "unreturned"
+            };
+            self.metrics
+                .lease_units
+                .with_label_values(&[event])
+                .inc_by(withdrawn);
+        }
+        match result {
             Ok(r) => {
                 if let (true, Some(t)) = (node_first, r.tiers.first()) {
                     self.reserves.observe((req.tenant, key), t, r.now_ms);
                 }
-                let (refunded, duplicate, expired) = (r.refunded, r.duplicate, r.expired);
+                let (refunded, duplicate, expired, at_ms) =
+                    (r.refunded, r.duplicate, r.expired, r.now_ms);
+                let refunded = refunded.saturating_sub(withdrawn);
                 let kind = if duplicate { "duplicate" } else { kind };
                 self.metrics.refunds.with_label_values(&[kind]).inc();
                 let mut decision = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
@@ -726,6 +768,7 @@ impl Decider {
                     refunded,
                     duplicate,
                     expired,
+                    at_ms: at_ms.max(0) as u64,
                 })
             }
             // A refund by handle needs the record of used handles in
@@ -751,6 +794,7 @@ impl Decider {
                     decision: d,
                     duplicate: false,
                     expired: false,
+                    at_ms: now,
                 })
             }
         }
@@ -776,6 +820,9 @@ impl Decider {
                 expires_at_ms: 0,
             };
             let outcome = match self.refund_call(req, Some(of), "lease", None).await {
+                // Given back after its first window or its day ended: the
+                // windows it was charged in keep it (lost to them).
+                Ok(r) if r.at_ms >= l.first_end_ms => "lost",
                 Ok(_) => "returned",
                 Err(e) => {
                     tracing::warn!(tenant = l.tenant, units = l.units, error = %e, "lease not returned");
@@ -1431,17 +1478,31 @@ impl Decider {
     }
 }
 
-/// Whether a policy's checks may take leases: it has windowed tiers, all
-/// fixed or sliding windows (the script grants nothing otherwise).
-fn leasable(p: &Policy) -> bool {
+/// Whether a policy's checks may take leases, and if so a lease's life and
+/// cap: it has windowed tiers, all fixed or sliding windows (the script
+/// grants nothing otherwise), the shortest long enough for a lease's life
+/// ([`crate::lease::life`]), and neither `node.lease_max` nor the plan's
+/// `lease_max` is 0.
+fn lease_life(cfg: &Loaded, p: &Policy) -> Option<(Duration, u64)> {
+    let cap = p.lease_max.map_or(cfg.config.node.lease_max, |m| {
+        m.min(cfg.config.node.lease_max)
+    });
+    if cap == 0 {
+        return None;
+    }
     let tiers = [p.node.as_ref(), p.region.as_ref()];
-    tiers.iter().any(Option::is_some)
+    let leasable = tiers.iter().any(Option::is_some)
         && tiers.iter().flatten().all(|l| {
             matches!(
                 l.algorithm,
                 Algorithm::FixedWindow | Algorithm::SlidingWindow
             )
-        })
+        });
+    if !leasable {
+        return None;
+    }
+    let shortest = tiers.iter().flatten().map(|l| l.window_ms).min()?;
+    Some((crate::lease::life(shortest)?, cap))
 }
 
 /// The refund-record id of a lease's return: distinct from the id a refund

@@ -160,7 +160,11 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         // node-tier reservations of ended windows are forgotten.
         let state = Arc::clone(&state);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
+            // Often: a lease that expires with units left (its life over,
+            // its holder's rate fell) gives them back to its window while
+            // it is current (see `lease`).
+            let mut tick = tokio::time::interval(crate::lease::RETURN_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 state.decider.return_leases().await;

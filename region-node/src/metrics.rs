@@ -47,6 +47,8 @@ pub struct Metrics {
     pub lease_units: IntCounterVec,
     /// Units held in this node's live leases.
     pub lease_outstanding: IntGauge,
+    /// Checks answered from a lease (no Redis call).
+    pub lease_checks: IntCounter,
     /// Node-tier reservations (`reserve.rs`) by event, resolved once: the
     /// hot path bumps them on every decision it covers.
     pub reserve_covered: IntCounter,
@@ -94,6 +96,10 @@ pub struct Metrics {
     /// refunded), `refused` (the script ran past its deadline and did
     /// nothing), `not_charged` (denied, or not a check).
     pub late_replies: IntCounterVec,
+    /// Decision calls whose caller went away (the check's future dropped:
+    /// a client that disconnected) before Redis answered; their reply goes
+    /// the way of `late_replies`.
+    pub abandoned_calls: IntCounter,
     /// Decisions given up on whose charge could not be undone: `no_reply`
     /// (the connection dropped or no reply came: Redis may have charged),
     /// `refund_failed` (a late reply said charged and the refund never got
@@ -287,7 +293,7 @@ impl Metrics {
                 IntCounterVec::new(
                     Opts::new(
                         "tierlimit_lease_units_total",
-                        "Lease units by event: granted (charged in Redis for this node to spend in process), returned (unused at the lease's end, given back), unreturned (unused, could not be given back: stays charged)",
+                        "Lease units by event: granted (charged in Redis for this node to spend in process), returned (unused at the lease's end, given back to their windows), lost (unused, given back after a window or the day they were charged in ended: stranded there), unreturned (unused, could not be given back: stays charged)",
                     ),
                     &["event"],
                 )
@@ -298,6 +304,14 @@ impl Metrics {
                 IntGauge::new(
                     "tierlimit_lease_outstanding_units",
                     "Units held in this node's live leases (charged in Redis, not yet spent)",
+                )
+                .unwrap(),
+            ),
+            lease_checks: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_lease_checks_total",
+                    "Checks answered from a lease this node holds, without a Redis call",
                 )
                 .unwrap(),
             ),
@@ -516,6 +530,14 @@ impl Metrics {
                         "Times Redis was judged unavailable and decisions went to their fail mode, by reason: connection (an error of the connection), stalled (no reply for node.store_unavailable_after), readonly (a replica behind a fixed URL)",
                     ),
                     &["reason"],
+                )
+                .unwrap(),
+            ),
+            abandoned_calls: reg(
+                &r,
+                IntCounter::new(
+                    "tierlimit_abandoned_calls_total",
+                    "Decision calls whose caller went away (client disconnected) before Redis answered: the reply is awaited and a charge it made given back",
                 )
                 .unwrap(),
             ),

@@ -79,6 +79,41 @@ pub struct Ticket {
     cost: u64,
 }
 
+/// A [`Take`] whose check is in flight. Dropped before it is settled (the
+/// check's future dropped: a client that disconnected), it undoes itself:
+/// a covered unit goes back to the reservation and a pending charge's
+/// `charging` flag is cleared (what the script may have charged meanwhile
+/// is given back by the store's late-reply path), so a cancelled check
+/// cannot stop reserving for its key or pin its slot.
+pub struct Pending<'a> {
+    reserves: &'a Reserves,
+    at: (&'a str, &'a str),
+    take: Option<Take>,
+}
+
+impl Pending<'_> {
+    pub fn get(&self) -> &Take {
+        self.take.as_ref().expect("unsettled")
+    }
+
+    /// The take, to settle: the guard is disarmed.
+    pub fn into_take(mut self) -> Take {
+        self.take.take().expect("unsettled")
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        match self.take.take() {
+            Some(Take::Covered { ticket, .. }) => self.reserves.give_back(self.at, ticket),
+            Some(Take::Charge { reserve }) if reserve > 0 => {
+                self.reserves.settle(self.at, reserve, None, Instant::now());
+            }
+            _ => {}
+        }
+    }
+}
+
 /// The node's reservations, by (tenant, key).
 pub struct Reserves {
     shards: Vec<Mutex<HashMap<String, Slot>>>,
@@ -95,6 +130,15 @@ impl Default for Reserves {
 impl Reserves {
     fn shard(&self, k: &str) -> &Mutex<HashMap<String, Slot>> {
         &self.shards[shard_of(k)]
+    }
+
+    /// Guards `take` (of `at`) until its check settles it.
+    pub fn pending<'a>(&'a self, at: (&'a str, &'a str), take: Take) -> Pending<'a> {
+        Pending {
+            reserves: self,
+            at,
+            take: Some(take),
+        }
     }
 
     /// Decides the node tier of a check of `cost` from the reservation if
@@ -296,6 +340,34 @@ mod tests {
             r.take(T, 1, (100, 10), (t0, 5_000, NO_MARGIN)),
             Take::Charge { reserve: 10 }
         );
+    }
+
+    /// Issue 29 item 8: a check dropped mid-call (its client disconnected)
+    /// drops its guard: a pending charge's flag is cleared (else no check
+    /// of the key would reserve again, and `expire` would keep its slot for
+    /// good) and a covered unit goes back.
+    #[test]
+    fn a_dropped_check_clears_its_charging_flag_and_puts_its_unit_back() {
+        let r = Reserves::default();
+        let t0 = Instant::now();
+        let p = r.pending(T, r.take(T, 1, (100, 10), (t0, 0, NO_MARGIN)));
+        assert_eq!(p.get(), &Take::Charge { reserve: 10 });
+        drop(p);
+        assert_eq!(
+            r.take(T, 1, (100, 10), (t0, 0, NO_MARGIN)),
+            Take::Charge { reserve: 10 },
+            "the dropped charge left no flag"
+        );
+        r.settle(T, 10, Some((&tier(89, 1_000), 5_000)), t0);
+        let p = r.pending(T, r.take(T, 1, (100, 10), (t0, 5_000, NO_MARGIN)));
+        assert!(matches!(p.get(), Take::Covered { .. }));
+        assert_eq!(r.unspent(T, t0), 9);
+        drop(p);
+        assert_eq!(r.unspent(T, t0), 10, "the covered unit is back");
+        // Settled normally, nothing is undone.
+        let p = r.pending(T, r.take(T, 1, (100, 10), (t0, 5_000, NO_MARGIN)));
+        let _ = p.into_take();
+        assert_eq!(r.unspent(T, t0), 9);
     }
 
     #[test]

@@ -277,11 +277,15 @@ pub struct NodeSettings {
     /// (tenant, key, cost), tied to no charge. Each one is logged and
     /// counted (`tierlimit_refunds_total{kind="free_form"}`).
     pub free_form_refunds: bool,
-    /// Leases (region-node's `lease.rs`): an allowed check may also charge
-    /// up to this many more units, which the node then spends in process
-    /// until the first of the tiers' windows ends. 0 = no leases: every
-    /// decision goes to Redis. Only plans whose windowed tiers are all
-    /// fixed or sliding windows lease.
+    /// Leases (region-node's `lease.rs`), on by default: an allowed check
+    /// may also charge more units, which the node then spends in process
+    /// for a short while (at most 2 s, and gone before the first of the
+    /// tiers' windows or the day ends). Each lease is sized from the
+    /// tenant's recent rate at this node and what the tiers leave (at most
+    /// 1/(2 × expected_nodes) of it, none near the limit); this caps it.
+    /// 0 = no leases: every decision goes to Redis. Only plans whose
+    /// windowed tiers are all fixed or sliding windows lease; a plan's own
+    /// `lease_max` caps (or, at 0, switches off) its leases further.
     pub lease_max: u64,
     /// Node-tier reservations (region-node's `reserve.rs`): a check that
     /// runs the decision script may also charge the node tier up to this
@@ -340,7 +344,7 @@ impl Default for NodeSettings {
             urgent_fraction: 0.5,
             refund_secret: None,
             free_form_refunds: true,
-            lease_max: 0,
+            lease_max: 256,
             reserve_fraction: 0.125,
             max_in_flight: 64,
             max_queue: 512,
@@ -674,6 +678,10 @@ pub struct PlanConfig {
     /// (metrics carry `shadow="true"`).
     #[serde(default)]
     pub shadow_mode: bool,
+    /// Caps the leases of this plan's checks below `node.lease_max`; 0
+    /// switches leasing off for the plan. Absent: `node.lease_max` alone.
+    #[serde(default)]
+    pub lease_max: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -798,6 +806,8 @@ pub struct Policy {
     pub global: Option<u64>,
     pub on_store_error: StoreErrorMode,
     pub key_scoped: bool,
+    /// The plan's cap on leases (`plans.<name>.lease_max`; 0 = none).
+    pub lease_max: Option<u64>,
 }
 
 /// A validated configuration with policies resolved per tenant.
@@ -1037,7 +1047,14 @@ impl Config {
                 global: p.global.as_ref().map(|g| g.limit),
                 on_store_error: p.on_store_error,
                 key_scoped: p.key_scoped,
+                lease_max: p.lease_max,
             };
+            if p.lease_max.is_some_and(|m| m > 1_000_000) {
+                return Err(ConfigError::invalid(
+                    format!("plans.{name}.lease_max"),
+                    "must be at most 1000000 (0 turns this plan's leases off)",
+                ));
+            }
             check_policy(&format!("plans.{name}"), &policy)?;
             plans.insert(name.clone(), policy);
         }

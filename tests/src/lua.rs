@@ -51,3 +51,41 @@ pub async fn decide_by(
     let reply: Vec<redis::Value> = cmd.query_async(con).await.expect("EVALSHA");
     DecideReply::parse(reply, call).expect("the reply parses")
 }
+
+/// [`decide_by`] for the previous release's script (`decide_previous_release.lua`),
+/// which reads the op's own *two* numbers where this release packs three
+/// (a lease's `tail_ms` is new): the call encoded as that release's node
+/// encoded it, the third op number taken out. Its reply is laid out as
+/// this release's.
+pub async fn decide_by_previous(
+    con: &mut redis::aio::MultiplexedConnection,
+    sha: &str,
+    call: &DecideCall<'_>,
+) -> DecideReply {
+    let mut ours = redis::Cmd::new();
+    encode(&mut ours, call, 0);
+    let args: Vec<Vec<u8>> = ours
+        .args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(b) => b.to_vec(),
+            _ => unreachable!("encode writes plain arguments"),
+        })
+        .collect();
+    let keys: usize = std::str::from_utf8(&args[0]).unwrap().parse().unwrap();
+    // numkeys, the keys, op, tenant, day prefix, epoch, then the numbers:
+    // deadline … relaxed (9), the op's numbers, K, …
+    let numbers = 1 + keys + 4;
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha);
+    for (i, a) in args.iter().enumerate() {
+        if i == numbers {
+            let mut packed = a.clone();
+            packed.drain(11 * 8..12 * 8);
+            cmd.arg(packed);
+        } else {
+            cmd.arg(a.as_slice());
+        }
+    }
+    let reply: Vec<redis::Value> = cmd.query_async(con).await.expect("EVALSHA");
+    DecideReply::parse(reply, call).expect("the reply parses")
+}

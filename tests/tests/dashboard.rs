@@ -135,6 +135,8 @@ cluster = "dashboard-test"
 brokers = "{}"
 partitions = {PARTITIONS}
 [node]
+# This suite checks the Redis path decision by decision: no leases.
+lease_max = 0
 flush_interval = "100ms"
 store_timeout = "500ms"
 [aggregator]

@@ -48,6 +48,8 @@ cluster = "test"
 brokers = "{}"
 partitions = {PARTITIONS}
 [node]
+# This suite checks the Redis path decision by decision: no leases.
+lease_max = 0
 flush_interval = "100ms"
 store_timeout = "2s"
 [aggregator]

@@ -58,6 +58,8 @@ cluster = "test"
 brokers = "{}"
 partitions = {partitions}
 [node]
+# This suite checks the Redis path decision by decision: no leases.
+lease_max = 0
 flush_interval = "100ms"
 relaxed_flush_interval = "100ms"
 store_timeout = "2s"

@@ -36,6 +36,8 @@ cluster = "test"
 brokers = "{}"
 partitions = {PARTITIONS}
 [node]
+# This suite checks the Redis path decision by decision: no leases.
+lease_max = 0
 flush_interval = "100ms"
 relaxed_flush_interval = "300ms"
 store_timeout = "500ms"

@@ -36,6 +36,8 @@ cluster = "test"
 [kafka]
 brokers = "127.0.0.1:1"
 [node]
+# This suite checks the Redis path decision by decision: no leases.
+lease_max = 0
 store_retry_interval = "50ms"
 # Kafka is detached: no view to wait for (node.view_wait).
 view_wait = "0s"

@@ -31,6 +31,8 @@ cluster = "test"
 [kafka]
 brokers = "127.0.0.1:1"
 [node]
+# This suite checks the Redis path decision by decision: no leases.
+lease_max = 0
 store_timeout = "500ms"
 store_retry_interval = "100ms"
 [regions.eu]

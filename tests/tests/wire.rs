@@ -50,6 +50,8 @@ cluster = "wire"
 brokers = "{brokers}"
 partitions = {PARTITIONS}
 [node]
+# This suite checks the Redis path decision by decision: no leases.
+lease_max = 0
 flush_interval = "100ms"
 store_timeout = "2s"
 [aggregator]

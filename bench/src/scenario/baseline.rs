@@ -4,7 +4,8 @@
 //! built and measured in this one run. The same closed loop as scenario 9
 //! (bench plan, uniform tenants, Kafka detached) through three region-nodes,
 //! each on a Redis of its own, in alternating rounds: the old one, today's
-//! with leases off, today's with `node.lease_max` = [`LEASE_MAX`]. CPU per
+//! with leases off, today's with its defaults (adaptive leases,
+//! `node.lease_max` = [`LEASE_MAX`]). CPU per
 //! decision (region-node + Redis, from `/proc`) and decisions/s, today ÷
 //! before, with and without leases: what came from the rest of the decision
 //! path and what from leases.
@@ -157,7 +158,7 @@ async fn start_old(run: &Run, bin: &Path, config: &Path) -> anyhow::Result<(test
 pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
     let rev = k.baseline_rev.as_str();
     run.scenario(&format!(
-        "9b before and after: region-node at {rev} vs today's, leases off and lease_max = {LEASE_MAX}"
+        "9b before and after: region-node at {rev} vs today's, leases off and with the defaults (lease_max = {LEASE_MAX})"
     ));
     run.say(&format!("building region-node at {rev} (once per commit)"));
     let (commit, old_bin) = tokio::task::spawn_blocking({
@@ -187,15 +188,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
         "after",
         solo_config("9b", &redis[1].url(), "lease_max = 0", ""),
     )?;
-    let cfg_on = write(
-        "after-leases",
-        solo_config(
-            "9b",
-            &redis[2].url(),
-            &format!("lease_max = {LEASE_MAX}"),
-            "",
-        ),
-    )?;
+    // Today's defaults: adaptive leases (lease_max = LEASE_MAX).
+    let cfg_on = write("after-leases", solo_config("9b", &redis[2].url(), "", ""))?;
     run.record(format!("# scenario 9b: {}", cfg_old.display()));
     let (old, old_port) = start_old(run, &old_bin, &cfg_old).await?;
     let off = start_node(run, &cfg_off, "eu", "eu-1", "/healthz", &[]).await;

@@ -63,8 +63,10 @@ pub struct ClusterBench {
     pub failovers: Vec<Failover>,
 }
 
+/// Leases off: the scenario compares the stores, so every check is a
+/// decision-script call (as before leases were on by default).
 fn config(redis_url: &str) -> String {
-    solo_config("8", redis_url, "", "")
+    solo_config("8", redis_url, "lease_max = 0", "")
 }
 
 /// The configuration file of one deployment, in a directory of its own.

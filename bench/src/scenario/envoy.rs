@@ -19,8 +19,8 @@
 //! The RLS domain has a `tenant_entry` and no descriptor rule, so a
 //! request through Envoy is the tenant's plan, decided by the same script
 //! call with the same tiers as the HTTP check: like is compared with like
-//! (`node.lease_max = 0`, as by default: every decision is one script
-//! call on both paths). For each row: decisions/s, p50, p99, and process
+//! (`node.lease_max = 0`: the RLS path does not lease, so the HTTP check
+//! must not either; every decision is one script call on both paths). For each row: decisions/s, p50, p99, and process
 //! CPU (`/proc`) of region-node and Redis per decision (`INFO
 //! commandstats` EVALSHA calls) and of Envoy per request.
 
@@ -99,7 +99,7 @@ fn config(redis_url: &str) -> String {
     solo_config(
         "10",
         redis_url,
-        "",
+        "lease_max = 0",
         &format!(
             r#"# Envoy's descriptor [tenant] names the tenant; no descriptor rule, so the
 # tenant's plan decides, as on the HTTP check.

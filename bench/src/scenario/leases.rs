@@ -1,6 +1,7 @@
 //! Scenario 9, leases: the same closed loop through two region-nodes of the
 //! bench plan, one with leases off (`node.lease_max = 0`: one decision
-//! script call per check) and one with `node.lease_max = 64`, each on a
+//! script call per check) and one with the defaults (adaptive leases,
+//! `node.lease_max` = [`LEASE_MAX`]), each on a
 //! Redis of its own, in alternating rounds, uniform and Zipf (s = 1.1)
 //! tenants: decisions/s, CPU per decision of region-node and of Redis, and
 //! decision-script calls per decision (`INFO commandstats`). Both variants
@@ -15,8 +16,9 @@ use crate::scenario::ceiling::WARMUP;
 use crate::scenario::median;
 use crate::world::{solo_config, start_node, RedisConn};
 
-/// Units a lease may take in the `on` variant.
-pub const LEASE_MAX: u64 = 64;
+/// Units a lease may take in the `on` variant: `node.lease_max`'s default
+/// (the `on` variant runs the defaults; a test checks they agree).
+pub const LEASE_MAX: u64 = 256;
 
 /// One throughput round.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -60,8 +62,10 @@ pub struct LeaseBench {
     pub on_zipf_ratio: f64,
 }
 
-fn config(redis_url: &str, lease_max: u64) -> String {
-    solo_config("9", redis_url, &format!("lease_max = {lease_max}"), "")
+/// `Some(0)`: leases off; `None`: the defaults (leases on).
+fn config(redis_url: &str, lease_max: Option<u64>) -> String {
+    let extra = lease_max.map_or(String::new(), |m| format!("lease_max = {m}"));
+    solo_config("9", redis_url, &extra, "")
 }
 
 pub fn variant(rounds: Vec<Round>) -> Variant {
@@ -120,7 +124,7 @@ pub async fn round(
 
 pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
     run.scenario(&format!(
-        "9 leases: region-node with node.lease_max = 0 and = {LEASE_MAX}, uniform and Zipf"
+        "9 leases: region-node with node.lease_max = 0 and with the defaults (adaptive leases, lease_max = {LEASE_MAX}), uniform and Zipf"
     ));
     let dir = testkit::temp_dir();
     let (redis_off, redis_on) = (testkit::Redis::start(), testkit::Redis::start());
@@ -133,8 +137,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
         std::fs::create_dir_all(&d)?;
         Ok(testkit::write_config(&d, &toml))
     };
-    let cfg_off = write("off", config(&redis_off.url(), 0))?;
-    let cfg_on = write("on", config(&redis_on.url(), LEASE_MAX))?;
+    let cfg_off = write("off", config(&redis_off.url(), Some(0)))?;
+    let cfg_on = write("on", config(&redis_on.url(), None))?;
     run.record(format!("# scenario 9: {}", cfg_on.display()));
     let off = start_node(run, &cfg_off, "eu", "eu-1", "/healthz", &[]).await;
     let on = start_node(run, &cfg_on, "eu", "eu-1", "/healthz", &[]).await;
@@ -193,4 +197,15 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
     };
     run.save("s9_leases", &r)?;
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_on_variant_is_the_default() {
+        assert_eq!(
+            super::LEASE_MAX,
+            tierlimit_shared::config::NodeSettings::default().lease_max
+        );
+    }
 }

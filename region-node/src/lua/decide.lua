@@ -63,12 +63,13 @@
 --               published at the next flush (-1 = never)
 --             relaxed_ms: how long after its last publication a (T, day)
 --               that is not urgent is due again (relaxed_flush_interval)
---             the op's own two: a check's lease_max and lease_share (see
---               "Leases" below; 0 = no lease); a refund's index in KEYS of
---               the set of used refund handles (0 = a free-form refund)
---               and the charge's Redis time in ms (a refund by handle gives
---               back only to a window the charge was in, and to the global
---               count only on the charge's day); a peek's 0 and 0
+--             the op's own three: a check's lease want, lease_share and
+--               life_ms (see "Leases" below; want 0 = no lease); a refund's
+--               index in KEYS of the set of used refund handles (0 = a
+--               free-form refund), the charge's Redis time in ms (a refund
+--               by handle gives back only to a window the charge was in,
+--               and to the global count only on the charge's day) and 0; a
+--               peek's 0, 0 and 0
 --             K, the number of windowed tiers
 --             per tier: where its state is (0: the tenant hash, under the
 --               field prefix ARGV[5 + i]; i: KEYS[i]), algorithm code (1
@@ -127,8 +128,8 @@ local IDX, N1, N2, EMIT, S1, S3 = 13, 14, 15, 16, 17, 18
 -- day's fields first (see the writes below).
 local BUSY_DAY = 64
 
-local deadline, node_day, ttl, glimit, gcost, btotal, own_cap, urgent_at, relaxed, op1, op2, K, pos =
-  unpack_n('<dddddddddddd', A[5])
+local deadline, node_day, ttl, glimit, gcost, btotal, own_cap, urgent_at, relaxed, op1, op2, op3, K, pos =
+  unpack_n('<ddddddddddddd', A[5])
 
 local t = redis.call('TIME')
 local now_us = t[1] * 1000000 + t[2]
@@ -499,26 +500,38 @@ elseif op == 'check' then
 
   if outcome == 0 then
     -- Leases. An allowed check may charge `granted` more units, which the
-    -- node then spends in process (region-node/src/lease.rs) until the
-    -- first of its tiers' windows ends. They are charged here like any
-    -- other unit, so the sum of outstanding leases never exceeds what the
-    -- limits leave; a lease takes at most 1/lease_share of what is left,
-    -- so near the limit leases shrink to nothing and every decision comes
-    -- here again. Only fixed and sliding windows lease: a unit charged to
-    -- them now belongs to the current window, which is what the lease's
-    -- lifetime follows (GCRA and the exact log keep no window a lease could
-    -- die with).
+    -- node then spends in process (region-node/src/lease.rs). They are
+    -- charged here like any other unit, so the sum of outstanding leases
+    -- never exceeds what the limits leave. The node asks for `want` (what
+    -- it expects to spend in half a lease's `life` ms at its recent rate;
+    -- 0 = no lease). With less than `life` left before a tier's window or
+    -- the day ends, the want shrinks in proportion (so at a steady rate a
+    -- lease is spent before its window ends, and dies with it: it never
+    -- crosses into the next window or day). A lease takes at most
+    -- 1/lease_share of what every tier and the global budget leave after the
+    -- request (lease_share = 2 × the region's nodes), and none below 2
+    -- units, so near the limit (fewer than 2 × lease_share left) every
+    -- decision comes here again. Only fixed and sliding windows lease: a
+    -- unit charged to them now belongs to the current window, which is what
+    -- the lease's lifetime follows (GCRA and the exact log keep no window a
+    -- lease could die with). The node's twin: script::lease_grant.
     if op1 > 0 and K > 0 then
-      local lease_max = op1
-      local share = math.max(1, op2)
-      local room = lease_max * share
+      local want, share, life = op1, math.max(1, op2), op3
+      local left = 86400000 - now_ms % 86400000
       for i = 1, K do
         local tier = tiers[i]
-        if tier[ALG] > 2 then room = 0; break end
+        if tier[ALG] > 2 then want = 0; break end
+        if tier[RESET] < left then left = tier[RESET] end
+      end
+      if left < life then want = floor(want * left / life) end
+      local room = want * share
+      for i = 1, K do
+        local tier = tiers[i]
         room = math.min(room, tier[REMAINING] - tier[COST])
       end
       if global_remaining >= 0 then room = math.min(room, global_remaining - gcost) end
-      granted = math.min(lease_max, floor(math.max(0, room) / share))
+      granted = math.min(want, floor(math.max(0, room) / share))
+      if granted < 2 then granted = 0 end
     end
 
     -- Charge every tier. Remaining units are reported after this request

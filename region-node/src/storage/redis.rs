@@ -618,10 +618,20 @@ impl RedisStore {
             call,
             self.deadline_ms(tierlimit_shared::messages::now_ms()),
         );
-        let mut reply = self.evalsha(call.slot(), cmd, DECIDE_LUA);
+        // Sent: from here the script may charge whether or not this future
+        // is polled to the end. A caller that drops it (a client that
+        // disconnected) leaves the reply to `abandon`, like a timeout.
+        let mut in_flight = InFlight {
+            store: self,
+            call,
+            reply: Some(self.evalsha(call.slot(), cmd, DECIDE_LUA)),
+        };
         let started = Instant::now();
         self.progress.sent();
-        let result = match tokio::time::timeout(self.timeout, &mut reply).await {
+        let waited =
+            tokio::time::timeout(self.timeout, in_flight.reply.as_mut().expect("set above")).await;
+        let reply = in_flight.reply.take().expect("set above");
+        let result = match waited {
             Ok(result) => {
                 if is_reply(&result) {
                     self.progress.replied();
@@ -683,7 +693,8 @@ impl RedisStore {
         }
     }
 
-    /// The node gave up on `call` (its caller takes the fail mode): its
+    /// The node gave up on `call` (its caller takes the fail mode, or
+    /// dropped the decision: a client that disconnected): its
     /// reply is still awaited in the background, and a check it says was
     /// charged is refunded.
     fn abandon(&self, reply: BoxFuture<'static, Result<Value, StoreError>>, call: &DecideCall<'_>) {
@@ -1043,6 +1054,25 @@ impl CounterStore for RedisStore {
         match self.clock.get() {
             i64::MIN => None,
             offset => Some(now_ms as i64 + offset),
+        }
+    }
+}
+
+/// A decision call sent to Redis and not yet answered: dropped with its
+/// reply still pending (the caller's future dropped mid-call), it hands the
+/// reply to [`RedisStore::abandon`], so a check the script charged after
+/// its caller left is given back, lease included.
+struct InFlight<'s, 'c, 'a> {
+    store: &'s RedisStore,
+    call: &'c DecideCall<'a>,
+    reply: Option<BoxFuture<'static, Result<Value, StoreError>>>,
+}
+
+impl Drop for InFlight<'_, '_, '_> {
+    fn drop(&mut self) {
+        if let Some(reply) = self.reply.take() {
+            self.store.metrics.abandoned_calls.inc();
+            self.store.abandon(reply, self.call);
         }
     }
 }

@@ -164,13 +164,72 @@ pub struct DecideCall<'a> {
     pub lease: Option<LeaseAsk>,
 }
 
-/// How big a lease a check may take: at most `max` units beyond its cost,
-/// and at most 1/`share` of what every tier and the global budget leave
-/// after it (so near the limit the lease shrinks to nothing).
+/// How big a lease a check may take: at most `max` units beyond its cost
+/// (what the node wants: its recent rate times half the lease's life,
+/// capped), scaled down by the time left when a tier's window or the day
+/// ends within `life_ms` (so a lease is spent before its windows end at a
+/// steady rate); at most 1/`share` of what every tier and the global
+/// budget leave after it; none below [`MIN_GRANT`] (so near the limit there
+/// is no lease). [`lease_grant`] is the script's arithmetic in Rust.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseAsk {
     pub max: u64,
     pub share: u64,
+    pub life_ms: u64,
+}
+
+/// The smallest lease the script grants: with fewer than
+/// `MIN_GRANT × share` units left a check takes no lease.
+pub const MIN_GRANT: u64 = 2;
+
+/// One tier as the lease arithmetic sees it: leasable (a fixed or sliding
+/// window), units left before the request, its cost, ms until its window
+/// ends.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseTier {
+    pub windowed: bool,
+    pub remaining: u64,
+    pub cost: u64,
+    pub reset_ms: u64,
+}
+
+/// The units a lease takes beyond an allowed request: `decide.lua`'s
+/// "Leases" in Rust (the script-vs-model test checks they agree), also what
+/// the bound on units held in leases is proved against (`lease::bound`).
+/// `global_left` is the global budget left before the request (`None`: no
+/// global tier), `gcost` what the request charges to it, `now_ms` Redis'
+/// clock.
+pub fn lease_grant(
+    ask: &LeaseAsk,
+    tiers: &[LeaseTier],
+    global_left: Option<u64>,
+    gcost: u64,
+    now_ms: u64,
+) -> u64 {
+    if ask.max == 0 || tiers.is_empty() || tiers.iter().any(|t| !t.windowed) {
+        return 0;
+    }
+    let share = ask.share.max(1);
+    let day_left = SECS_PER_DAY * 1000 - now_ms % (SECS_PER_DAY * 1000);
+    let left = tiers.iter().map(|t| t.reset_ms).fold(day_left, u64::min);
+    let want = if left < ask.life_ms {
+        (u128::from(ask.max) * u128::from(left) / u128::from(ask.life_ms)) as u64
+    } else {
+        ask.max
+    };
+    let mut room = i128::from(want) * i128::from(share);
+    for t in tiers {
+        room = room.min(i128::from(t.remaining) - i128::from(t.cost));
+    }
+    if let Some(g) = global_left {
+        room = room.min(i128::from(g) - i128::from(gcost));
+    }
+    let granted = want.min((room.max(0) as u64) / share);
+    if granted < MIN_GRANT {
+        0
+    } else {
+        granted
+    }
 }
 
 impl DecideCall<'_> {
@@ -212,7 +271,7 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
 
     let g = call.global.as_ref();
     let parts: &[(String, u64, u64)] = g.map_or(&[], |g| &g.own_parts);
-    let mut n = Numbers::with_capacity(12 + 6 * call.tiers.len() + 2 * parts.len());
+    let mut n = Numbers::with_capacity(13 + 6 * call.tiers.len() + 2 * parts.len());
     n.push(deadline_ms as f64);
     n.int(u64::from(call.day));
     n.int(call.counter_ttl_secs);
@@ -222,30 +281,35 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
     n.or_minus_one(g.and_then(|g| g.own_cap));
     n.or_minus_one(g.and_then(|g| g.urgent_at));
     n.int(call.relaxed_ms);
-    // The op's own two numbers: a check's lease, a refund's handle, a
+    // The op's own three numbers: a check's lease, a refund's handle, a
     // peek's zeros.
     match call.op {
         Op::Check => match call.lease {
             Some(l) => {
                 n.int(l.max);
                 n.int(l.share.max(1));
+                n.int(l.life_ms);
             }
             None => {
                 n.int(0);
                 n.int(1);
+                n.int(0);
             }
         },
         Op::Refund => match refund {
             Some(r) => {
                 n.int(3 + outside.len() as u64);
                 n.int(r.charged_at_ms);
+                n.int(0);
             }
             None => {
+                n.int(0);
                 n.int(0);
                 n.int(0);
             }
         },
         Op::Peek => {
+            n.int(0);
             n.int(0);
             n.int(0);
         }
@@ -836,7 +900,7 @@ mod tests {
             77.0, 20_000.0, 259_200.0, // deadline, day, TTL
             100.0, 2.0, 40.0, -1.0, 30.0, // global: limit, cost, broadcast, cap, urgent_at
             2000.0, // relaxed
-            0.0, 1.0, // a check's lease: none
+            0.0, 1.0, 0.0, // a check's lease: none
             2.0, // K
             0.0, 1.0, 10.0, 1000.0, 2.0, 0.0, // node tier: in the hash, fixed window
             3.0, 4.0, 10.0, 1000.0, 3.0, 0.0, // region tier: KEYS[3], sliding log
