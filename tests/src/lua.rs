@@ -2,7 +2,7 @@
 //! keys (`fake:s`, `fake:us`), so a test decides at any instant, in any day,
 //! and the Rust model can be compared at the same microsecond.
 
-use region_node::storage::script::{encode, DecideCall, DecideReply, DECIDE_LUA};
+use region_node::storage::script::{encode, DecideCall, DecideReply, ReplyError, DECIDE_LUA};
 
 /// Loads the script with the fake clock into `con`'s server and returns
 /// its SHA (`SCRIPT FLUSH` aside, `FLUSHDB` keeps it).
@@ -88,4 +88,19 @@ pub async fn decide_by_previous(
     }
     let reply: Vec<redis::Value> = cmd.query_async(con).await.expect("EVALSHA");
     DecideReply::parse(reply, call).expect("the reply parses")
+}
+
+/// The same, keeping the script's refusals as the node sees them: a check
+/// built for another day than Redis' ([`ReplyError::OtherDay`]) or past
+/// its deadline is an answer to compare, not a failure.
+pub async fn try_decide_by(
+    con: &mut redis::aio::MultiplexedConnection,
+    sha: &str,
+    call: &DecideCall<'_>,
+) -> Result<DecideReply, ReplyError> {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha);
+    encode(&mut cmd, call, 0);
+    let reply: Vec<redis::Value> = cmd.query_async(con).await.expect("EVALSHA");
+    DecideReply::parse(reply, call)
 }

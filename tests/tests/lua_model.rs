@@ -10,7 +10,9 @@
 //! reset fails the test with the scenario that produced it.
 
 use harness::Redis;
-use region_node::storage::script::{DecideCall, Op, RefundOf, Scope, TierCall};
+use region_node::storage::script::{
+    DecideCall, Denied, GlobalArgs, Op, RefundOf, ReplyError, Scope, TierCall,
+};
 use tierlimit_shared::algorithm::TierState;
 use tierlimit_shared::config::{Algorithm, Limit};
 
@@ -233,6 +235,399 @@ async fn script_matches_the_model() {
     assert!(
         mismatches.is_empty(),
         "script and model disagree:\n{}",
+        mismatches.join("\n")
+    );
+}
+
+const DAY_MS: u64 = 86_400_000;
+
+/// A number from the environment, or `default`.
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A node's clock offset from Redis', ms: none, small drift, minutes, an
+/// hour, or most of a day (either side; always under a day, as the script
+/// refuses a node more than a day off).
+fn clock_offset(rng: &mut Rng) -> i64 {
+    let magnitude = match rng.below(5) {
+        0 => 0,
+        1 => rng.range(1, 1000),
+        2 => rng.range(1000, 120_000),
+        3 => rng.range(120_000, 3_600_000),
+        _ => rng.range(1, DAY_MS - 1),
+    } as i64;
+    if rng.below(2) == 0 {
+        magnitude
+    } else {
+        -magnitude
+    }
+}
+
+/// The region's PN counter per Redis day, as the script should keep it:
+/// P and N of each day, and the epoch that names the day's actor once the
+/// day has a counter.
+#[derive(Default)]
+struct DayCounts {
+    p: std::collections::HashMap<u32, u64>,
+    n: std::collections::HashMap<u32, u64>,
+    epoch: std::collections::HashMap<u32, String>,
+}
+
+impl DayCounts {
+    fn own(&self, day: u32) -> u64 {
+        self.p.get(&day).copied().unwrap_or(0) - self.n.get(&day).copied().unwrap_or(0)
+    }
+}
+
+/// The script against the model across UTC midnights of Redis' clock,
+/// with nodes whose clocks are off Redis' (so the day a node builds its
+/// call for is one behind or ahead of Redis' around midnight), a region
+/// tier of any algorithm and window (windows that straddle midnight, up to
+/// a week) and a global tier fed by a broadcast that other regions' spend
+/// and this region's published part make up.
+///
+/// The model: Redis' clock decides the day. A check built for another day
+/// is refused (−3) and changes nothing; the node then sends it again with
+/// Redis' day and that day's broadcast, and is decided on it: a tenant over
+/// its global limit on day D stays over until Redis' midnight, whatever the
+/// node's day. The global count of day D+1 starts from zero (plus what D+1
+/// charged), while the windowed tier goes on by its windows. A refund or a
+/// peek built for another day goes ahead on Redis' day; a refund by handle
+/// of a charge of day D made on D+1 gives the windows what the charge was
+/// in, and nothing to the global count of D+1.
+#[tokio::test]
+async fn script_matches_the_model_across_days() {
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let sha = harness::lua::load_with_fake_clock(&mut con).await;
+
+    let seed = env_u64("LUA_MODEL_SEED", 0x9E37_79B9_7F4A_7C15);
+    // Fewer than the family above by default (each operation may be two
+    // calls, and the suite's time is shared): a few seconds.
+    let scenarios = env_u64("LUA_MODEL_SCENARIOS", 150);
+    println!("seed {seed}, {scenarios} scenarios (LUA_MODEL_SEED / LUA_MODEL_SCENARIOS)");
+    // Another stream than `script_matches_the_model`'s from the same seed.
+    let mut rng = Rng(seed ^ 0xD1B5_4A32_D192_ED03);
+    let (mut ops, mut midnights, mut other_day_checks, mut other_day_rest) =
+        (0u64, 0u64, 0u64, 0u64);
+    let (mut global_denials, mut cross_day_handles) = (0u64, 0u64);
+    // Checks from a node already past midnight, denied by the global tier
+    // on Redis' day (still over it): the case a fast clock used to open.
+    let mut ahead_still_over = 0u64;
+    let mut mismatches = Vec::new();
+
+    for sc in 0..scenarios {
+        redis::cmd("FLUSHDB")
+            .query_async::<()>(&mut con)
+            .await
+            .unwrap();
+        let algorithm = ALGORITHMS[rng.below(4) as usize];
+        let window_ms = match rng.below(4) {
+            0 => rng.range(1, 3000),
+            1 => [1000, 7000, 60_000, 5_400_000, 7 * DAY_MS][rng.below(5) as usize],
+            2 => rng.range(60_000, 2 * DAY_MS),
+            _ => rng.range(1, 100_000),
+        };
+        let limit = match rng.below(3) {
+            0 => rng.range(1, 5),
+            1 => rng.range(1, 50),
+            _ => rng.range(1, 300),
+        };
+        let (limit, burst) = if algorithm == Algorithm::TokenBucket {
+            let limit = limit.min(window_ms * 1000);
+            (limit, rng.range(1, limit * 2 + 3))
+        } else {
+            (limit, limit)
+        };
+        let l = Limit {
+            limit,
+            window_ms,
+            algorithm,
+            burst,
+        };
+        let key = if rng.below(2) == 0 { "_" } else { "GET/x" };
+        let glimit = match rng.below(3) {
+            0 => rng.range(1, 5),
+            1 => rng.range(1, 30),
+            _ => rng.range(1, 300),
+        };
+        // Two nodes of the region, each with its clock offset; they share
+        // the region tier and the region's PN counter.
+        let offsets = [clock_offset(&mut rng), clock_offset(&mut rng)];
+        let near = offsets.iter().map(|o| o.unsigned_abs()).max().unwrap() + 2000;
+        let mut model = TierState::new(&l);
+        let mut counts = DayCounts::default();
+        // Other regions' spend per day, as the aggregator's broadcast
+        // carries it, and this region's part in it (epoch, P, N) as last
+        // published.
+        let mut others: std::collections::HashMap<u32, u64> = Default::default();
+        let mut published: std::collections::HashMap<u32, (String, u64, u64)> = Default::default();
+        let first_midnight = (19_000 + rng.below(2000)) * DAY_MS;
+        let mut now_us = (first_midnight - rng.range(1, 2 * near)) * 1000 + rng.below(1000);
+        let mut charges: Vec<(String, u64, u64, bool)> = Vec::new();
+        for _ in 0..rng.range(1, 80) {
+            ops += 1;
+            let before = now_us / 1000 / DAY_MS;
+            now_us += match rng.below(6) {
+                0 => 1 + rng.below(2000),
+                1 => 1 + rng.below(2_000_000),
+                2 => 1 + rng.below(window_ms * 1000 / 5 + 1),
+                3 => 1 + rng.below((window_ms * 2000).min(DAY_MS * 1000)),
+                4 => 1 + rng.below(near * 2000),
+                _ => {
+                    // Towards the next midnight, within the nodes' offsets.
+                    let next = (now_us / 1000 / DAY_MS + 1) * DAY_MS;
+                    let to = (next - rng.range(0, 2 * near)) * 1000;
+                    to.saturating_sub(now_us).max(1)
+                }
+            };
+            let now_ms = now_us / 1000;
+            let rday = (now_ms / DAY_MS) as u32;
+            midnights += now_ms / DAY_MS - before;
+            let node = rng.below(2) as usize;
+            let node_id = ["n1", "n2"][node];
+            let nday = ((now_ms as i64 + offsets[node]) as u64 / DAY_MS) as u32;
+            // Other regions spend, and this region publishes, now and then.
+            let seen = others.entry(rday).or_insert(0);
+            if rng.below(5) == 0 {
+                *seen += rng.below(glimit / 3 + 2);
+            }
+            if rng.below(4) == 0 {
+                if let Some(e) = counts.epoch.get(&rday) {
+                    let p = counts.p.get(&rday).copied().unwrap_or(0);
+                    let n = counts.n.get(&rday).copied().unwrap_or(0);
+                    published.insert(rday, (e.clone(), p, n));
+                }
+            }
+            let op = match rng.below(10) {
+                0..=6 => Op::Check,
+                7..=8 => Op::Refund,
+                _ => Op::Peek,
+            };
+            let mut cost = match (op, rng.below(3)) {
+                (Op::Peek, _) => 0,
+                (_, 0) => 1,
+                (_, 1) => rng.range(1, limit.max(burst).max(glimit) + 1),
+                _ => rng.range(1, 4),
+            };
+            let handle = if op == Op::Refund && !charges.is_empty() && rng.below(2) == 0 {
+                let i = rng.below(charges.len() as u64) as usize;
+                let shared = charges.iter().filter(|c| c.1 == charges[i].1).count() > 1;
+                (!shared).then(|| {
+                    cost = charges[i].2;
+                    i
+                })
+            } else {
+                None
+            };
+            redis::pipe()
+                .cmd("SET")
+                .arg("fake:s")
+                .arg(now_us / 1_000_000)
+                .ignore()
+                .cmd("SET")
+                .arg("fake:us")
+                .arg(now_us % 1_000_000)
+                .ignore()
+                .query_async::<()>(&mut con)
+                .await
+                .unwrap();
+            // The global tier's inputs as a node sees them for `day`: the
+            // broadcast total (others' spend and our published part) and
+            // our part in it.
+            let global_for = |day: u32| {
+                let part = published.get(&day).cloned();
+                let ours = part.as_ref().map_or(0, |(_, p, n)| p - n);
+                GlobalArgs {
+                    limit: glimit,
+                    broadcast_total: others.get(&day).copied().unwrap_or(0) + ours,
+                    own_cap: None,
+                    own_parts: part.into_iter().collect(),
+                    urgent_at: None,
+                }
+            };
+            let epoch_candidate = format!("ep{ops}");
+            let mut call = DecideCall {
+                op,
+                tenant: "t",
+                node_id,
+                cost,
+                tiers: vec![TierCall {
+                    scope: Scope::Region,
+                    rule: "_",
+                    key,
+                    limit: &l,
+                    cost,
+                }],
+                expected_nodes: 2,
+                global: Some(global_for(nday)),
+                epoch_candidate: &epoch_candidate,
+                day: nday,
+                now_ms,
+                counter_ttl_secs: 100_000,
+                relaxed_ms: 2000,
+                refund: handle.map(|i| RefundOf {
+                    id: charges[i].0.clone(),
+                    charged_at_ms: charges[i].1,
+                    expires_at_ms: 0,
+                }),
+                lease: None,
+            };
+            let what = format!(
+                "scenario {sc} {l:?} key {key} global {glimit} offsets {offsets:?} {} cost {cost} at {now_us} (Redis day {rday}, node {node_id} day {nday})",
+                op.name()
+            );
+            let mut reply = harness::lua::try_decide_by(&mut con, &sha, &call).await;
+            if nday != rday {
+                if op == Op::Check {
+                    other_day_checks += 1;
+                    // Refused, nothing done: the node sends it again for
+                    // Redis' day with that day's broadcast (the model's
+                    // state is untouched, so what follows checks that the
+                    // refusal wrote nothing).
+                    match reply {
+                        Err(ReplyError::OtherDay { now_ms: at, .. }) if at as u64 == now_ms => {}
+                        other => {
+                            mismatches.push(format!(
+                                "{what}: a check for another day must be refused (-3), script answered {other:?}"
+                            ));
+                            continue;
+                        }
+                    }
+                    call.day = rday;
+                    call.global = Some(global_for(rday));
+                    reply = harness::lua::try_decide_by(&mut con, &sha, &call).await;
+                } else {
+                    other_day_rest += 1;
+                }
+            }
+            let reply = match reply {
+                Ok(r) => r,
+                Err(e) => {
+                    mismatches.push(format!("{what}: script answered {e}"));
+                    continue;
+                }
+            };
+
+            // The model's decision, on Redis' day.
+            let ev = model.evaluate(&l, now_us, cost);
+            let now_left = model.evaluate(&l, now_us, 0).remaining;
+            let others_spent = others.get(&rday).copied().unwrap_or(0);
+            let global_left = glimit.saturating_sub(others_spent + counts.own(rday));
+            let global_ok = cost <= global_left;
+            let to_midnight = DAY_MS - now_ms % DAY_MS;
+            let mut bad = Vec::new();
+            let mut expect_refunded = 0;
+            let mut expect_duplicate = false;
+            let allowed = op == Op::Check && ev.allowed && global_ok;
+            if op == Op::Check {
+                let (denied, retry) = if allowed {
+                    (None, Some(0))
+                } else if !ev.allowed {
+                    let retry = match ev.retry_ms {
+                        Some(r) if !global_ok => Some(r.max(to_midnight)),
+                        r => r,
+                    };
+                    (Some(Denied::Tier(0)), retry)
+                } else {
+                    global_denials += 1;
+                    if nday > rday {
+                        ahead_still_over += 1;
+                    }
+                    (Some(Denied::Global), Some(to_midnight))
+                };
+                if reply.denied != denied {
+                    bad.push(format!("denied {:?}, model {denied:?}", reply.denied));
+                }
+                if reply.retry_ms != retry {
+                    bad.push(format!("retry {:?}, model {retry:?}", reply.retry_ms));
+                }
+            }
+            let tier = *reply.tiers.first().expect("the reply has no tier");
+            let remaining = if allowed { ev.remaining } else { now_left };
+            if tier.remaining != remaining {
+                bad.push(format!("remaining {}, model {remaining}", tier.remaining));
+            }
+            if tier.reset_ms != ev.reset_ms {
+                bad.push(format!("reset {}, model {}", tier.reset_ms, ev.reset_ms));
+            }
+            match (op, handle) {
+                (Op::Check, _) if allowed => {
+                    model.commit(&l, now_us, cost);
+                    *counts.p.entry(rday).or_insert(0) += cost;
+                    counts
+                        .epoch
+                        .entry(rday)
+                        .or_insert_with(|| reply.epoch.clone());
+                    charges.push((epoch_candidate.clone(), now_ms, cost, false));
+                }
+                (Op::Refund, Some(i)) if charges[i].3 => expect_duplicate = true,
+                (Op::Refund, Some(i)) => {
+                    model.refund_charge(&l, now_us, cost, charges[i].1);
+                    charges[i].3 = true;
+                    // The global count gets back only a charge of its day.
+                    if charges[i].1 / DAY_MS == u64::from(rday) {
+                        expect_refunded = cost.min(counts.own(rday));
+                    } else {
+                        cross_day_handles += 1;
+                    }
+                }
+                (Op::Refund, None) => {
+                    model.refund(&l, now_us, cost);
+                    expect_refunded = cost.min(counts.own(rday));
+                }
+                _ => {}
+            }
+            *counts.n.entry(rday).or_insert(0) += expect_refunded;
+            let (p, n) = (
+                counts.p.get(&rday).copied().unwrap_or(0),
+                counts.n.get(&rday).copied().unwrap_or(0),
+            );
+            if reply.day != rday {
+                bad.push(format!("day {}, Redis' {rday}", reply.day));
+            }
+            if (reply.own_p, reply.own_n) != (p, n) {
+                bad.push(format!(
+                    "day's counter P {} N {}, model P {p} N {n}",
+                    reply.own_p, reply.own_n
+                ));
+            }
+            if reply.raised != 0 {
+                bad.push(format!("raised {}", reply.raised));
+            }
+            if reply.refunded != expect_refunded {
+                bad.push(format!(
+                    "refunded {}, model {expect_refunded}",
+                    reply.refunded
+                ));
+            }
+            if reply.duplicate != expect_duplicate {
+                bad.push(format!(
+                    "duplicate {}, model {expect_duplicate}",
+                    reply.duplicate
+                ));
+            }
+            if !bad.is_empty() && mismatches.len() < 10 {
+                mismatches.push(format!("{what}: {}", bad.join("; ")));
+            }
+            if mismatches.len() >= 10 {
+                break;
+            }
+        }
+        if mismatches.len() >= 10 {
+            break;
+        }
+    }
+    println!(
+        "{ops} operations compared: {midnights} Redis midnights, {other_day_checks} checks for another day refused and sent again, {other_day_rest} refunds and peeks for another day, {global_denials} global denials ({ahead_still_over} of a node already past midnight), {cross_day_handles} refunds by handle of another day's charge"
+    );
+    assert!(
+        mismatches.is_empty(),
+        "script and model disagree across days:\n{}",
         mismatches.join("\n")
     );
 }
