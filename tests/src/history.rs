@@ -680,6 +680,34 @@ pub fn overshoot(
 }
 
 // ---------------------------------------------------------------------------
+// How far behind a node's view of the global count was
+// ---------------------------------------------------------------------------
+
+/// How far behind the clients' record a node's view of `tenant`'s global
+/// total was when it was asked at `t_us` and answered `view_total`: the
+/// time since the first unit the view does not hold was certainly allowed
+/// (its answer had arrived), 0 when the view holds every unit answered by
+/// then. Measured against the history, not the node's own age metric, so
+/// a slow publisher, aggregator or follower shows whatever the node
+/// believes about its view.
+pub fn view_lag_us(events: &[Event], tenant: &str, t_us: u64, view_total: u64) -> u64 {
+    let mut ends: Vec<(u64, u64)> = events
+        .iter()
+        .filter(|e| e.tenant == tenant && e.op == Op::Check && e.counted() && e.end_us <= t_us)
+        .map(|e| (e.end_us, e.cost))
+        .collect();
+    ends.sort_unstable();
+    let mut held = 0;
+    for (end, cost) in ends {
+        held += cost;
+        if held > view_total {
+            return t_us - end;
+        }
+    }
+    0
+}
+
+// ---------------------------------------------------------------------------
 // Check 4: a partial rollback loses at most what was not yet published
 // ---------------------------------------------------------------------------
 
@@ -974,5 +1002,20 @@ mod tests {
                 .len(),
             2
         );
+    }
+
+    #[test]
+    fn view_lag_is_the_age_of_the_oldest_unit_the_view_misses() {
+        let ok = || Outcome::Ok {
+            mode: "redis".into(),
+        };
+        // Units answered at 1, 2, ... 10 ms (ev ends 1 ms after its start).
+        let h: Vec<Event> = (0..10).map(|t| ev("eu", t, ok())).collect();
+        assert_eq!(view_lag_us(&h, "g", 10_000, 10), 0);
+        assert_eq!(view_lag_us(&h, "g", 10_000, 9), 0);
+        assert_eq!(view_lag_us(&h, "g", 12_000, 7), 12_000 - 8_000);
+        assert_eq!(view_lag_us(&h, "g", 12_000, 0), 12_000 - 1_000);
+        // Units answered after the question are not missed.
+        assert_eq!(view_lag_us(&h, "g", 5_000, 5), 0);
     }
 }
