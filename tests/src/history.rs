@@ -852,6 +852,36 @@ pub fn rollback_loss(
     r
 }
 
+/// A failover to a replica that lacks the last writes its master
+/// acknowledged (replication is asynchronous) is a partial rollback of the
+/// tenant's keys, judged the same way ([`rollback_loss`]): `synced_us` is
+/// the last moment the replication offsets showed the replica holding
+/// everything the master had acknowledged (the role the last publication
+/// plays there), `killed_us` when the master was killed. Units the clients
+/// were allowed between the two are the acknowledged-not-replicated writes:
+/// a windowed tier (`limit`) may re-admit at most them, and the global
+/// count may lose at most them (plus, for a tenant its view does not hold,
+/// what was charged before the raise, `raise_seen_us`).
+pub fn failover_loss(
+    events: &[Event],
+    tenant: &str,
+    synced_us: u64,
+    killed_us: u64,
+    raise_seen_us: Option<u64>,
+    total: u64,
+    limit: Option<u64>,
+) -> RollbackLoss {
+    rollback_loss(
+        events,
+        tenant,
+        synced_us,
+        killed_us,
+        raise_seen_us,
+        total,
+        limit,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
