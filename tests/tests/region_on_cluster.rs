@@ -9,9 +9,10 @@
 //! exact; a master killed under traffic is followed to its promoted replica
 //! and a slot moved under traffic (ASK, then MOVED) loses and doubles
 //! nothing. Redis replication is asynchronous: a write the old master
-//! acknowledged but had not sent to its replica is lost with it, so a kill
-//! can give spend back to a tier. The test waits for replication before the
-//! kill, which removes that loss and lets it check exactness.
+//! acknowledged but had not sent to its replica is lost with it. The
+//! failover test does not wait for replication: it pauses the replica so
+//! the loss happens, and the history checker bounds it from the clients'
+//! record and the replication offsets (`history::failover_loss`).
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
