@@ -238,6 +238,41 @@ impl RedisCluster {
         port
     }
 
+    /// Ports of the running replicas of the master on `master`.
+    pub fn replicas_of(&self, master: u16) -> Vec<u16> {
+        let running = self.running();
+        let view = running
+            .iter()
+            .find_map(|&p| cluster_nodes(p))
+            .expect("no running cluster node answers CLUSTER NODES");
+        let Some(id) = view
+            .iter()
+            .find(|(_, e)| e.port == master)
+            .map(|(id, _)| id.clone())
+        else {
+            return Vec::new();
+        };
+        let mut ports: Vec<u16> = view
+            .values()
+            .filter(|e| e.master_id.as_ref() == Some(&id) && running.contains(&e.port))
+            .map(|e| e.port)
+            .collect();
+        ports.sort_unstable();
+        ports
+    }
+
+    /// SIGSTOPs the node on `port`: it answers nothing and reads nothing
+    /// until [`RedisCluster::resume`] (a replica stops consuming its
+    /// master's stream).
+    pub fn pause(&mut self, port: u16) {
+        self.node_mut(port).proc.stop();
+    }
+
+    /// SIGCONTs a node [`RedisCluster::pause`] stopped.
+    pub fn resume(&mut self, port: u16) {
+        self.node_mut(port).proc.cont();
+    }
+
     /// SIGKILLs the node on `port` (master or replica).
     pub fn kill(&mut self, port: u16) {
         self.node_mut(port).proc.kill9();

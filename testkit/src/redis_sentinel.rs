@@ -327,6 +327,17 @@ impl SentinelGroup {
         port
     }
 
+    /// SIGSTOPs the server on `port` until [`SentinelGroup::resume`]: a
+    /// replica stops reading its master's stream.
+    pub fn pause(&mut self, port: u16) {
+        self.server_mut(port).proc.stop();
+    }
+
+    /// SIGCONTs a server [`SentinelGroup::pause`] stopped.
+    pub fn resume(&mut self, port: u16) {
+        self.server_mut(port).proc.cont();
+    }
+
     /// SIGKILLs the server (master or replica) on `port`.
     pub fn kill(&mut self, port: u16) {
         self.server_mut(port).proc.kill9();

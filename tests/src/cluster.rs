@@ -33,6 +33,13 @@ pub const AGG_PORT: u16 = 9100;
 pub const AGG_ADMIN_PORT: u16 = 9110;
 pub const PARTITIONS: i32 = 4;
 pub const DELTAS: &str = "tierlimit.deltas";
+/// `node.flush_interval` of the deployment: how often a node publishes.
+pub const FLUSH_INTERVAL_MS: u64 = 100;
+/// `aggregator.broadcast_interval`: how often the aggregator broadcasts.
+pub const BROADCAST_INTERVAL_MS: u64 = 100;
+/// The follower's `fetch.wait.max.ms` (region-node's `follower.rs`): the
+/// longest a fetch waits for a broadcast that is already there.
+pub const FOLLOWER_FETCH_WAIT_MS: u64 = 50;
 pub const GLOBAL: &str = "tierlimit.global";
 /// Deadline for convergence and readiness waits.
 pub const DEADLINE: Duration = Duration::from_secs(45);
@@ -142,7 +149,7 @@ partitions = {PARTITIONS}
 "reconnect.backoff.max.ms" = "500"
 {kafka_extra}
 [node]
-flush_interval = "100ms"
+flush_interval = "{FLUSH_INTERVAL_MS}ms"
 store_timeout = "250ms"
 store_retry_interval = "200ms"
 # Leases are on by default; these suites check each decision's accounting
@@ -152,7 +159,7 @@ store_retry_interval = "200ms"
 lease_max = 0
 {node_extra}
 [aggregator]
-broadcast_interval = "100ms"
+broadcast_interval = "{BROADCAST_INTERVAL_MS}ms"
 group_id = "tierlimit-aggregator"
 session_timeout = "2s"
 [unknown_tenants]

@@ -679,6 +679,209 @@ pub fn overshoot(
     }
 }
 
+// ---------------------------------------------------------------------------
+// How far behind a node's view of the global count was
+// ---------------------------------------------------------------------------
+
+/// How far behind the clients' record a node's view of `tenant`'s global
+/// total was when it was asked at `t_us` and answered `view_total`: the
+/// time since the first unit the view does not hold was certainly allowed
+/// (its answer had arrived), 0 when the view holds every unit answered by
+/// then. Measured against the history, not the node's own age metric, so
+/// a slow publisher, aggregator or follower shows whatever the node
+/// believes about its view.
+pub fn view_lag_us(events: &[Event], tenant: &str, t_us: u64, view_total: u64) -> u64 {
+    let mut ends: Vec<(u64, u64)> = events
+        .iter()
+        .filter(|e| e.tenant == tenant && e.op == Op::Check && e.counted() && e.end_us <= t_us)
+        .map(|e| (e.end_us, e.cost))
+        .collect();
+    ends.sort_unstable();
+    let mut held = 0;
+    for (end, cost) in ends {
+        held += cost;
+        if held > view_total {
+            return t_us - end;
+        }
+    }
+    0
+}
+
+// ---------------------------------------------------------------------------
+// Check 4: a partial rollback loses at most what was not yet published
+// ---------------------------------------------------------------------------
+
+/// What a partial rollback of a region's Redis (an older snapshot coming
+/// back under the same epoch) did to one tenant, judged from the clients'
+/// record alone.
+///
+/// The promise (README, failure table): the counter is raised back to what
+/// the region already published before the next charge, so nothing
+/// published is lost and nothing is re-admitted against the global limit
+/// beyond what was erased unpublished. The loss it accepts is, from what
+/// the clients saw:
+///
+/// - `unpublished`: units allowed after the last publication the test saw
+///   acknowledged (the aggregator's total equal to everything allowed so
+///   far) and before the rollback: erased before any publication;
+/// - `before_raise`: units allowed after the rollback and before the test
+///   saw the region's view hold the counter again (only for a tenant the
+///   view did not hold: the script cannot raise what it is not given, so
+///   those charges land inside the erased range and the max-merge absorbs
+///   them);
+/// - `unknown`: checks without an answer in either span (maybe charged).
+///
+/// Nothing beyond that may be lost (`allowed − total ≤ bound`), nothing may
+/// be counted that no client was allowed (`total ≤ allowed + unknown`), and
+/// the global tier may re-admit only the erased units
+/// (`allowed ≤ limit + bound`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RollbackLoss {
+    pub tenant: String,
+    /// Units allowed and counted, in the whole history.
+    pub allowed: u64,
+    pub unpublished: u64,
+    pub before_raise: u64,
+    pub unknown: u64,
+    /// The aggregator's total once drained.
+    pub total: u64,
+    /// The tenant's global limit, if it has one.
+    pub limit: Option<u64>,
+}
+
+impl RollbackLoss {
+    /// The loss the design accepts.
+    pub fn bound(&self) -> u64 {
+        self.unpublished + self.before_raise + self.unknown
+    }
+
+    /// Units the clients were allowed that the global count does not hold.
+    pub fn lost(&self) -> u64 {
+        self.allowed.saturating_sub(self.total)
+    }
+
+    /// Every broken promise, empty when the rollback stayed within bounds.
+    pub fn violations(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.total > self.allowed + self.unknown {
+            v.push(format!(
+                "{}: total {} counts more than the {} allowed (+{} unknown)",
+                self.tenant, self.total, self.allowed, self.unknown
+            ));
+        }
+        if self.lost() > self.bound() {
+            v.push(format!(
+                "{}: lost {} > accepted loss {} (unpublished {}, before the raise {}, unknown {})",
+                self.tenant,
+                self.lost(),
+                self.bound(),
+                self.unpublished,
+                self.before_raise,
+                self.unknown
+            ));
+        }
+        if let Some(l) = self.limit {
+            if self.allowed > l + self.bound() {
+                v.push(format!(
+                    "{}: {} allowed > limit {l} + accepted loss {}: re-admitted beyond the erased units",
+                    self.tenant,
+                    self.allowed,
+                    self.bound()
+                ));
+            }
+        }
+        v
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "{}: allowed {}, total {} => lost {}; accepted loss {} = unpublished {} + before the raise {} + unknown {}; limit {:?}",
+            self.tenant,
+            self.allowed,
+            self.total,
+            self.lost(),
+            self.bound(),
+            self.unpublished,
+            self.before_raise,
+            self.unknown,
+            self.limit
+        )
+    }
+}
+
+/// Judges a partial rollback of `tenant` (see [`RollbackLoss`]).
+/// `published_us`: when the test saw the aggregator hold everything allowed
+/// so far; `rollback_us`: when the older snapshot was back in place;
+/// `raise_seen_us`: when the test saw the node's view hold the tenant's
+/// published part again, `None` when the view held it throughout (the
+/// script raises before the first charge). An operation whose time bracket
+/// overlaps a span counts in it.
+pub fn rollback_loss(
+    events: &[Event],
+    tenant: &str,
+    published_us: u64,
+    rollback_us: u64,
+    raise_seen_us: Option<u64>,
+    total: u64,
+    limit: Option<u64>,
+) -> RollbackLoss {
+    let mut r = RollbackLoss {
+        tenant: tenant.into(),
+        total,
+        limit,
+        ..RollbackLoss::default()
+    };
+    let in_span = |e: &Event, from: u64, to: u64| e.end_us > from && e.start_us < to;
+    for e in events
+        .iter()
+        .filter(|e| e.tenant == tenant && e.op == Op::Check)
+    {
+        let unpublished = in_span(e, published_us, rollback_us);
+        let before_raise = raise_seen_us.is_some_and(|to| in_span(e, rollback_us, to));
+        if e.counted() {
+            r.allowed += e.cost;
+            if unpublished {
+                r.unpublished += e.cost;
+            } else if before_raise {
+                r.before_raise += e.cost;
+            }
+        } else if e.unknown() && (unpublished || before_raise) {
+            r.unknown += e.cost;
+        }
+    }
+    r
+}
+
+/// A failover to a replica that lacks the last writes its master
+/// acknowledged (replication is asynchronous) is a partial rollback of the
+/// tenant's keys, judged the same way ([`rollback_loss`]): `synced_us` is
+/// the last moment the replication offsets showed the replica holding
+/// everything the master had acknowledged (the role the last publication
+/// plays there), `killed_us` when the master was killed. Units the clients
+/// were allowed between the two are the acknowledged-not-replicated writes:
+/// a windowed tier (`limit`) may re-admit at most them, and the global
+/// count may lose at most them (plus, for a tenant its view does not hold,
+/// what was charged before the raise, `raise_seen_us`).
+pub fn failover_loss(
+    events: &[Event],
+    tenant: &str,
+    synced_us: u64,
+    killed_us: u64,
+    raise_seen_us: Option<u64>,
+    total: u64,
+    limit: Option<u64>,
+) -> RollbackLoss {
+    rollback_loss(
+        events,
+        tenant,
+        synced_us,
+        killed_us,
+        raise_seen_us,
+        total,
+        limit,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -792,5 +995,57 @@ mod tests {
         assert_eq!(o.per_region[1], ("us".to_string(), s, 950, 3));
         assert_eq!(o.bound, 3);
         assert!(!o.within_bound());
+    }
+
+    #[test]
+    fn rollback_loss_is_what_was_unpublished_or_charged_before_the_raise() {
+        let ok = || Outcome::Ok {
+            mode: "redis".into(),
+        };
+        // 10 before the publication at 100 ms, 3 after it, rollback at 200,
+        // 1 before the raise seen at 300, 4 after.
+        let mut h: Vec<Event> = (0..10).map(|t| ev("eu", t * 5, ok())).collect();
+        h.extend((0..3).map(|t| ev("eu", 120 + t * 5, ok())));
+        h.push(ev("eu", 250, ok()));
+        h.extend((0..4).map(|t| ev("eu", 400 + t * 5, ok())));
+        let r = rollback_loss(&h, "g", 100_000, 200_000, Some(300_000), 14, Some(14));
+        assert_eq!((r.allowed, r.unpublished, r.before_raise), (18, 3, 1));
+        assert_eq!((r.lost(), r.bound()), (4, 4));
+        assert!(r.violations().is_empty(), "{:?}", r.violations());
+        // One more lost than accepted; one counted that nobody was allowed;
+        // a limit re-admitted beyond the erased units.
+        assert_eq!(
+            rollback_loss(&h, "g", 100_000, 200_000, Some(300_000), 13, None)
+                .violations()
+                .len(),
+            1
+        );
+        assert_eq!(
+            rollback_loss(&h, "g", 100_000, 200_000, Some(300_000), 19, None)
+                .violations()
+                .len(),
+            1
+        );
+        assert_eq!(
+            rollback_loss(&h, "g", 100_000, 200_000, None, 14, Some(13))
+                .violations()
+                .len(),
+            2
+        );
+    }
+
+    #[test]
+    fn view_lag_is_the_age_of_the_oldest_unit_the_view_misses() {
+        let ok = || Outcome::Ok {
+            mode: "redis".into(),
+        };
+        // Units answered at 1, 2, ... 10 ms (ev ends 1 ms after its start).
+        let h: Vec<Event> = (0..10).map(|t| ev("eu", t, ok())).collect();
+        assert_eq!(view_lag_us(&h, "g", 10_000, 10), 0);
+        assert_eq!(view_lag_us(&h, "g", 10_000, 9), 0);
+        assert_eq!(view_lag_us(&h, "g", 12_000, 7), 12_000 - 8_000);
+        assert_eq!(view_lag_us(&h, "g", 12_000, 0), 12_000 - 1_000);
+        // Units answered after the question are not missed.
+        assert_eq!(view_lag_us(&h, "g", 5_000, 5), 0);
     }
 }

@@ -57,18 +57,53 @@ impl Cluster {
 
     /// Samples [`WATCHED`] on every node every 200 ms until stopped.
     pub fn sample_metrics(self: &Cluster) -> Sampler {
+        self.sample_metrics_and_view(None)
+    }
+
+    /// [`Cluster::sample_metrics`], and with `view_of` each node's view of
+    /// that tenant's global total (`GET /v1/tenants/{tenant}`,
+    /// `global_total`), recorded as [`VIEW_TOTAL`] when the view holds it:
+    /// what the node decided with, to compare with the clients' history
+    /// (see `history::view_lag_us`) instead of the node's own age metric.
+    pub fn sample_metrics_and_view(self: &Cluster, view_of: Option<&str>) -> Sampler {
+        let view_of = view_of.map(str::to_string);
         let stop = Arc::new(AtomicBool::new(false));
         let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
-        let targets: Vec<(String, String)> = self
+        let targets: Vec<(String, String, String)> = self
             .nodes
             .iter()
-            .map(|n| (n.name(), n.admin.clone()))
+            .map(|n| (n.name(), n.admin.clone(), n.base.clone()))
             .collect();
         let http = self.http.clone();
         let (s2, samples2) = (stop.clone(), samples.clone());
+        // The views every 100 ms, one task per node: a view changes at
+        // every broadcast, faster than the metrics sampler goes round.
+        let mut probes = Vec::new();
+        if let Some(tenant) = view_of {
+            for (name, _, api) in &targets {
+                let (stop, samples, http) = (stop.clone(), samples.clone(), http.clone());
+                let (name, url) = (name.clone(), format!("{api}/v1/tenants/{tenant}"));
+                probes.push(tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        let t = now_us();
+                        if let Some(v) = crate::try_json(&http, &url).await {
+                            if let Some(total) = v["global_total"].as_u64() {
+                                samples.lock().unwrap().push(Sample {
+                                    t_us: t,
+                                    node: name.clone(),
+                                    metric: VIEW_TOTAL,
+                                    value: total as f64,
+                                });
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }));
+            }
+        }
         let task = tokio::spawn(async move {
             while !s2.load(Ordering::Relaxed) {
-                for (name, base) in &targets {
+                for (name, base, _) in &targets {
                     let Ok(r) = http
                         .get(format!("{base}/metrics"))
                         .timeout(Duration::from_millis(500))
@@ -101,9 +136,14 @@ impl Cluster {
             stop,
             samples,
             task: Some(task),
+            probes,
         }
     }
 }
+
+/// The sample name of a node's view of a tenant's global total (see
+/// [`Cluster::sample_metrics_and_view`]); its time is when it was asked.
+pub const VIEW_TOTAL: &str = "view_global_total";
 
 /// Seconds since the node's last fully acknowledged flush, at `now_us`.
 pub fn publish_lag(text: &str, now_us: u64) -> f64 {
@@ -142,6 +182,7 @@ pub struct Sampler {
     stop: Arc<AtomicBool>,
     samples: Arc<Mutex<Vec<Sample>>>,
     task: Option<tokio::task::JoinHandle<()>>,
+    probes: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Sampler {
@@ -149,6 +190,9 @@ impl Sampler {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.task.take() {
             let _ = t.await;
+        }
+        for p in std::mem::take(&mut self.probes) {
+            let _ = p.await;
         }
         Samples(self.samples.lock().unwrap().clone())
     }
