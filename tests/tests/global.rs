@@ -984,12 +984,19 @@ async fn an_upgrade_from_the_previous_release_loses_no_count() {
     let deadline = Instant::now() + DEADLINE;
     'push: while allowed < 300 {
         for n in [&old, &new] {
-            assert!(Instant::now() < deadline, "hot: {allowed} of 300 by the deadline");
+            assert!(
+                Instant::now() < deadline,
+                "hot: {allowed} of 300 by the deadline"
+            );
             let (s, body) = check(&n.http, &n.url("/v1/check"), "hot").await;
             match s {
                 200 => allowed += 1,
                 429 => {
-                    assert_eq!(body["violated-policy"], "global", "hot on {}: {body}", n.node_id);
+                    assert_eq!(
+                        body["violated-policy"], "global",
+                        "hot on {}: {body}",
+                        n.node_id
+                    );
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
                 _ => panic!("hot on {}: {s} {body}", n.node_id),
@@ -1019,11 +1026,19 @@ async fn an_upgrade_from_the_previous_release_loses_no_count() {
                 (429, &json!("global")),
                 "hot past its limit of 300 on {} ({}): {body}",
                 n.node_id,
-                if n.node_id == "a" { "previous release" } else { "this release" }
+                if n.node_id == "a" {
+                    "previous release"
+                } else {
+                    "this release"
+                }
             );
         }
     }
-    assert_eq!(w.redis_truth("hot").await, 300, "Redis holds exactly the limit");
+    assert_eq!(
+        w.redis_truth("hot").await,
+        300,
+        "Redis holds exactly the limit"
+    );
     wait_total(&agg, "hot", 300).await;
     wait_total(&agg, "t", 55).await;
 }
