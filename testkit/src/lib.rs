@@ -13,6 +13,7 @@
 //! | [`wait`]           | polling a condition with a deadline; per-suite [`Budget`]s  |
 //! | [`proc`]           | [`Cmd`], [`Proc`] (killed on drop), [`ProcGroup`]           |
 //! | [`bins`]           | paths of the workspace binaries, built once if needed       |
+//! | [`previous_release`] | the previous release's binaries (built by `scripts/setup`) |
 //! | [`redis_server`]   | a throw-away `redis-server`; one-off commands ([`query`])   |
 //! | [`redis_cluster`]  | a Redis Cluster: failover, restart, moving slots            |
 //! | [`redis_sentinel`] | a master, its replica and three Sentinels: failover         |
@@ -50,6 +51,7 @@ pub mod auth;
 pub mod bins;
 pub mod envoy;
 pub mod port;
+pub mod previous_release;
 pub mod proc;
 pub mod procfs;
 pub mod redis_cluster;

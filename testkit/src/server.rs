@@ -145,12 +145,23 @@ impl RegionNode {
         node_id: &str,
         env: &[(&str, &str)],
     ) -> RegionNode {
-        let bin = bin_path("region-node");
+        Self::start_from(&bin_path("region-node"), config, region, node_id, env).await
+    }
+
+    /// [`RegionNode::start_with_env`] from the binary `bin` (the previous
+    /// release's, [`crate::previous_release::bin`], in an upgrade test).
+    pub async fn start_from(
+        bin: &Path,
+        config: &Path,
+        region: &str,
+        node_id: &str,
+        env: &[(&str, &str)],
+    ) -> RegionNode {
         let config = config.to_path_buf();
         let (r, n) = (region.to_string(), node_id.to_string());
         let (proc, port, admin_port) = start_http_server(
             &format!("region-node[{region}/{node_id}]"),
-            &bin,
+            bin,
             |port, admin_port| {
                 vec![
                     "--config".into(),
@@ -216,11 +227,16 @@ impl Aggregator {
 
     /// [`Aggregator::start`] with extra environment variables.
     pub async fn start_with_env(config: &Path, env: &[(&str, &str)]) -> Aggregator {
-        let bin = bin_path("aggregator");
+        Self::start_from(&bin_path("aggregator"), config, env).await
+    }
+
+    /// [`Aggregator::start_with_env`] from the binary `bin` (the previous
+    /// release's in an upgrade test).
+    pub async fn start_from(bin: &Path, config: &Path, env: &[(&str, &str)]) -> Aggregator {
         let config = config.to_path_buf();
         let (proc, port, admin_port) = start_http_server(
             "aggregator",
-            &bin,
+            bin,
             |port, admin_port| {
                 vec![
                     "--config".into(),

@@ -92,6 +92,10 @@ pub struct Spec {
     /// `TIERLIMIT__…` overrides every node and the aggregator start with
     /// (a release's settings in a rolling upgrade).
     pub env: Vec<(String, String)>,
+    /// The directory every node and the aggregator start from (the
+    /// previous release's, [`testkit::previous_release::dir`], in an upgrade
+    /// test); `None`: this tree's binaries ([`bin_path`]).
+    pub bin_dir: Option<PathBuf>,
 }
 
 /// The deployment. Fields drop in order: processes first, then the network.
@@ -110,6 +114,10 @@ pub struct Cluster {
     pub(crate) http: reqwest::Client,
     /// [`Spec::env`].
     env: Vec<(String, String)>,
+    /// Where processes started from now on take their binaries
+    /// ([`Spec::bin_dir`]); an upgrade test sets it to `None` before it
+    /// restarts each process as this tree's release.
+    pub bin_dir: Option<PathBuf>,
     _serial: tokio::sync::MutexGuard<'static, ()>,
 }
 
@@ -221,6 +229,7 @@ policy = "deny"
                 .build()
                 .unwrap(),
             env: spec.env.clone(),
+            bin_dir: spec.bin_dir.clone(),
             _serial: serial,
         };
         let b = brokers.clone();
@@ -263,10 +272,23 @@ policy = "deny"
         cluster
     }
 
+    /// The binary `name` processes start from now: [`Cluster::bin_dir`]'s,
+    /// else this tree's.
+    fn bin(&self, name: &str) -> PathBuf {
+        match &self.bin_dir {
+            Some(dir) => {
+                let path = dir.join(name);
+                assert!(path.is_file(), "{} does not exist", path.display());
+                path
+            }
+            None => bin_path(name),
+        }
+    }
+
     fn aggregator_cmd(&self) -> crate::Cmd {
         let listen = self.topo.host("core").addr(AGG_PORT);
         let admin = self.topo.host("core").addr(AGG_ADMIN_PORT);
-        let cmd = with_harness_key(self.topo.cmd("core", bin_path("aggregator")))
+        let cmd = with_harness_key(self.topo.cmd("core", self.bin("aggregator")))
             .arg("--config")
             .arg(&self.config)
             .args(["--listen", &listen, "--admin-listen", &admin])
@@ -278,7 +300,7 @@ policy = "deny"
     fn node_cmd(&self, region: &str, i: usize) -> crate::Cmd {
         let listen = self.topo.host(region).addr(NODE_PORTS[i]);
         let admin = self.topo.host(region).addr(NODE_ADMIN_PORTS[i]);
-        let cmd = with_harness_key(self.topo.cmd(region, bin_path("region-node")))
+        let cmd = with_harness_key(self.topo.cmd(region, self.bin("region-node")))
             .arg("--config")
             .arg(&self.config)
             .args([

@@ -988,6 +988,115 @@ async fn an_upgrade_from_key_scheme_1_loses_no_count() {
     .await;
 }
 
+/// An upgrade from the previous release (`testkit/PREVIOUS_RELEASE`, built
+/// once by `scripts/setup`), run as itself rather than imitated: that
+/// release already writes key scheme 2 and wire v2, so what an upgrade must
+/// keep is everything it charged. Its aggregator and one of its nodes serve
+/// the region; a node of this tree joins on the same Redis and both charge;
+/// the aggregator is replaced by this tree's, which rebuilds from the topic
+/// (both releases' deltas); both nodes go on charging. The global count is
+/// exact at each step (client-counted units = aggregator total = Redis),
+/// and a limited tenant pushed through both nodes is admitted exactly to
+/// its limit and then denied by both: the two releases share one count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_upgrade_from_the_previous_release_loses_no_count() {
+    use harness::previous_release;
+    let w = World::new(&["eu"], GLOBAL_ONLY).await;
+    let old_agg = Aggregator::start_from(&previous_release::bin("aggregator"), &w.cfg, &[]).await;
+    let old = RegionNode::start_from(
+        &previous_release::bin("region-node"),
+        &w.cfg,
+        "eu",
+        "a",
+        &[],
+    )
+    .await;
+    node_ready(&old).await;
+    agg_ready(&old_agg).await;
+    allow_n(&old, "t", 20).await;
+    wait_total(&old_agg, "t", 20).await;
+    // A node of this release joins the region (same Redis): both charge.
+    let new = RegionNode::start(&w.cfg, "eu", "b").await;
+    node_ready(&new).await;
+    allow_n(&new, "t", 15).await;
+    allow_n(&old, "t", 10).await;
+    wait_total(&old_agg, "t", 45).await;
+    // The aggregator is upgraded: this release's rebuilds from the topic.
+    drop(old_agg);
+    let agg = Aggregator::start(&w.cfg).await;
+    agg_ready(&agg).await;
+    wait_total(&agg, "t", 45).await;
+    allow_n(&old, "t", 7).await;
+    allow_n(&new, "t", 3).await;
+    wait_total(&agg, "t", 55).await;
+    assert_eq!(w.redis_truth("t").await, 55, "Redis holds every unit of t");
+
+    // hot (limit 300) through both releases' nodes in turn: admitted up to
+    // its limit (a global 429 on the way is a view not yet caught up, and
+    // is retried), then denied by both.
+    let mut allowed = 0u64;
+    let deadline = Instant::now() + DEADLINE;
+    'push: while allowed < 300 {
+        for n in [&old, &new] {
+            assert!(
+                Instant::now() < deadline,
+                "hot: {allowed} of 300 by the deadline"
+            );
+            let (s, body) = check(&n.http, &n.url("/v1/check"), "hot").await;
+            match s {
+                200 => allowed += 1,
+                429 => {
+                    assert_eq!(
+                        body["violated-policy"], "global",
+                        "hot on {}: {body}",
+                        n.node_id
+                    );
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                _ => panic!("hot on {}: {s} {body}", n.node_id),
+            }
+            if allowed == 300 {
+                break 'push;
+            }
+        }
+    }
+    wait_total(&agg, "hot", 300).await;
+    for n in [&old, &new] {
+        wait_until(
+            &format!("{}'s view holds hot at 300", n.node_id),
+            DEADLINE,
+            || async {
+                let v = harness::try_json(&n.http, &n.url("/v1/tenants/hot")).await;
+                v.is_some_and(|v| v["global_total"].as_u64() == Some(300))
+            },
+        )
+        .await;
+    }
+    for _ in 0..10 {
+        for n in [&old, &new] {
+            let (s, body) = check(&n.http, &n.url("/v1/check"), "hot").await;
+            assert_eq!(
+                (s, &body["violated-policy"]),
+                (429, &json!("global")),
+                "hot past its limit of 300 on {} ({}): {body}",
+                n.node_id,
+                if n.node_id == "a" {
+                    "previous release"
+                } else {
+                    "this release"
+                }
+            );
+        }
+    }
+    assert_eq!(
+        w.redis_truth("hot").await,
+        300,
+        "Redis holds exactly the limit"
+    );
+    wait_total(&agg, "hot", 300).await;
+    wait_total(&agg, "t", 55).await;
+}
+
 /// Sequential checks of one unit of `tenant` on `node` until `n` are
 /// allowed, recording every answer: each must be 200 or a global 429 (the
 /// 429s while the region waits for the tenant's entry). Returns the

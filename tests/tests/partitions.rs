@@ -272,6 +272,7 @@ impl Scenario {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            bin_dir: None,
         })
         .await;
         println!(
