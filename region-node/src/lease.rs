@@ -427,7 +427,7 @@ mod tests {
     use crate::storage::TierReply;
     use std::time::Duration;
 
-    fn reply(granted: u64, resets: &[u64]) -> DecideReply {
+    pub(super) fn reply(granted: u64, resets: &[u64]) -> DecideReply {
         DecideReply {
             allowed: true,
             denied: None,
@@ -644,7 +644,7 @@ mod tests {
 #[cfg(test)]
 mod bound {
     use super::*;
-    use crate::storage::{script::LeaseAsk, script::LeaseTier, TierReply};
+    use crate::storage::{script::LeaseAsk, script::LeaseTier};
     use proptest::prelude::*;
 
     /// Redis' clock at t = 0: a window start, an hour into a day.
@@ -659,27 +659,12 @@ mod bound {
         most_held: u64,
     }
 
+    /// [`tests::reply`] with one tier's remaining units, at `now_ms`.
     fn reply(granted: u64, remaining: u64, reset_ms: u64, now_ms: u64) -> DecideReply {
-        DecideReply {
-            allowed: true,
-            denied: None,
-            retry_ms: Some(0),
-            now_ms: now_ms as i64,
-            tiers: vec![TierReply {
-                remaining,
-                reset_ms,
-            }],
-            own_p: 0,
-            own_n: 0,
-            epoch: "e".into(),
-            day: 0,
-            global_remaining: None,
-            raised: 0,
-            refunded: 0,
-            duplicate: false,
-            expired: false,
-            granted,
-        }
+        let mut r = super::tests::reply(granted, &[reset_ms]);
+        r.now_ms = now_ms as i64;
+        r.tiers[0].remaining = remaining;
+        r
     }
 
     /// `demand` × L per window, split between nodes by `weights`, for

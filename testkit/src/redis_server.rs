@@ -234,6 +234,12 @@ pub fn info(port: u16, section: &str) -> Option<std::collections::HashMap<String
     )
 }
 
+/// A replication offset of the server on `port` (`master_repl_offset`,
+/// `slave_repl_offset`), or `None` if it does not answer.
+pub fn repl_offset(port: u16, field: &str) -> Option<u64> {
+    info(port, "replication")?.get(field)?.parse().ok()
+}
+
 /// True if every server in `replicas` is a replica that has the whole
 /// replication stream of the master on `master` (`slave_repl_offset` equals
 /// the master's `master_repl_offset`): what was written to the master

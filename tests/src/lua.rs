@@ -27,6 +27,22 @@ pub async fn load_source_with_fake_clock(
         .expect("SCRIPT LOAD")
 }
 
+/// Sets the fake clock to `now_us` (µs since the Unix epoch).
+pub async fn set_fake_clock_us(con: &mut redis::aio::MultiplexedConnection, now_us: u64) {
+    redis::pipe()
+        .cmd("SET")
+        .arg("fake:s")
+        .arg(now_us / 1_000_000)
+        .ignore()
+        .cmd("SET")
+        .arg("fake:us")
+        .arg(now_us % 1_000_000)
+        .ignore()
+        .query_async::<()>(con)
+        .await
+        .expect("SET fake:s, fake:us");
+}
+
 /// Sets the fake clock to 01:00 UTC of `day`.
 pub async fn set_fake_day(con: &mut redis::aio::MultiplexedConnection, day: u32) {
     redis::cmd("SET")
@@ -45,11 +61,9 @@ pub async fn decide_by(
     sha: &str,
     call: &DecideCall<'_>,
 ) -> DecideReply {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(sha);
-    encode(&mut cmd, call, 0);
-    let reply: Vec<redis::Value> = cmd.query_async(con).await.expect("EVALSHA");
-    DecideReply::parse(reply, call).expect("the reply parses")
+    try_decide_by(con, sha, call)
+        .await
+        .expect("the reply parses")
 }
 
 /// [`decide_by`] for the previous release's script (`decide_previous_release.lua`),

@@ -134,18 +134,7 @@ async fn script_matches_the_model() {
             } else {
                 None
             };
-            redis::pipe()
-                .cmd("SET")
-                .arg("fake:s")
-                .arg(now_us / 1_000_000)
-                .ignore()
-                .cmd("SET")
-                .arg("fake:us")
-                .arg(now_us % 1_000_000)
-                .ignore()
-                .query_async::<()>(&mut con)
-                .await
-                .unwrap();
+            harness::lua::set_fake_clock_us(&mut con, now_us).await;
             let day = now_us / 1000 / 86_400_000;
             let epoch_candidate = format!("ep{ops}");
             let call = DecideCall {
@@ -424,18 +413,7 @@ async fn script_matches_the_model_across_days() {
             } else {
                 None
             };
-            redis::pipe()
-                .cmd("SET")
-                .arg("fake:s")
-                .arg(now_us / 1_000_000)
-                .ignore()
-                .cmd("SET")
-                .arg("fake:us")
-                .arg(now_us % 1_000_000)
-                .ignore()
-                .query_async::<()>(&mut con)
-                .await
-                .unwrap();
+            harness::lua::set_fake_clock_us(&mut con, now_us).await;
             // The global tier's inputs as a node sees them for `day`: the
             // broadcast total (others' spend and our published part) and
             // our part in it.

@@ -1979,9 +1979,7 @@ plan = "g"
 /// `name`, e.g. `x_total{reason="oom"}`); 0 when absent.
 async fn metric(n: &RegionNode, name: &str) -> f64 {
     let m = harness::get_text(&n.http, &n.admin_url("/metrics")).await;
-    m.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
+    harness::metric_sample(&m, name).unwrap_or(0.0)
 }
 
 /// Redis at `maxmemory` under `noeviction` refuses every write with OOM,

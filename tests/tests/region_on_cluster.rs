@@ -337,12 +337,7 @@ async fn a_failover_without_replication_loses_at_most_the_unreplicated_writes() 
     // master had acknowledged: the master's offset first, then the
     // replica's; if the replica's reached it, every write acknowledged
     // before the first query is replicated.
-    let offset = |port: u16, field: &str| -> Option<u64> {
-        harness::redis_server::info(port, "replication")?
-            .get(field)?
-            .parse()
-            .ok()
-    };
+    let offset = harness::redis_server::repl_offset;
     let (synced_us, synced_offset) = tokio::task::block_in_place(|| {
         harness::wait_for_blocking(
             "the replica reaches its master's offset",

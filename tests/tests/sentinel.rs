@@ -126,12 +126,7 @@ async fn failover_under_traffic(fault: Fault) {
     let fault_us = match fault {
         Fault::Kill => {
             let replica = *group.replicas().first().expect("a replica");
-            let offset = |port: u16, field: &str| -> Option<u64> {
-                harness::redis_server::info(port, "replication")?
-                    .get(field)?
-                    .parse()
-                    .ok()
-            };
+            let offset = harness::redis_server::repl_offset;
             // The last moment the offsets show the replica holding all the
             // master had acknowledged (master's offset read first).
             let (t, synced_offset) = tokio::task::block_in_place(|| {
