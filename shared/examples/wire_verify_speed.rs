@@ -27,9 +27,9 @@ fn main() {
     .config;
     let updates: Vec<GlobalUpdate> = (0..n)
         .map(|i| GlobalUpdate {
-            v: 2,
+            v: 3,
             tenant: format!("tenant-{i}"),
-            day: 20_000,
+            period: tierlimit_shared::period::Period::day(20_000),
             total: i as u64,
             parts: (0..3)
                 .map(|r| ActorPart {
@@ -41,6 +41,7 @@ fn main() {
             limit: Some(1_000_000),
             over_limit: false,
             ts_ms: 1_700_000_000_000,
+            limits_version: 0,
         })
         .collect();
     let key = keys::ed25519_private(&private).unwrap();

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::duration::serde_human;
+use crate::period::PeriodKind;
 use crate::validate;
 
 /// A configuration that could not be loaded, naming the key and the reason.
@@ -384,8 +385,11 @@ mod opt_human {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WireSettings {
-    /// What producers write: 2 (binary, signed) or 1 (the previous
-    /// release's JSON, unsigned). Decoders read both.
+    /// What producers write: 3 (binary, signed, with periods, enforced
+    /// limits and limits versions), 2 (the previous release's binary: keep
+    /// it on every process until none of the previous release runs, since
+    /// that release reads no v3) or 1 (JSON, unsigned). Decoders read all
+    /// three.
     pub version: u8,
     /// Accept records without a signature (v1 JSON, unsigned v2). A record
     /// whose signature is wrong is refused whatever this says.
@@ -409,7 +413,7 @@ pub struct WireSettings {
 impl Default for WireSettings {
     fn default() -> Self {
         WireSettings {
-            version: 2,
+            version: 3,
             accept_unsigned: false,
             delta_keys: BTreeMap::new(),
             broadcast_public_keys: BTreeMap::new(),
@@ -652,10 +656,70 @@ pub struct LimitOverride {
     pub burst: Option<u64>,
 }
 
-/// The global tier: units per tenant per UTC calendar day.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The global tiers: units per tenant across every region, per calendar
+/// period (UTC). `limit` is the day's, as before periods existed
+/// (`global = { limit = N }` keeps meaning one UTC day); `hour`, `day`,
+/// `week` (ISO, from Monday) and `month` (calendar) each add a tier, and a
+/// check must fit in all of them (`global = { month = 2000000, hour =
+/// 10000 }`). A tenant's `global` overrides the kinds it names and inherits
+/// the others from its plan.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GlobalLimitConfig {
+    /// The day's limit (the same as `day`; give one of them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hour: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub day: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub week: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub month: Option<u64>,
+}
+
+impl GlobalLimitConfig {
+    /// One tier per UTC day: what `global = { limit = N }` has always meant.
+    pub fn daily(limit: u64) -> Self {
+        GlobalLimitConfig {
+            limit: Some(limit),
+            ..Default::default()
+        }
+    }
+
+    /// The limit of `kind`, if this table names one.
+    pub fn of(&self, kind: PeriodKind) -> Option<u64> {
+        match kind {
+            PeriodKind::Hour => self.hour,
+            PeriodKind::Day => self.day.or(self.limit),
+            PeriodKind::Week => self.week,
+            PeriodKind::Month => self.month,
+        }
+    }
+
+    /// Checks the table alone (`at` names it, e.g. `plans.pro.global`).
+    fn check(&self, at: &str) -> Result<(), ConfigError> {
+        if self.limit.is_some() && self.day.is_some() {
+            return Err(ConfigError::invalid(
+                format!("{at}.day"),
+                "give the day's limit once: `limit` and `day` are the same tier",
+            ));
+        }
+        if PeriodKind::ALL.iter().all(|k| self.of(*k).is_none()) {
+            return Err(ConfigError::invalid(
+                at,
+                "a global table needs at least one limit (limit, hour, day, week or month)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One global tier of a resolved [`Policy`] other than the day's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct GlobalTier {
+    pub kind: PeriodKind,
     pub limit: u64,
 }
 
@@ -802,8 +866,12 @@ pub struct Policy {
     pub plan: String,
     pub node: Option<Limit>,
     pub region: Option<Limit>,
-    /// Units per UTC day across all regions.
+    /// Units per UTC day across all regions: the day's global tier, whose
+    /// counter every tenant has (it is the usage the dashboard shows).
     pub global: Option<u64>,
+    /// The other global tiers (hour, week, month), in that order: each a
+    /// counter of its own, decided together with the day's.
+    pub global_periods: Vec<GlobalTier>,
     pub on_store_error: StoreErrorMode,
     pub key_scoped: bool,
     /// The plan's cap on leases (`plans.<name>.lease_max`; 0 = none).
@@ -1040,11 +1108,15 @@ impl Config {
         for (name, p) in &self.plans {
             validate::name("plan name", name)
                 .map_err(|e| ConfigError::invalid(format!("plans.{name}"), e.to_string()))?;
+            if let Some(g) = &p.global {
+                g.check(&format!("plans.{name}.global"))?;
+            }
             let policy = Policy {
                 plan: name.clone(),
                 node: p.node.as_ref().map(Limit::from_config),
                 region: p.region.as_ref().map(Limit::from_config),
-                global: p.global.as_ref().map(|g| g.limit),
+                global: p.global.as_ref().and_then(|g| g.of(PeriodKind::Day)),
+                global_periods: global_periods(p.global.as_ref(), &[]),
                 on_store_error: p.on_store_error,
                 key_scoped: p.key_scoped,
                 lease_max: p.lease_max,
@@ -1081,7 +1153,11 @@ impl Config {
                 }
             }
             if let Some(g) = &t.global {
-                policy.global = Some(g.limit);
+                g.check(&format!("{at}.global"))?;
+                if let Some(day) = g.of(PeriodKind::Day) {
+                    policy.global = Some(day);
+                }
+                policy.global_periods = global_periods(Some(g), &policy.global_periods);
             }
             if let Some(m) = t.on_store_error {
                 policy.on_store_error = m;
@@ -1218,12 +1294,40 @@ impl Config {
                     "version 1 (JSON) cannot be signed: it needs wire.accept_unsigned = true (only during an upgrade from the JSON release)",
                 ))
             }
-            1 | 2 => {}
+            1..=3 => {}
             v => {
                 return Err(ConfigError::invalid(
                     "wire.version",
-                    format!("must be 1 or 2, got {v}"),
+                    format!("must be 1, 2 or 3, got {v}"),
                 ))
+            }
+        }
+        if w.version < 3 {
+            let periodic = self.plans.iter().find_map(|(name, p)| {
+                let g = p.global.as_ref()?;
+                PeriodKind::ALL
+                    .into_iter()
+                    .find(|k| *k != PeriodKind::Day && g.of(*k).is_some())
+                    .map(|k| format!("plans.{name}.global.{k}"))
+            });
+            let periodic = periodic.or_else(|| {
+                self.tenants.iter().find_map(|(id, t)| {
+                    let g = t.global.as_ref()?;
+                    PeriodKind::ALL
+                        .into_iter()
+                        .find(|k| *k != PeriodKind::Day && g.of(*k).is_some())
+                        .map(|k| format!("tenants.{id}.global.{k}"))
+                })
+            });
+            if let Some(at) = periodic {
+                return Err(ConfigError::invalid(
+                    "wire.version",
+                    format!(
+                        "{at} is a global tier of a period other than a UTC day, which only wire \
+                         version 3 carries: set wire.version = 3 (once no process of the previous \
+                         release runs) or remove the tier"
+                    ),
+                ));
             }
         }
         let mut seen = std::collections::BTreeSet::new();
@@ -1574,7 +1678,30 @@ fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
             ));
         }
     }
+    for t in &p.global_periods {
+        if t.limit == 0 || t.limit > MAX_LIMIT {
+            return Err(ConfigError::invalid(
+                format!("{at}.global.{}", t.kind),
+                format!("must be between 1 and {MAX_LIMIT}"),
+            ));
+        }
+    }
     Ok(())
+}
+
+/// The non-day global tiers of `table` over `inherited` (a tenant's
+/// override names some kinds; the plan's others stay), hour → month.
+fn global_periods(table: Option<&GlobalLimitConfig>, inherited: &[GlobalTier]) -> Vec<GlobalTier> {
+    PeriodKind::ALL
+        .into_iter()
+        .filter(|k| *k != PeriodKind::Day)
+        .filter_map(|kind| {
+            let limit = table
+                .and_then(|t| t.of(kind))
+                .or_else(|| inherited.iter().find(|t| t.kind == kind).map(|t| t.limit))?;
+            Some(GlobalTier { kind, limit })
+        })
+        .collect()
 }
 
 /// Applies one `TIERLIMIT__A__B__C=value` variable to the TOML tree.

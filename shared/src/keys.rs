@@ -14,10 +14,10 @@
 //!
 //! | key                          | type | holds |
 //! |------------------------------|------|-------|
-//! | `tl:{B}:t:T`                 | hash | the tenant: its whole-tenant tier states (fields `<tier id>:<f>`), its PN counter per day (`g:<day>:e`, `:p`, `:n`), the day's publish state (`g:<day>:d`: absent clean, 1 dirty, 2 urgent) and the list of its days (`gd`) |
+//! | `tl:{B}:t:T`                 | hash | the tenant: its whole-tenant tier states (fields `<tier id>:<f>`), its PN counter per day (`g:<day>:e`, `:p`, `:n`), the day's publish state (`g:<day>:d`: absent clean, 1 dirty, 2 urgent) and the list of its days (`gd`); a tenant with global tiers of other periods has their counters the same way (`g:<label>:e` … with `m<index>`, `w<index>`, `h<index>`) and their list (`gx`) |
 //! | `tl:{B}:t:T:k:<tier id>:<k>` | hash/zset | a tier that cannot live in the tenant hash: key-scoped (one per counting key, with its own TTL), a window longer than a day, or the exact sliding log (a zset) |
 //! | `tl:{B}:t:T:rf:<day>`        | set  | refund handles used against charges of that day (idempotent refunds) |
-//! | `tl:{B}:dirty`               | zset `T|day → score` | (tenant, day) pairs with unpublished changes; score 0 = urgent, else the Redis time (ms) it became due for the relaxed flush |
+//! | `tl:{B}:dirty`               | zset `T|period → score` | (tenant, period) pairs with unpublished changes (a day's period is the bare day number, other periods `h`/`w`/`m` and an index: `shared/src/period.rs`); score 0 = urgent, else the Redis time (ms) it became due for the relaxed flush |
 //!
 //! `<tier id>` is `n:<node>:<rule>:<a>` (node tier) or `r:<rule>:<a>` (region
 //! tier), where `<rule>` is `_` for a plan's own tiers and `<a>` the
@@ -31,6 +31,8 @@
 //! where scheme 1 (`tl:{T}:…`, one key per tier and per day, and the
 //! region-wide `tl:dirty` and `tl:published`, which no cluster can serve
 //! from one slot) needed a read, a write and a TTL per key.
+
+use crate::period::Period;
 
 /// Buckets of the key scheme. Part of the scheme: changing it moves every
 /// key. 64 lets a region spread over up to 64 masters.
@@ -119,6 +121,12 @@ pub fn day_prefix(day: u32) -> String {
     format!("g:{day}:")
 }
 
+/// Field-name prefix of the PN counter of `period` in the tenant hash:
+/// `g:<label>:`, the same as [`day_prefix`] for a day.
+pub fn period_prefix(period: Period) -> String {
+    format!("g:{}:", period.label())
+}
+
 /// The PN counter's fields of `day` in the tenant hash: epoch, P, N.
 pub fn counter_fields(day: u32) -> [String; 3] {
     let g = day_prefix(day);
@@ -141,11 +149,17 @@ pub fn dirty_member(tenant: &str, day: u32) -> String {
     format!("{tenant}|{day}")
 }
 
+/// Member of a dirty set for (tenant, period): `T|<label>`, the same as
+/// [`dirty_member`] for a day.
+pub fn dirty_member_of(tenant: &str, period: Period) -> String {
+    format!("{tenant}|{}", period.label())
+}
+
 /// Parses a dirty-set member back; `None` for anything we did not write.
-pub fn parse_dirty_member(m: &str) -> Option<(&str, u32)> {
+pub fn parse_dirty_member(m: &str) -> Option<(&str, Period)> {
     let (t, d) = m.rsplit_once('|')?;
     crate::validate::tenant(t).ok()?;
-    Some((t, d.parse().ok()?))
+    Some((t, Period::parse_label(d)?))
 }
 
 /// Scheme 1's keys, read only to carry a region's counts over an upgrade
@@ -243,7 +257,13 @@ mod tests {
     fn dirty_members_round_trip() {
         assert_eq!(
             parse_dirty_member(&dirty_member("a.b-c", 7)),
-            Some(("a.b-c", 7))
+            Some(("a.b-c", Period::day(7)))
+        );
+        let month = crate::period::PeriodKind::Month.at(1_800_000_000_000);
+        assert_eq!(dirty_member_of("t", Period::day(7)), dirty_member("t", 7));
+        assert_eq!(
+            parse_dirty_member(&dirty_member_of("t", month)),
+            Some(("t", month))
         );
         assert_eq!(parse_dirty_member("x|y"), None);
         assert_eq!(parse_dirty_member("a{b|1"), None);

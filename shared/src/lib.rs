@@ -17,6 +17,7 @@ pub mod config;
 pub mod day;
 pub mod describe;
 pub mod duration;
+pub mod period;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod keys;

@@ -11,6 +11,28 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::period::Period;
+
+/// v1 JSON names a period by its `day` (v1 has only UTC days): a period of
+/// another kind cannot be written as v1 (the producer refuses: `wire.version
+/// = 1` with a non-day global tier is a configuration error).
+mod v1_day {
+    use super::Period;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(p: &Period, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u32(p.index)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Period, D::Error> {
+        Ok(Period::day(u32::deserialize(d)?))
+    }
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
 /// The only message version this build writes and reads.
 pub const VERSION: u32 = 1;
 
@@ -19,8 +41,9 @@ pub const VERSION: u32 = 1;
 pub struct Delta {
     pub v: u32,
     pub tenant: String,
-    /// UTC day number (days since 1970-01-01).
-    pub day: u32,
+    /// The counter's period (a UTC day number in v1's `day`).
+    #[serde(rename = "day", with = "v1_day")]
+    pub period: Period,
     /// `"{region}/{epoch}"`.
     pub actor: String,
     /// Cumulative allowed cost.
@@ -34,6 +57,16 @@ pub struct Delta {
     /// hence its highest, value (see [`Delta::key`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// The global limit of this period's tier that the node enforced when it
+    /// last charged the counter (wire v3; `None`: no tier of this kind, or
+    /// an older writer). The aggregator takes the limit from here, so it
+    /// needs no tenant table to know when a tenant is near or over it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u64>,
+    /// The version of the limits the node enforced under (wire v3; 0 from
+    /// an older writer).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub limits_version: u64,
 }
 
 /// One actor's part in a global total.
@@ -59,7 +92,8 @@ impl ActorPart {
 pub struct GlobalUpdate {
     pub v: u32,
     pub tenant: String,
-    pub day: u32,
+    #[serde(rename = "day", with = "v1_day")]
+    pub period: Period,
     /// Σ P − Σ N over all actors.
     pub total: u64,
     pub parts: Vec<ActorPart>,
@@ -67,6 +101,9 @@ pub struct GlobalUpdate {
     pub limit: Option<u64>,
     pub over_limit: bool,
     pub ts_ms: u64,
+    /// The limits version the aggregator judged `limit` under (wire v3).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub limits_version: u64,
 }
 
 #[derive(Debug, Error)]
@@ -104,16 +141,23 @@ fn check_actor(actor: &str) -> Result<(), DecodeError> {
 }
 
 impl Delta {
+    /// A delta of the UTC day `day` (see [`Delta::of`] for other periods).
     pub fn new(tenant: &str, day: u32, actor: String, p: u64, n: u64, ts_ms: u64) -> Self {
+        Delta::of(tenant, Period::day(day), actor, p, n, ts_ms)
+    }
+
+    pub fn of(tenant: &str, period: Period, actor: String, p: u64, n: u64, ts_ms: u64) -> Self {
         Delta {
             v: VERSION,
             tenant: tenant.into(),
-            day,
+            period,
             actor,
             p,
             n,
             ts_ms,
             node: None,
+            limit: None,
+            limits_version: 0,
         }
     }
 
@@ -123,8 +167,9 @@ impl Delta {
         self
     }
 
-    /// Kafka key: `tenant|day|actor|node` (or `tenant|day|actor` without a
-    /// node).
+    /// Kafka key: `tenant|period|actor|node` (or `tenant|period|actor`
+    /// without a node), the period by its label: a UTC day's is the bare
+    /// day number, so a day counter's key is the same in every version.
     ///
     /// Why the node: compaction keeps the *latest* message per key, not the
     /// largest. Several nodes of a region publish the same actor, and their
@@ -134,9 +179,10 @@ impl Delta {
     /// per (actor, node) the latest message is also the largest, and the
     /// aggregator's max over all of them is the truth.
     pub fn key(&self) -> String {
+        let period = self.period.label();
         match &self.node {
-            Some(node) => format!("{}|{}|{}|{}", self.tenant, self.day, self.actor, node),
-            None => format!("{}|{}|{}", self.tenant, self.day, self.actor),
+            Some(node) => format!("{}|{}|{}|{}", self.tenant, period, self.actor, node),
+            None => format!("{}|{}|{}", self.tenant, period, self.actor),
         }
     }
 
@@ -160,9 +206,9 @@ impl Delta {
 }
 
 impl GlobalUpdate {
-    /// Kafka key: `tenant|day`.
+    /// Kafka key: `tenant|period` (a day's period label is the bare day).
     pub fn key(&self) -> String {
-        format!("{}|{}", self.tenant, self.day)
+        format!("{}|{}", self.tenant, self.period.label())
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -251,7 +297,7 @@ mod tests {
         let mut u = GlobalUpdate {
             v: VERSION,
             tenant: "acme".into(),
-            day: 1,
+            period: Period::day(1),
             total: 0,
             parts: vec![ActorPart {
                 actor: actor("eu", "e"),
@@ -261,6 +307,7 @@ mod tests {
             limit: None,
             over_limit: false,
             ts_ms: 0,
+            limits_version: 0,
         };
         assert_eq!(GlobalUpdate::decode(&u.encode()).unwrap(), u);
         u.parts[0].p = 0;

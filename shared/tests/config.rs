@@ -272,7 +272,7 @@ fn missing_required_fields_are_named() {
         (
             &["plans", "free", "global", "limit"],
             "plans.free.global",
-            "missing field `limit`",
+            "needs at least one limit",
         ),
     ];
     for (path, key, reason) in cases {
@@ -1102,10 +1102,10 @@ fn load_reports_an_unreadable_file() {
 // ----- wire keys ------------------------------------------------------------
 
 #[test]
-fn wire_defaults_are_signed_v2() {
+fn wire_defaults_are_signed_v3() {
     let l = ok(&base());
     let w = &l.config.wire;
-    assert_eq!(w.version, 2);
+    assert_eq!(w.version, 3);
     assert!(!w.accept_unsigned);
     assert_eq!(w.delta_keys["eu-west"].sign_with, "eu-1");
 }
@@ -1132,11 +1132,68 @@ fn signing_is_required_unless_explicitly_unsigned() {
         "wire.version",
         "cannot be signed",
     );
+    ok(&with(&["wire", "version"], v("2")));
     refused(
-        &with(&["wire", "version"], v("3")),
+        &with(&["wire", "version"], v("4")),
         "wire.version",
-        "must be 1 or 2",
+        "must be 1, 2 or 3",
     );
+}
+
+#[test]
+fn global_tiers_take_calendar_periods() {
+    use tierlimit_shared::config::GlobalTier;
+    use tierlimit_shared::period::PeriodKind;
+    let with_acme = |path: &[&str], value: toml::Value| {
+        let mut t = with(path, value);
+        set(&mut t, &["tenants", "acme", "plan"], s("free"));
+        t
+    };
+    // `limit` keeps meaning one UTC day.
+    let l = ok(&with_acme(&["plans", "free", "global"], v("{ limit = 1000 }")));
+    assert_eq!(l.policy("acme").unwrap().global, Some(1000));
+    assert!(l.policy("acme").unwrap().global_periods.is_empty());
+    // A plan with hour, day and month tiers; a tenant overriding the month
+    // inherits the plan's hour and day.
+    let mut t = with_acme(
+        &["plans", "free", "global"],
+        v("{ hour = 100, day = 1000, month = 20000 }"),
+    );
+    set(&mut t, &["tenants", "acme", "global"], v("{ month = 50000 }"));
+    let l = ok(&t);
+    let p = l.policy("acme").unwrap();
+    assert_eq!(p.global, Some(1000));
+    assert_eq!(
+        p.global_periods,
+        vec![
+            GlobalTier { kind: PeriodKind::Hour, limit: 100 },
+            GlobalTier { kind: PeriodKind::Month, limit: 50000 },
+        ]
+    );
+    // A month alone has no day tier.
+    let l = ok(&with_acme(&["plans", "free", "global"], v("{ month = 7 }")));
+    let p = l.policy("acme").unwrap();
+    assert_eq!((p.global, p.global_periods.len()), (None, 1));
+    // Refusals name the key.
+    refused(
+        &with(&["plans", "free", "global"], v("{ limit = 1, day = 2 }")),
+        "plans.free.global.day",
+        "the same tier",
+    );
+    refused(
+        &with(&["plans", "free", "global"], v("{ month = 0 }")),
+        "plans.free.global.month",
+        "between 1 and",
+    );
+    refused(
+        &with(&["plans", "free", "global"], v("{ fortnight = 3 }")),
+        "plans.free.global",
+        "fortnight",
+    );
+    // Wire v2 cannot carry a month.
+    let mut t = with(&["plans", "free", "global"], v("{ month = 7 }"));
+    set(&mut t, &["wire", "version"], v("2"));
+    refused(&t, "wire.version", "plans.free.global.month");
 }
 
 #[test]

@@ -90,6 +90,7 @@ impl BroadcastSigner {
                 })
                 .collect(),
             Version::V2 => self.seal(updates.iter().map(codec::global_body).collect()),
+            Version::V3 => self.seal(updates.iter().map(codec::global_body_v3).collect()),
         }
     }
 
@@ -97,7 +98,18 @@ impl BroadcastSigner {
     pub fn encode_heartbeats(&self, heartbeats: &[Heartbeat]) -> Vec<Vec<u8>> {
         match self.version {
             Version::V1 => Vec::new(),
-            Version::V2 => self.seal(heartbeats.iter().map(codec::heartbeat_body).collect()),
+            Version::V2 => self.seal(
+                heartbeats
+                    .iter()
+                    .map(|h| codec::heartbeat_body(codec::V2, h))
+                    .collect(),
+            ),
+            Version::V3 => self.seal(
+                heartbeats
+                    .iter()
+                    .map(|h| codec::heartbeat_body(codec::V3, h))
+                    .collect(),
+            ),
         }
     }
 
@@ -187,12 +199,14 @@ impl BroadcastVerifier {
                 }
                 Ok(Broadcast::Update(u))
             }
-            Version::V2 if codec::kind_of(bytes) == Some(Kind::Heartbeat as u8) => {
+            Version::V2 | Version::V3
+                if codec::kind_of(bytes) == Some(Kind::Heartbeat as u8) =>
+            {
                 let frame = codec::decode_heartbeat(bytes)?;
                 self.check(frame.signed, &frame.auth)?;
                 Ok(Broadcast::Heartbeat(frame.message))
             }
-            Version::V2 => {
+            Version::V2 | Version::V3 => {
                 let frame = codec::decode_global(bytes)?;
                 self.check(frame.signed, &frame.auth)?;
                 Ok(Broadcast::Update(frame.message))
@@ -257,9 +271,9 @@ mod tests {
 
     fn u(tenant: &str, p: u64) -> GlobalUpdate {
         GlobalUpdate {
-            v: 2,
+            v: 3,
             tenant: tenant.into(),
-            day: 20_000,
+            period: crate::period::Period::day(20_000),
             total: p,
             parts: vec![ActorPart {
                 actor: "eu/e1".into(),
@@ -269,6 +283,7 @@ mod tests {
             limit: Some(100),
             over_limit: p >= 100,
             ts_ms: 7,
+            limits_version: 0,
         }
     }
 

@@ -1,7 +1,7 @@
-//! Wire v2: the binary encoding of both topics' records.
+//! Wire v2 and v3: the binary encoding of both topics' records.
 //!
 //! ```text
-//! byte 0      version (2). JSON v1 records start with `{`, so one byte
+//! byte 0      version (2 or 3). JSON v1 records start with `{`, so one byte
 //!             tells the formats apart.
 //! byte 1      kind: 1 delta, 2 global update, 3 heartbeat
 //! body        postcard of the kind's body (varints, length-prefixed UTF-8)
@@ -16,14 +16,25 @@
 //!
 //! Decoding never panics and refuses trailing bytes; the bodies are then
 //! validated like v1's (tenant and names, `n <= p`).
+//!
+//! v3 (this round's one wire change) adds to deltas and global updates the
+//! counter's **period** (kind, index and zone: UTC days were the only
+//! period of v2), the **limit the node enforced** for that period (so the
+//! aggregator never resolves a tenant through its own table to judge it)
+//! and the **limits version** both sides judged under. The zone is a name,
+//! empty for UTC: time zones need no further wire change, and this release
+//! refuses a record with one. Heartbeats are the same body in both.
 
 use serde::{Deserialize, Serialize};
 
 use crate::messages::{ActorPart, DecodeError, Delta, GlobalUpdate};
+use crate::period::{Period, PeriodKind};
 use crate::wire::merkle::Hash;
 
-/// The version byte of this format.
+/// The version byte of v2.
 pub const V2: u8 = 2;
+/// The version byte of v3 (periods, enforced limits, limits versions).
+pub const V3: u8 = 3;
 
 /// What a v2 record holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,10 +72,10 @@ impl Heartbeat {
     }
 }
 
-/// The kind of a v2 record (its second byte), if it is one.
+/// The kind of a v2 or v3 record (its second byte), if it is one.
 pub fn kind_of(bytes: &[u8]) -> Option<u8> {
     match bytes {
-        [V2, k, ..] => Some(*k),
+        [V2 | V3, k, ..] => Some(*k),
         _ => None,
     }
 }
@@ -105,6 +116,71 @@ struct DeltaBody<'a> {
     ts_ms: u64,
 }
 
+/// A counter's period on the wire (v3): the kind's code, the index in that
+/// kind's calendar and the zone (empty: UTC).
+#[derive(Serialize, Deserialize)]
+struct PeriodBody<'a> {
+    kind: u8,
+    index: u32,
+    zone: &'a str,
+}
+
+impl<'a> PeriodBody<'a> {
+    fn of(p: Period) -> Self {
+        PeriodBody {
+            kind: p.kind.code(),
+            index: p.index,
+            zone: "",
+        }
+    }
+
+    fn period(&self) -> Result<Period, DecodeError> {
+        let kind = PeriodKind::from_code(self.kind)
+            .ok_or_else(|| DecodeError::Field(format!("unknown period kind {}", self.kind)))?;
+        if !self.zone.is_empty() {
+            return Err(DecodeError::Field(format!(
+                "period in time zone {:?}: this release counts in UTC only",
+                self.zone
+            )));
+        }
+        Ok(Period {
+            kind,
+            index: self.index,
+        })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct DeltaBodyV3<'a> {
+    tenant: &'a str,
+    #[serde(borrow)]
+    period: PeriodBody<'a>,
+    region: &'a str,
+    epoch: &'a str,
+    node: Option<&'a str>,
+    p: u64,
+    n: u64,
+    ts_ms: u64,
+    limit: Option<u64>,
+    limits_version: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct GlobalBodyV3<'a> {
+    tenant: &'a str,
+    #[serde(borrow)]
+    period: PeriodBody<'a>,
+    total: u64,
+    #[serde(borrow)]
+    regions: Vec<&'a str>,
+    #[serde(borrow)]
+    parts: Vec<PartBody<'a>>,
+    limit: Option<u64>,
+    over_limit: bool,
+    ts_ms: u64,
+    limits_version: u64,
+}
+
 #[derive(Serialize, Deserialize)]
 struct PartBody<'a> {
     /// Index into [`GlobalBody::regions`].
@@ -137,9 +213,9 @@ pub struct Frame<'a, T> {
     pub auth: Auth,
 }
 
-fn header(kind: Kind) -> Vec<u8> {
+fn header(version: u8, kind: Kind) -> Vec<u8> {
     let mut out = Vec::with_capacity(96);
-    out.push(V2);
+    out.push(version);
     out.push(kind as u8);
     out
 }
@@ -148,12 +224,18 @@ fn split_actor(actor: &str) -> (&str, &str) {
     actor.split_once('/').unwrap_or((actor, ""))
 }
 
-/// The signed part of a v2 delta (header and body, no auth yet).
+/// The signed part of a v2 delta (header and body, no auth yet). v2 knows
+/// only UTC days: a delta of another period is a v3 record whatever the
+/// caller asked (the configuration refuses such tiers under `wire.version
+/// = 2`, so this is a last guard, not a path).
 pub fn delta_body(d: &Delta) -> Vec<u8> {
+    if d.period.kind != PeriodKind::Day {
+        return delta_body_v3(d);
+    }
     let (region, epoch) = split_actor(&d.actor);
     let body = DeltaBody {
         tenant: &d.tenant,
-        day: d.day,
+        day: d.period.index,
         region,
         epoch,
         node: d.node.as_deref(),
@@ -161,11 +243,29 @@ pub fn delta_body(d: &Delta) -> Vec<u8> {
         n: d.n,
         ts_ms: d.ts_ms,
     };
-    postcard::to_extend(&body, header(Kind::Delta)).expect("a Vec never runs out of room")
+    postcard::to_extend(&body, header(V2, Kind::Delta)).expect("a Vec never runs out of room")
 }
 
-/// The signed part of a v2 global update (header and body, no auth yet).
-pub fn global_body(u: &GlobalUpdate) -> Vec<u8> {
+/// The signed part of a v3 delta (header and body, no auth yet).
+pub fn delta_body_v3(d: &Delta) -> Vec<u8> {
+    let (region, epoch) = split_actor(&d.actor);
+    let body = DeltaBodyV3 {
+        tenant: &d.tenant,
+        period: PeriodBody::of(d.period),
+        region,
+        epoch,
+        node: d.node.as_deref(),
+        p: d.p,
+        n: d.n,
+        ts_ms: d.ts_ms,
+        limit: d.limit,
+        limits_version: d.limits_version,
+    };
+    postcard::to_extend(&body, header(V3, Kind::Delta)).expect("a Vec never runs out of room")
+}
+
+/// A global update's parts with their regions interned.
+fn interned(u: &GlobalUpdate) -> (Vec<&str>, Vec<PartBody<'_>>) {
     let mut regions: Vec<&str> = Vec::new();
     let parts = u
         .parts
@@ -187,9 +287,19 @@ pub fn global_body(u: &GlobalUpdate) -> Vec<u8> {
             }
         })
         .collect();
+    (regions, parts)
+}
+
+/// The signed part of a v2 global update (header and body, no auth yet);
+/// v3 for a period other than a UTC day (see [`delta_body`]).
+pub fn global_body(u: &GlobalUpdate) -> Vec<u8> {
+    if u.period.kind != PeriodKind::Day {
+        return global_body_v3(u);
+    }
+    let (regions, parts) = interned(u);
     let body = GlobalBody {
         tenant: &u.tenant,
-        day: u.day,
+        day: u.period.index,
         total: u.total,
         regions,
         parts,
@@ -197,17 +307,35 @@ pub fn global_body(u: &GlobalUpdate) -> Vec<u8> {
         over_limit: u.over_limit,
         ts_ms: u.ts_ms,
     };
-    postcard::to_extend(&body, header(Kind::Global)).expect("a Vec never runs out of room")
+    postcard::to_extend(&body, header(V2, Kind::Global)).expect("a Vec never runs out of room")
 }
 
-/// The signed part of a heartbeat (header and body, no auth yet).
-pub fn heartbeat_body(h: &Heartbeat) -> Vec<u8> {
-    postcard::to_extend(h, header(Kind::Heartbeat)).expect("a Vec never runs out of room")
+/// The signed part of a v3 global update (header and body, no auth yet).
+pub fn global_body_v3(u: &GlobalUpdate) -> Vec<u8> {
+    let (regions, parts) = interned(u);
+    let body = GlobalBodyV3 {
+        tenant: &u.tenant,
+        period: PeriodBody::of(u.period),
+        total: u.total,
+        regions,
+        parts,
+        limit: u.limit,
+        over_limit: u.over_limit,
+        ts_ms: u.ts_ms,
+        limits_version: u.limits_version,
+    };
+    postcard::to_extend(&body, header(V3, Kind::Global)).expect("a Vec never runs out of room")
+}
+
+/// The signed part of a heartbeat (header and body, no auth yet), the same
+/// body in v2 and v3.
+pub fn heartbeat_body(version: u8, h: &Heartbeat) -> Vec<u8> {
+    postcard::to_extend(h, header(version, Kind::Heartbeat)).expect("a Vec never runs out of room")
 }
 
 /// Decodes a heartbeat (the signature is checked by the caller).
 pub fn decode_heartbeat(bytes: &[u8]) -> Result<Frame<'_, Heartbeat>, DecodeError> {
-    let (message, signed, auth) = frame::<Heartbeat>(bytes, Kind::Heartbeat)?;
+    let (message, signed, auth) = frame::<Heartbeat>(bytes, Kind::Heartbeat)?.1;
     Ok(Frame {
         message,
         signed,
@@ -225,14 +353,42 @@ fn binary(e: postcard::Error) -> DecodeError {
     DecodeError::Field(format!("not a v2 record: {e}"))
 }
 
-/// Splits a v2 record of `kind` into its body (decoded by `body`), signed
-/// bytes and authentication.
+/// The body of a record of one kind in either binary version.
+enum Either<B2, B3> {
+    V2(B2),
+    V3(B3),
+}
+
+/// Splits a v2 or v3 record of `kind` into its version, its body (decoded
+/// by `body`), signed bytes and authentication.
+#[allow(clippy::type_complexity)]
+fn frame_of<'a, B2: Deserialize<'a>, B3: Deserialize<'a>>(
+    bytes: &'a [u8],
+    kind: Kind,
+) -> Result<(Either<B2, B3>, &'a [u8], Auth), DecodeError> {
+    let version = bytes.first().copied();
+    let (body, signed, auth) = match version {
+        Some(V3) => {
+            let (_, (b, signed, auth)) = frame::<B3>(bytes, kind)?;
+            (Either::V3(b), signed, auth)
+        }
+        _ => {
+            let (_, (b, signed, auth)) = frame::<B2>(bytes, kind)?;
+            (Either::V2(b), signed, auth)
+        }
+    };
+    Ok((body, signed, auth))
+}
+
+/// Splits a v2 or v3 record of `kind` into its version byte and its body
+/// (decoded as `B`), signed bytes and authentication.
+#[allow(clippy::type_complexity)]
 fn frame<'a, B: Deserialize<'a>>(
     bytes: &'a [u8],
     kind: Kind,
-) -> Result<(B, &'a [u8], Auth), DecodeError> {
+) -> Result<(u8, (B, &'a [u8], Auth)), DecodeError> {
     match bytes {
-        [V2, k, rest @ ..] if *k == kind as u8 => {
+        [v @ (V2 | V3), k, rest @ ..] if *k == kind as u8 => {
             let (body, after_body) = postcard::take_from_bytes::<B>(rest).map_err(binary)?;
             let signed = &bytes[..bytes.len() - after_body.len()];
             let (auth, trailing) = postcard::take_from_bytes::<Auth>(after_body).map_err(binary)?;
@@ -242,9 +398,9 @@ fn frame<'a, B: Deserialize<'a>>(
                     trailing.len()
                 )));
             }
-            Ok((body, signed, auth))
+            Ok((*v, (body, signed, auth)))
         }
-        [V2, k, ..] => Err(DecodeError::Field(format!(
+        [V2 | V3, k, ..] => Err(DecodeError::Field(format!(
             "record kind {k} where {} was expected",
             kind as u8
         ))),
@@ -270,7 +426,22 @@ fn check_pn(p: u64, n: u64) -> Result<(), DecodeError> {
 
 /// Decodes and validates a v2 delta (the signature is checked by the caller).
 pub fn decode_delta(bytes: &[u8]) -> Result<Frame<'_, Delta>, DecodeError> {
-    let (b, signed, auth) = frame::<DeltaBody>(bytes, Kind::Delta)?;
+    let (body, signed, auth) = frame_of::<DeltaBody, DeltaBodyV3>(bytes, Kind::Delta)?;
+    let b = match body {
+        Either::V2(b) => DeltaBodyV3 {
+            tenant: b.tenant,
+            period: PeriodBody::of(Period::day(b.day)),
+            region: b.region,
+            epoch: b.epoch,
+            node: b.node,
+            p: b.p,
+            n: b.n,
+            ts_ms: b.ts_ms,
+            limit: None,
+            limits_version: 0,
+        },
+        Either::V3(b) => b,
+    };
     check_tenant(b.tenant)?;
     check_name("region", b.region)?;
     check_name("epoch", b.epoch)?;
@@ -279,14 +450,16 @@ pub fn decode_delta(bytes: &[u8]) -> Result<Frame<'_, Delta>, DecodeError> {
     }
     check_pn(b.p, b.n)?;
     let message = Delta {
-        v: u32::from(V2),
+        v: u32::from(bytes[0]),
         tenant: b.tenant.to_owned(),
-        day: b.day,
+        period: b.period.period()?,
         actor: crate::messages::actor(b.region, b.epoch),
         p: b.p,
         n: b.n,
         ts_ms: b.ts_ms,
         node: b.node.map(str::to_owned),
+        limit: b.limit,
+        limits_version: b.limits_version,
     };
     Ok(Frame {
         message,
@@ -298,7 +471,21 @@ pub fn decode_delta(bytes: &[u8]) -> Result<Frame<'_, Delta>, DecodeError> {
 /// Decodes and validates a v2 global update (the signature is checked by
 /// the caller).
 pub fn decode_global(bytes: &[u8]) -> Result<Frame<'_, GlobalUpdate>, DecodeError> {
-    let (b, signed, auth) = frame::<GlobalBody>(bytes, Kind::Global)?;
+    let (body, signed, auth) = frame_of::<GlobalBody, GlobalBodyV3>(bytes, Kind::Global)?;
+    let b = match body {
+        Either::V2(b) => GlobalBodyV3 {
+            tenant: b.tenant,
+            period: PeriodBody::of(Period::day(b.day)),
+            total: b.total,
+            regions: b.regions,
+            parts: b.parts,
+            limit: b.limit,
+            over_limit: b.over_limit,
+            ts_ms: b.ts_ms,
+            limits_version: 0,
+        },
+        Either::V3(b) => b,
+    };
     check_tenant(b.tenant)?;
     for r in &b.regions {
         check_name("region", r)?;
@@ -317,14 +504,15 @@ pub fn decode_global(bytes: &[u8]) -> Result<Frame<'_, GlobalUpdate>, DecodeErro
         });
     }
     let message = GlobalUpdate {
-        v: u32::from(V2),
+        v: u32::from(bytes[0]),
         tenant: b.tenant.to_owned(),
-        day: b.day,
+        period: b.period.period()?,
         total: b.total,
         parts,
         limit: b.limit,
         over_limit: b.over_limit,
         ts_ms: b.ts_ms,
+        limits_version: b.limits_version,
     };
     Ok(Frame {
         message,
@@ -355,7 +543,7 @@ mod tests {
         GlobalUpdate {
             v: 1,
             tenant: "acme".into(),
-            day: 20_000,
+            period: Period::day(20_000),
             total: 300,
             parts: ["eu/a", "eu/b", "us/c", "eu/d"]
                 .iter()
@@ -368,7 +556,66 @@ mod tests {
             limit: Some(1_000),
             over_limit: false,
             ts_ms: 5,
+            limits_version: 0,
         }
+    }
+
+    #[test]
+    fn v3_carries_the_period_the_enforced_limit_and_the_limits_version() {
+        let month = PeriodKind::Month.at(1_800_000_000_000);
+        let mut d = delta();
+        d.period = month;
+        d.limit = Some(2_000_000);
+        d.limits_version = 7;
+        // A month cannot be a v2 record: v3 whatever was asked.
+        for body in [delta_body(&d), delta_body_v3(&d)] {
+            assert_eq!(body[0], V3);
+            let m = decode_delta(&seal(body, &Auth::None)).unwrap().message;
+            assert_eq!(m, Delta { v: 3, ..d.clone() });
+        }
+        // A day in v3 keeps its Kafka key: the bare day number.
+        let day = delta();
+        let m = decode_delta(&seal(delta_body_v3(&day), &Auth::None)).unwrap().message;
+        assert_eq!(m.key(), day.key());
+        assert_eq!(day.key(), "acme|20000|eu-west/a1b2c3|eu-west-1");
+        let mut u = global();
+        u.period = month;
+        u.limits_version = 9;
+        let m = decode_global(&seal(global_body_v3(&u), &Auth::None)).unwrap().message;
+        assert_eq!(m, GlobalUpdate { v: 3, ..u.clone() });
+        assert_eq!(m.key(), format!("acme|m{}", month.index));
+        // v2 records decode as UTC days with no enforced limit.
+        let m = decode_delta(&seal(delta_body(&day), &Auth::None)).unwrap().message;
+        assert_eq!((m.v, m.period, m.limit), (2, Period::day(20_000), None));
+    }
+
+    #[test]
+    fn v3_refuses_unknown_period_kinds_and_zones() {
+        let mut bytes = delta_body_v3(&delta());
+        // tenant "acme" is 1 + 4 bytes after the header: the kind follows.
+        assert_eq!(bytes[2 + 5], PeriodKind::Day.code());
+        bytes[2 + 5] = 9;
+        let e = decode_delta(&seal(bytes, &Auth::None)).unwrap_err();
+        assert!(e.to_string().contains("unknown period kind 9"), "{e}");
+        let body = DeltaBodyV3 {
+            tenant: "acme",
+            period: PeriodBody {
+                kind: 2,
+                index: 1,
+                zone: "Europe/Berlin",
+            },
+            region: "eu",
+            epoch: "e",
+            node: None,
+            p: 1,
+            n: 0,
+            ts_ms: 0,
+            limit: None,
+            limits_version: 0,
+        };
+        let bytes = postcard::to_extend(&body, header(V3, Kind::Delta)).unwrap();
+        let e = decode_delta(&seal(bytes, &Auth::None)).unwrap_err();
+        assert!(e.to_string().contains("UTC only"), "{e}");
     }
 
     #[test]
@@ -406,7 +653,7 @@ mod tests {
             limits_version: 2,
             ts_ms: 1_700_000_000_000,
         };
-        let bytes = seal(heartbeat_body(&h), &Auth::None);
+        let bytes = seal(heartbeat_body(V2, &h), &Auth::None);
         assert_eq!(kind_of(&bytes), Some(Kind::Heartbeat as u8));
         assert_eq!(decode_heartbeat(&bytes).unwrap().message, h);
         assert!(decode_global(&bytes).is_err());

@@ -76,8 +76,12 @@ impl DeltaSigner {
                 ..d.clone()
             }
             .encode(),
-            Version::V2 => {
-                let signed = codec::delta_body(d);
+            Version::V2 | Version::V3 => {
+                let signed = if self.version == Version::V3 {
+                    codec::delta_body_v3(d)
+                } else {
+                    codec::delta_body(d)
+                };
                 let auth = match &self.key {
                     Some((id, secret)) => Auth::Hmac {
                         key: id.clone(),
@@ -126,7 +130,7 @@ impl DeltaVerifier {
                 }
                 d
             }
-            Version::V2 => {
+            Version::V2 | Version::V3 => {
                 let frame = codec::decode_delta(bytes)?;
                 match &frame.auth {
                     Auth::Hmac { key, tag: got } => {
@@ -183,7 +187,7 @@ mod tests {
         let v = DeltaVerifier::new(&cfg).unwrap();
         let eu = DeltaSigner::new(&cfg, "eu").unwrap();
         let got = v.decode(&eu.encode(&d("eu"))).unwrap();
-        assert_eq!(got, Delta { v: 2, ..d("eu") });
+        assert_eq!(got, Delta { v: 3, ..d("eu") });
 
         // eu's key vouching for a us actor: another region's part.
         let e = v.decode(&eu.encode(&d("us"))).unwrap_err();

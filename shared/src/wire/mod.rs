@@ -1,7 +1,8 @@
 //! The wire protocol of both Kafka topics: formats, versions and message
 //! authentication.
 //!
-//! - [`codec`]: wire v2, a compact binary encoding (postcard: varints,
+//! - [`codec`]: wire v2 and v3 (v3 adds periods, enforced limits and limits
+//!   versions), a compact binary encoding (postcard: varints,
 //!   interned regions) with a leading version byte and room for a signature;
 //! - v1 is the previous release's JSON (`crate::messages`), still read for
 //!   one release so that a rolling upgrade works;
@@ -105,27 +106,30 @@ pub fn heartbeat_liveness(config: &Config) -> std::time::Duration {
 pub enum Version {
     /// JSON, unsigned (the previous release).
     V1,
-    /// Binary, signed.
+    /// Binary, signed; UTC days only.
     V2,
+    /// Binary, signed; periods, enforced limits and limits versions.
+    V3,
 }
 
 impl Version {
     /// What producers write under `config` (`wire.version`, validated).
     pub fn from_config(config: &Config) -> Version {
-        if config.wire.version == 1 {
-            Version::V1
-        } else {
-            Version::V2
+        match config.wire.version {
+            1 => Version::V1,
+            2 => Version::V2,
+            _ => Version::V3,
         }
     }
 }
 
 /// The version of a record from its first byte: `{` is v1's JSON object,
-/// 2 is v2; anything else is a version this build does not read.
+/// 2 is v2, 3 is v3; anything else is a version this build does not read.
 pub fn read_version(bytes: &[u8]) -> Result<Version, DecodeError> {
     match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
         Some(b'{') => Ok(Version::V1),
         Some(&codec::V2) if bytes[0] == codec::V2 => Ok(Version::V2),
+        Some(&codec::V3) if bytes[0] == codec::V3 => Ok(Version::V3),
         Some(b) => Err(DecodeError::Version(u32::from(*b))),
         None => Err(DecodeError::Field("empty record".into())),
     }
@@ -198,7 +202,8 @@ keys = {{ us-1 = "{us}" }}
         assert_eq!(read_version(b"{\"v\":1}").unwrap(), Version::V1);
         assert_eq!(read_version(b" \n{").unwrap(), Version::V1);
         assert_eq!(read_version(&[2, 1]).unwrap(), Version::V2);
-        assert!(matches!(read_version(&[3]), Err(DecodeError::Version(3))));
+        assert_eq!(read_version(&[3, 1]).unwrap(), Version::V3);
+        assert!(matches!(read_version(&[4]), Err(DecodeError::Version(4))));
         assert!(read_version(b"").is_err());
         assert!(read_version(b"  ").is_err());
     }
