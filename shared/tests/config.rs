@@ -1187,7 +1187,7 @@ fn global_tiers_take_calendar_periods() {
     );
     refused(
         &with(&["plans", "free", "global"], v("{ fortnight = 3 }")),
-        "plans.free.global",
+        "plans.free.global.fortnight",
         "fortnight",
     );
     // Wire v2 cannot carry a month.
