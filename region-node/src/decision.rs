@@ -2,7 +2,8 @@
 //!
 //! 1. validate the request and resolve the tenant's policy (one map lookup);
 //! 2. global fast path: if the broadcast view already says the tenant is
-//!    over its daily limit, deny without touching Redis;
+//!    over the limit of one of its global tiers (the day's, or an hour's,
+//!    an ISO week's or a calendar month's), deny without touching Redis;
 //! 3. one call of the region's [`CounterStore`] (one `EVALSHA` of
 //!    `decide.lua`), which checks node tier, region tier and the region's
 //!    global budget (`limit − others`, others = broadcast total minus this
@@ -30,6 +31,7 @@ use thiserror::Error;
 use tierlimit_shared::config::{Algorithm, Limit, Loaded, Policy, StoreErrorMode, MAX_LIMIT};
 use tierlimit_shared::day::SECS_PER_DAY;
 use tierlimit_shared::messages::now_ms;
+use tierlimit_shared::period::{Period, PeriodKind};
 use tierlimit_shared::reload::Live;
 use tierlimit_shared::validate::{self, InvalidId};
 use tierlimit_shared::{day, keys};
@@ -41,13 +43,13 @@ use crate::metrics::Metrics;
 use crate::newcomers::{Newcomers, Refusal, Refused};
 use crate::refund::{Handle, HandleError, Signer, Verified, Window};
 use crate::reserve::{self, Reserves};
+use crate::storage::script::PeriodArgs;
 use crate::storage::{
     CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, Scope, StoreError,
     TierCall,
 };
 use crate::view::View;
 
-const DAY_MS: u64 = SECS_PER_DAY * 1000;
 
 /// The three tiers, in the order they are checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -101,12 +103,35 @@ impl Mode {
 #[derive(Debug, Clone, Serialize)]
 pub struct TierStatus {
     pub tier: Tier,
+    /// A global tier's period (`day`, `hour`, `week`, `month`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub period: Option<PeriodKind>,
     pub limit: u64,
     pub remaining: u64,
-    /// Milliseconds until the window resets (global: UTC midnight).
+    /// Milliseconds until the window resets (global: the period's end in
+    /// UTC, e.g. midnight for the day).
     pub reset_ms: u64,
     pub window_ms: u64,
     pub algorithm: &'static str,
+}
+
+impl TierStatus {
+    /// The policy's name in headers, `violated-policy` and metric labels:
+    /// `node`, `region`, `global` (the day's, as before periods existed),
+    /// `global-hour`, `global-week`, `global-month`.
+    pub fn name(&self) -> &'static str {
+        policy_name(self.tier, self.period)
+    }
+}
+
+/// See [`TierStatus::name`].
+pub fn policy_name(tier: Tier, period: Option<PeriodKind>) -> &'static str {
+    match (tier, period) {
+        (Tier::Global, Some(PeriodKind::Hour)) => "global-hour",
+        (Tier::Global, Some(PeriodKind::Week)) => "global-week",
+        (Tier::Global, Some(PeriodKind::Month)) => "global-month",
+        (tier, _) => tier.name(),
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -119,6 +144,9 @@ pub struct Decision {
     pub mode: Mode,
     /// The tier that denied (the first failing one in node, region, global order).
     pub denied_by: Option<Tier>,
+    /// When a global tier denied: its period.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub denied_period: Option<PeriodKind>,
     /// When denied: ms until this request could pass. `None` with a denial
     /// means never (the cost exceeds the limit).
     pub retry_after_ms: Option<u64>,
@@ -252,7 +280,7 @@ pub struct Decider {
     /// Children of `tierlimit_decisions_total` by (tier, outcome, mode),
     /// resolved on first use: `with_label_values` hashes the labels and
     /// takes a lock on every call.
-    counters: [OnceLock<IntCounter>; 40],
+    counters: [OnceLock<IntCounter>; 70],
     /// The refund-handle signer and the secret it was built from.
     signer: arc_swap::ArcSwapOption<(String, Signer)>,
     /// The region's gate for tenants the configuration does not name.
@@ -380,17 +408,15 @@ impl Decider {
         let (cfg, policy, key) = self.resolve(&req)?;
         let (now, today) = self.clock();
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
-        if policy.global.is_some() {
+        if has_global(&policy) {
             self.await_view(&cfg).await?;
         }
 
-        // 1. Global fast path: known over the daily limit, no Redis needed.
-        if let Some(limit) = policy.global {
-            let total = self.view.with(req.tenant, today, |e| e.map(|e| e.total()));
-            if total.is_some_and(|t| t >= limit) {
-                let d = self.view_denial(&req, &policy, key, limit, self.redis_now(now));
-                return Ok(self.record(d, started));
-            }
+        // 1. Global fast path: known over a global tier's limit, no Redis
+        //    needed.
+        if let Some((period, limit)) = self.over_in_view(req.tenant, &policy, today, now) {
+            let d = self.view_denial(&req, &policy, key, (period, limit), self.redis_now(now));
+            return Ok(self.record(d, started));
         }
 
         // 2. A lease this node holds: units charged in Redis already.
@@ -508,20 +534,27 @@ impl Decider {
         let (now, today) = self.clock();
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
         let plan_tiers = usize::from(policy.node.is_some()) + usize::from(policy.region.is_some());
-        if policy.global.is_some() {
+        if has_global(&policy) {
             self.await_view(&cfg).await?;
         }
-        if let Some(limit) = policy.global {
-            let total = self.view.with(req.tenant, today, |e| e.map(|e| e.total()));
-            if total.is_some_and(|t| t >= limit) {
-                let d = self.view_denial(&req, &policy, key, limit, self.redis_now(now));
-                return Ok(TiersDecision {
-                    decision: self.record(d, started),
-                    plan_tiers,
-                    denied: Some(Denied::Global),
-                    charged: None,
-                });
-            }
+        if let Some((period, limit)) = self.over_in_view(req.tenant, &policy, today, now) {
+            let d = self.view_denial(&req, &policy, key, (period, limit), self.redis_now(now));
+            let denied = match period.kind {
+                PeriodKind::Day => Denied::Global,
+                kind => Denied::Period(
+                    policy
+                        .global_periods
+                        .iter()
+                        .position(|t| t.kind == kind)
+                        .unwrap_or(0),
+                ),
+            };
+            return Ok(TiersDecision {
+                decision: self.record(d, started),
+                plan_tiers,
+                denied: Some(denied),
+                charged: None,
+            });
         }
         let epoch = new_epoch();
         let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
@@ -586,6 +619,9 @@ impl Decider {
                     charged_at_ms: charged.at_ms,
                     expires_at_ms: 0,
                 });
+                // The periods the charge was in: a refund gives back only
+                // to them, while they are open.
+                call.periods = self.period_args(req.tenant, &cfg, &policy, charged.at_ms, now);
                 self.store
                     .decide(&call)
                     .await
@@ -696,6 +732,11 @@ impl Decider {
         let (now, today) = self.clock();
         let epoch = new_epoch();
         let mut call = self.call(Op::Refund, &req, &cfg, &policy, key, today, now, &epoch);
+        if let Some(of) = &of {
+            // A refund by handle names the periods its charge was in; the
+            // script gives back to each only while it is open.
+            call.periods = self.period_args(req.tenant, &cfg, &policy, of.charged_at_ms, now);
+        }
         call.refund = of;
         if let Some(c) = &charger {
             // The charging node's node tier, and only the tiers charged.
@@ -973,6 +1014,7 @@ impl Decider {
         epoch: &'a [u8; 16],
     ) -> DecideCall<'a> {
         let global = self.global_args(req.tenant, cfg, policy, today, now);
+        let periods = self.period_args(req.tenant, cfg, policy, self.redis_now(now), now);
         let tier = |scope, limit| TierCall {
             scope,
             rule: keys::WHOLE_TENANT,
@@ -995,6 +1037,7 @@ impl Decider {
             tiers,
             expected_nodes: self.expected_nodes(cfg),
             global,
+            periods,
             epoch_candidate: std::str::from_utf8(epoch).expect("hex digits are ASCII"),
             day: today,
             now_ms: now,
@@ -1067,6 +1110,91 @@ impl Decider {
             }),
             (None, None) => None,
         }
+    }
+
+    /// The global tiers of other periods (hour, week, month) of a call at
+    /// `at` (Redis' clock as this node estimates it, or a charge's time for
+    /// a refund by handle), each from the broadcast view of its period, as
+    /// [`Decider::global_args`] does for the day.
+    fn period_args(
+        &self,
+        tenant: &str,
+        cfg: &Loaded,
+        policy: &Policy,
+        at: u64,
+        now: u64,
+    ) -> Vec<PeriodArgs> {
+        policy
+            .global_periods
+            .iter()
+            .map(|t| {
+                let period = t.kind.at(at);
+                let (total, own_parts) = self
+                    .view
+                    .with_period(tenant, period, |e| {
+                        e.map(|e| {
+                            let own: Vec<(String, u64, u64)> = e
+                                .parts
+                                .iter()
+                                .filter_map(|(actor, (p, n))| {
+                                    let (region, epoch) = actor.split_once('/')?;
+                                    (region == self.region).then(|| (epoch.to_string(), *p, *n))
+                                })
+                                .collect();
+                            (e.total(), own)
+                        })
+                    })
+                    .unwrap_or_default();
+                let own = crate::view::net_sum(own_parts.iter().map(|(_, p, n)| (*p, *n)));
+                // As for the day: below the broadcast threshold the view
+                // holds no entry, so the total is taken to be at least the
+                // most an unbroadcast counter holds.
+                let bounded = total.max(cfg.config.aggregator.unbroadcast_bound(t.limit));
+                PeriodArgs {
+                    period,
+                    limit: t.limit,
+                    broadcast_total: bounded,
+                    own_cap: self.staleness_cap(cfg, t.limit, bounded, own, now),
+                    own_parts,
+                    urgent_at: crate::publisher::urgent_at(
+                        Some(t.limit),
+                        total,
+                        own,
+                        cfg.config.regions.len() as u64,
+                        cfg.config.node.urgent_fraction,
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    /// The first global tier the broadcast view already shows at or over
+    /// its limit (the day's first, then hour, week, month), with its period
+    /// by Redis' clock as this node estimates it.
+    fn over_in_view(
+        &self,
+        tenant: &str,
+        policy: &Policy,
+        today: u32,
+        now: u64,
+    ) -> Option<(Period, u64)> {
+        let over = |period: Period, limit: u64| {
+            self.view
+                .with_period(tenant, period, |e| e.map(|e| e.total()))
+                .is_some_and(|t| t >= limit)
+                .then_some((period, limit))
+        };
+        if let Some(found) = policy.global.and_then(|l| over(Period::day(today), l)) {
+            return Some(found);
+        }
+        if policy.global_periods.is_empty() {
+            return None;
+        }
+        let at = self.redis_now(now);
+        policy
+            .global_periods
+            .iter()
+            .find_map(|t| over(t.kind.at(at), t.limit))
     }
 
     /// This node's clock (ms), and the day of a decision by Redis' clock:
@@ -1147,12 +1275,13 @@ impl Decider {
         call: &mut DecideCall<'_>,
     ) -> Result<DecideReply, StoreError> {
         let first = self.store.decide(call).await;
-        let Err(StoreError::OtherDay { day }) = first else {
+        let Err(StoreError::OtherDay { day, now_ms }) = first else {
             return first;
         };
         self.metrics.day_retries.inc();
         call.day = day;
         call.global = self.global_args(call.tenant, cfg, policy, day, call.now_ms);
+        call.periods = self.period_args(call.tenant, cfg, policy, now_ms, call.now_ms);
         self.store.decide(call).await
     }
 
@@ -1329,15 +1458,27 @@ impl Decider {
         // Redis' (the local store answers with this node's).
         let now = u64::try_from(r.now_ms).unwrap_or(call.now_ms);
         if let Some(g) = policy.global {
-            tiers.push(global_status(g, r.global_remaining.unwrap_or(0), now));
+            tiers.push(global_status(
+                (Period::day(day::of_unix_secs(now / 1000)), g),
+                r.global_remaining.unwrap_or(0),
+                now,
+            ));
+        }
+        for (x, remaining) in call.periods.iter().zip(&r.periods_remaining) {
+            tiers.push(global_status((x.period, x.limit), *remaining, now));
         }
         let denied_by = r.denied.map(|d| match d {
             Denied::Tier(i) => match call.tiers.get(i).map(|t| t.scope) {
                 Some(Scope::Node) => Tier::Node,
                 _ => Tier::Region,
             },
-            Denied::Global => Tier::Global,
+            Denied::Global | Denied::Period(_) => Tier::Global,
         });
+        let denied_period = match r.denied {
+            Some(Denied::Global) => Some(PeriodKind::Day),
+            Some(Denied::Period(j)) => call.periods.get(j).map(|x| x.period.kind),
+            _ => None,
+        };
         Decision {
             allowed: r.allowed,
             tenant: req.tenant.into(),
@@ -1346,6 +1487,7 @@ impl Decider {
             plan: policy.plan.clone(),
             mode,
             denied_by,
+            denied_period,
             retry_after_ms: if r.allowed { None } else { r.retry_ms },
             tiers,
             refund_handle: None,
@@ -1357,7 +1499,7 @@ impl Decider {
         req: &Request<'_>,
         policy: &Policy,
         key: &str,
-        limit: u64,
+        (period, limit): (Period, u64),
         now: u64,
     ) -> Decision {
         Decision {
@@ -1368,8 +1510,9 @@ impl Decider {
             plan: policy.plan.clone(),
             mode: Mode::View,
             denied_by: Some(Tier::Global),
-            retry_after_ms: Some(DAY_MS - now % DAY_MS),
-            tiers: vec![global_status(limit, 0, now)],
+            denied_period: Some(period.kind),
+            retry_after_ms: Some(period.left_ms(now).max(1)),
+            tiers: vec![global_status((period, limit), 0, now)],
             refund_handle: None,
         }
     }
@@ -1383,6 +1526,7 @@ impl Decider {
             plan: policy.plan.clone(),
             mode: Mode::Open,
             denied_by: None,
+            denied_period: None,
             retry_after_ms: None,
             tiers: Vec::new(),
             refund_handle: None,
@@ -1463,11 +1607,21 @@ impl Decider {
         self.metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
-        let tier = d.denied_by.map_or(0, |t| t as usize + 1);
+        // 0 none, 1 node, 2 region, 3 the day's global tier, 4..6 the
+        // hour's, week's and month's.
+        let tier = match (d.denied_by, d.denied_period) {
+            (None, _) => 0,
+            (Some(Tier::Global), Some(PeriodKind::Hour)) => 4,
+            (Some(Tier::Global), Some(PeriodKind::Week)) => 5,
+            (Some(Tier::Global), Some(PeriodKind::Month)) => 6,
+            (Some(t), _) => t as usize + 1,
+        };
         let slot = tier * 10 + usize::from(!d.allowed) * 5 + d.mode as usize;
         self.counters[slot]
             .get_or_init(|| {
-                let tier = d.denied_by.map_or("none", Tier::name);
+                let tier = d
+                    .denied_by
+                    .map_or("none", |t| policy_name(t, d.denied_period));
                 let outcome = if d.allowed { "allowed" } else { "denied" };
                 self.metrics
                     .decisions
@@ -1514,6 +1668,7 @@ fn lease_id(epoch_candidate: &str) -> String {
 fn status(tier: Tier, l: &Limit, remaining: u64, reset_ms: u64) -> TierStatus {
     TierStatus {
         tier,
+        period: None,
         limit: l.limit,
         remaining,
         reset_ms,
@@ -1522,15 +1677,28 @@ fn status(tier: Tier, l: &Limit, remaining: u64, reset_ms: u64) -> TierStatus {
     }
 }
 
-fn global_status(limit: u64, remaining: u64, now: u64) -> TierStatus {
+/// A global tier's status: its period resets at the period's end in UTC
+/// (midnight for the day; the 1st of next month for a month).
+fn global_status((period, limit): (Period, u64), remaining: u64, now: u64) -> TierStatus {
     TierStatus {
         tier: Tier::Global,
+        period: Some(period.kind),
         limit,
         remaining,
-        reset_ms: DAY_MS - now % DAY_MS,
-        window_ms: DAY_MS,
-        algorithm: "utc_day",
+        reset_ms: period.left_ms(now),
+        window_ms: period.len_ms(),
+        algorithm: match period.kind {
+            PeriodKind::Hour => "utc_hour",
+            PeriodKind::Day => "utc_day",
+            PeriodKind::Week => "utc_iso_week",
+            PeriodKind::Month => "utc_month",
+        },
     }
+}
+
+/// Whether a policy has any global tier (the day's or another period's).
+fn has_global(policy: &Policy) -> bool {
+    policy.global.is_some() || !policy.global_periods.is_empty()
 }
 
 /// A fresh epoch id (16 lowercase hex digits), used by the script only when

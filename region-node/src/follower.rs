@@ -8,7 +8,11 @@
 //! beginning if the broker cannot say): the view keeps today and yesterday
 //! only, so older broadcasts would be read to be pruned, and a day of margin
 //! covers the aggregators' clocks. A new node's catch-up then reads two
-//! days of broadcasts, not every day the topic ever held. It is "caught up"
+//! days of broadcasts, not every day the topic ever held. When a plan has a
+//! global tier of a longer period (an ISO week, a calendar month), it starts
+//! instead at the start of the period holding yesterday, since a tenant
+//! over its month limit may have been broadcast weeks ago and nothing since
+//! (`since_ms`). It is "caught up"
 //! (ready) when its position on every partition has reached the high
 //! watermark.
 //!
@@ -48,6 +52,19 @@ const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Days before today whose broadcasts a rebuild reads from their start:
 /// yesterday (the view keeps it) and a day of margin for clocks.
 const VIEW_DAYS_BACK: u32 = 2;
+
+/// Where a rebuild of the view starts (Unix ms): the day before yesterday,
+/// or the start of the period holding yesterday of each longer kind of
+/// global tier the configuration has, whichever is earlier.
+pub fn since_ms(config: &Config, now_ms: u64) -> i64 {
+    let today = day::of_unix_secs(now_ms / 1000);
+    let yesterday = now_ms.saturating_sub(86_400_000);
+    config
+        .global_period_kinds()
+        .into_iter()
+        .map(|kind| kind.at(yesterday).start_ms())
+        .fold(retention::since_ms(today, VIEW_DAYS_BACK), i64::min)
+}
 
 pub async fn run(config: Config, node: String, view: Arc<View>, metrics: Arc<Metrics>) {
     loop {
@@ -104,7 +121,7 @@ async fn follow(
     };
     let starts = {
         let (c, t, ps) = (Arc::clone(&consumer), topic.clone(), partitions.clone());
-        let since = retention::since_ms(day::today(), VIEW_DAYS_BACK);
+        let since = since_ms(config, now_ms());
         tokio::task::spawn_blocking(move || {
             retention::start_offsets(&*c, &t, &ps, since, LOOKUP_TIMEOUT)
         })

@@ -429,23 +429,27 @@ fn decision_response(d: Decision) -> Response {
         return resp;
     }
     let tier = d.denied_by.unwrap_or(Tier::Global);
-    let violated = d.tiers.iter().find(|t| t.tier == tier);
+    let violated = d
+        .tiers
+        .iter()
+        .find(|t| t.tier == tier && (tier != Tier::Global || t.period == d.denied_period));
+    let name = crate::decision::policy_name(tier, d.denied_period);
     let detail = match (violated, d.retry_after_ms) {
         (Some(t), Some(_)) => format!(
             "tenant {:?} exceeded the {} policy ({} per {})",
             d.tenant,
-            tier.name(),
+            name,
             t.limit,
             tierlimit_shared::duration::format(std::time::Duration::from_millis(t.window_ms))
         ),
         (Some(t), None) => format!(
             "cost {} can never fit the {} policy ({} per {})",
             d.cost,
-            tier.name(),
+            name,
             t.limit,
             tierlimit_shared::duration::format(std::time::Duration::from_millis(t.window_ms))
         ),
-        (None, _) => format!("tenant {:?} exceeded the {} policy", d.tenant, tier.name()),
+        (None, _) => format!("tenant {:?} exceeded the {} policy", d.tenant, name),
     };
     // The problem body, serialized straight from the decision. It is what
     // `Problem` would build (same members, in the same sorted order), without
@@ -463,7 +467,7 @@ fn decision_response(d: Decision) -> Response {
         tiers: SortedTiers(&d.tiers),
         title: "Rate limit exceeded",
         kind: RATE_LIMITED_TYPE,
-        violated: tier.name(),
+        violated: name,
     };
     let mut buf = Vec::with_capacity(768);
     if serde_json::to_writer(&mut buf, &body).is_err() {
@@ -520,6 +524,8 @@ impl Serialize for SortedTiers<'_> {
         struct Sorted {
             algorithm: &'static str,
             limit: u64,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            period: Option<tierlimit_shared::period::PeriodKind>,
             remaining: u64,
             reset_ms: u64,
             tier: Tier,
@@ -528,6 +534,7 @@ impl Serialize for SortedTiers<'_> {
         s.collect_seq(self.0.iter().map(|t| Sorted {
             algorithm: t.algorithm,
             limit: t.limit,
+            period: t.period,
             remaining: t.remaining,
             reset_ms: t.reset_ms,
             tier: t.tier,
@@ -557,7 +564,7 @@ fn rate_limit_headers(h: &mut HeaderMap, tiers: &[TierStatus]) {
             policy.push_str(", ");
             state.push_str(", ");
         }
-        let name = t.tier.name();
+        let name = t.name();
         let _ = write!(
             policy,
             "\"{name}\";q={};w={}",

@@ -174,10 +174,12 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Redis' time at which its first window (or its day) ends.
+    /// Redis' time at which its first window (or its day, or another
+    /// period of a global tier) ends.
     fn first_end_ms(&self) -> u64 {
         let day_end = (self.charged_at_ms / DAY_MS + 1) * DAY_MS;
-        self.ends_at_ms.iter().copied().fold(day_end, u64::min)
+        let end = self.reply.periods_end_ms.map_or(day_end, |p| p.min(day_end));
+        self.ends_at_ms.iter().copied().fold(end, u64::min)
     }
 }
 
@@ -356,11 +358,17 @@ impl Leases {
         slot.asking = false;
         let r = reply.filter(|r| r.allowed && r.granted > 0)?;
         let now_ms = r.now_ms.max(0) as u64;
+        // A unit of a global tier's period is never spent in the next one:
+        // the lease ends with the first of its windows, its day and the
+        // call's other periods.
+        let period_left = r
+            .periods_end_ms
+            .map_or(u64::MAX, |end| end.saturating_sub(now_ms));
         let first_end = r
             .tiers
             .iter()
             .map(|t| t.reset_ms)
-            .fold(DAY_MS - now_ms % DAY_MS, u64::min);
+            .fold((DAY_MS - now_ms % DAY_MS).min(period_left), u64::min);
         let new = Lease {
             units: r.granted,
             expires: script::window_end_lower_bound(sent, first_end).min(sent + life),

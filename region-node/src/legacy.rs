@@ -85,7 +85,11 @@ impl LegacyDrain {
         let mut pipe = redis::pipe();
         let mut parsed = Vec::new();
         for (m, score) in &members {
-            if let Some((t, d)) = tierlimit_shared::keys::parse_dirty_member(m) {
+            // Scheme 1 knew only days.
+            let parsed_member = tierlimit_shared::keys::parse_dirty_member(m)
+                .filter(|(_, p)| p.kind == tierlimit_shared::period::PeriodKind::Day)
+                .map(|(t, p)| (t, p.index));
+            if let Some((t, d)) = parsed_member {
                 pipe.cmd("HMGET")
                     .arg(v1::pn_counter(t, d))
                     .arg("e")

@@ -4,7 +4,8 @@
 //! The node tier is enforced as configured; the region tier becomes this
 //! node's share of it (`limit / expected_nodes`), so a region of N nodes in
 //! local mode together stay near the region limit without talking. Units
-//! allowed here are counted per (tenant, day) under a node-local actor
+//! allowed here are counted per (tenant, period) (the day, and each other
+//! period the tenant has a global tier of) under a node-local actor
 //! (`"{region}/local-{node}-{random}"`) and published like any other
 //! actor's, so the global count stays exact: nothing allowed goes uncounted,
 //! and because the actor is new, nothing is counted twice.
@@ -19,6 +20,7 @@ use crate::storage::{
 
 use tierlimit_shared::algorithm::{Evaluation, TierState};
 use tierlimit_shared::config::Limit;
+use tierlimit_shared::period::Period;
 
 /// (tenant, tier id, key) → the limit a state was last used with, and the
 /// state.
@@ -36,7 +38,7 @@ fn local_limit(tier: &TierCall<'_>, expected_nodes: u32) -> Limit {
 /// Per-process limiter used when Redis is down.
 pub struct Local {
     tiers: Mutex<TierStates>,
-    counts: Mutex<HashMap<(String, u32), (u64, u64)>>,
+    counts: Mutex<HashMap<(String, Period), (u64, u64)>>,
     /// Actor id of this process' local-mode counts.
     pub actor: String,
 }
@@ -95,10 +97,12 @@ impl Local {
                 }
             }
             let mut counts = self.counts.lock().expect("local counts poisoned");
-            counts
-                .entry((call.tenant.to_string(), call.day))
-                .or_default()
-                .0 += call.cost;
+            for period in call_periods(call) {
+                counts
+                    .entry((call.tenant.to_string(), period))
+                    .or_default()
+                    .0 += call.cost;
+            }
         }
         (allowed, out)
     }
@@ -120,18 +124,21 @@ impl Local {
             }
         }
         let mut counts = self.counts.lock().expect("local counts poisoned");
-        match counts.get_mut(&(call.tenant.to_string(), call.day)) {
-            Some(c) => {
+        let mut day_back = 0;
+        for period in call_periods(call) {
+            if let Some(c) = counts.get_mut(&(call.tenant.to_string(), period)) {
                 let back = call.cost.min(c.0 - c.1);
                 c.1 += back;
-                back
+                if period == Period::day(call.day) {
+                    day_back = back;
+                }
             }
-            None => 0,
         }
+        day_back
     }
 
     /// Snapshot of the cumulative local-mode counts, for the publisher.
-    pub fn counts(&self) -> Vec<(String, u32, u64, u64)> {
+    pub fn counts(&self) -> Vec<(String, Period, u64, u64)> {
         self.counts
             .lock()
             .expect("local counts poisoned")
@@ -150,8 +157,13 @@ impl Local {
         self.counts
             .lock()
             .expect("local counts poisoned")
-            .retain(|(_, d), _| *d >= oldest_day);
+            .retain(|(_, p), _| p.end_ms() > i64::from(oldest_day) * 86_400_000);
     }
+}
+
+/// The periods a call counts in: its day and each other period's tier.
+fn call_periods<'a>(call: &'a DecideCall<'_>) -> impl Iterator<Item = Period> + 'a {
+    std::iter::once(Period::day(call.day)).chain(call.periods.iter().map(|x| x.period))
 }
 
 impl Local {
@@ -177,6 +189,12 @@ impl Local {
             epoch: self.actor.clone(),
             day: call.day,
             global_remaining,
+            periods_remaining: call
+                .periods
+                .iter()
+                .map(|x| x.limit.saturating_sub(x.broadcast_total))
+                .collect(),
+            periods_end_ms: crate::storage::script::periods_end_ms(call),
             raised: 0,
             refunded: 0,
             duplicate: false,
@@ -257,6 +275,7 @@ mod tests {
             tiers: Vec::new(),
             expected_nodes: 1,
             global: None,
+            periods: Vec::new(),
             epoch_candidate: "e",
             day: 7,
             now_ms: 7 * 86_400_000 + 1,
@@ -278,6 +297,6 @@ mod tests {
         assert_eq!(local.decide_now(&call(Op::Refund, 2)).refunded, 2);
         // Never below zero: one unit was left.
         assert_eq!(local.decide_now(&call(Op::Refund, 2)).refunded, 1);
-        assert_eq!(local.counts(), vec![("t".to_string(), 7, 3, 3)]);
+        assert_eq!(local.counts(), vec![("t".to_string(), Period::day(7), 3, 3)]);
     }
 }

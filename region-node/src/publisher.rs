@@ -35,6 +35,7 @@ use rdkafka::util::Timeout;
 
 use tierlimit_shared::config::Config;
 use tierlimit_shared::messages::{actor, now_ms, partition_of, Delta};
+use tierlimit_shared::period::{Period, PeriodKind};
 use tierlimit_shared::reload::Live;
 use tierlimit_shared::wire::DeltaSigner;
 use tierlimit_shared::{day, keys, retention};
@@ -42,6 +43,7 @@ use tierlimit_shared::{day, keys, retention};
 use crate::local::Local;
 use crate::metrics::Metrics;
 use crate::storage::redis::RedisStore;
+use crate::storage::script::PeriodArgs;
 use crate::storage::{CounterStore, DecideCall, GlobalArgs, Op, StoreError};
 use crate::view::View;
 
@@ -71,19 +73,19 @@ pub struct Publisher {
     view: Arc<View>,
     metrics: Arc<Metrics>,
     /// Local-mode counts as last acknowledged, so unchanged ones are skipped.
-    local_published: HashMap<(String, u32), (u64, u64)>,
+    local_published: HashMap<(String, Period), (u64, u64)>,
     /// Key scheme 1's dirty entries, left by nodes of the previous version.
     legacy: crate::legacy::LegacyDrain,
     /// (tenant, day, epoch) already reported as a new epoch, so each data
     /// loss is counted once per node; pruned with the day.
-    reported_epochs: HashSet<(String, u32, String)>,
+    reported_epochs: HashSet<(String, Period, String)>,
 }
 
 /// One delta to publish, and where its dirty entry lives.
 struct Pending {
     bucket: u16,
     tenant: String,
-    day: u32,
+    period: Period,
     delta: Delta,
 }
 
@@ -99,7 +101,7 @@ struct BucketRead {
 
 struct DirtyEntry {
     tenant: String,
-    day: u32,
+    period: Period,
     /// (epoch, P, N); `None` if the counter is gone.
     counter: Option<(String, u64, u64)>,
 }
@@ -140,7 +142,7 @@ async fn read_bucket(
     for m in &members {
         match keys::parse_dirty_member(m) {
             Some((t, d)) => {
-                let g = keys::day_prefix(d);
+                let g = keys::period_prefix(d);
                 pipe.cmd("HMGET")
                     .arg(keys::tenant_hash(t))
                     .arg(format!("{g}e"))
@@ -148,7 +150,7 @@ async fn read_bucket(
                     .arg(format!("{g}n"));
                 entries.push(DirtyEntry {
                     tenant: t.to_string(),
-                    day: d,
+                    period: d,
                     counter: None,
                 });
             }
@@ -265,7 +267,7 @@ impl Publisher {
         let mut total = 0;
         let mut oldest: Option<i64> = None;
         let mut entries = Vec::new();
-        let mut stale: HashMap<u16, Vec<(String, u32, u64)>> = HashMap::new();
+        let mut stale: HashMap<u16, Vec<(String, Period, u64)>> = HashMap::new();
         let mut first_error = None;
         while let Some(joined) = reads.join_next().await {
             match joined {
@@ -276,12 +278,12 @@ impl Publisher {
                     }
                     for e in read.entries {
                         match e.counter {
-                            Some(c) => entries.push((read.bucket, e.tenant, e.day, c)),
+                            Some(c) => entries.push((read.bucket, e.tenant, e.period, c)),
                             // The counter expired or Redis lost it: nothing
                             // to publish; the entry just leaves.
                             None => stale.entry(read.bucket).or_default().push((
                                 e.tenant,
-                                e.day,
+                                e.period,
                                 u64::MAX,
                             )),
                         }
@@ -307,7 +309,7 @@ impl Publisher {
         let mut pending = Vec::with_capacity(entries.len());
         for (bucket, tenant, d, (epoch, p, n)) in entries {
             let actor = actor(&self.region, &epoch);
-            let (epoch_new, known) = self.view.with(&tenant, d, |e| {
+            let (epoch_new, known) = self.view.with_period(&tenant, d, |e| {
                 (
                     epoch_is_new(e, &self.region, &epoch),
                     e.and_then(|e| e.parts.get(&actor)).copied(),
@@ -326,7 +328,7 @@ impl Publisher {
                         self.metrics.counter_rollbacks.inc();
                         tracing::warn!(
                             tenant,
-                            day = d,
+                            period = %d,
                             epoch,
                             redis_p = p,
                             broadcast_p = kp,
@@ -340,11 +342,18 @@ impl Publisher {
                     }
                 }
             }
+            // The limit this node enforces for the period's tier travels
+            // with the count (wire v3): the aggregator judges the counter by
+            // it instead of resolving the tenant in a table of its own.
+            let mut delta = Delta::of(&tenant, d, actor, p, n, now).from_node(&self.node_id);
+            delta.limit = cfg
+                .policy(&tenant)
+                .and_then(|policy| enforced_limit(&policy, d.kind));
             pending.push(Pending {
                 bucket,
                 tenant: tenant.clone(),
-                day: d,
-                delta: Delta::new(&tenant, d, actor, p, n, now).from_node(&self.node_id),
+                period: d,
+                delta,
             });
         }
         let deferred = (total as u64).saturating_sub(pending.len() as u64);
@@ -381,7 +390,7 @@ impl Publisher {
                     let pn = p.delta.p.saturating_add(p.delta.n);
                     acks.entry(p.bucket)
                         .or_default()
-                        .push((p.tenant, p.day, pn));
+                        .push((p.tenant, p.period, pn));
                 }
                 _ => failures += 1,
             }
@@ -464,17 +473,41 @@ impl Publisher {
         Ok(ok)
     }
 
-    /// Raises (tenant, day)'s counter of `epoch` to the broadcast P and N:
-    /// a peek call carrying the part, which the script persists.
+    /// Raises (tenant, period)'s counter of `epoch` to the broadcast P and
+    /// N: a peek call carrying the part, which the script persists (for a
+    /// period other than the day, only while it is open).
     async fn raise(
         &self,
         tenant: &str,
-        day: u32,
+        period: Period,
         epoch: &str,
         p: u64,
         n: u64,
     ) -> Result<(), StoreError> {
         let cfg = self.live.load();
+        let part = vec![(epoch.to_string(), p, n)];
+        let (day, global, periods) = match period.kind {
+            PeriodKind::Day => (
+                period.index,
+                Some(GlobalArgs {
+                    own_parts: part,
+                    ..GlobalArgs::default()
+                }),
+                Vec::new(),
+            ),
+            _ => (
+                day::of_unix_secs(self.store.redis_now_ms(now_ms()).max(0) as u64 / 1000),
+                None,
+                vec![PeriodArgs {
+                    period,
+                    limit: 0,
+                    broadcast_total: 0,
+                    own_cap: None,
+                    own_parts: part,
+                    urgent_at: None,
+                }],
+            ),
+        };
         let call = DecideCall {
             op: Op::Peek,
             tenant,
@@ -482,10 +515,8 @@ impl Publisher {
             cost: 0,
             tiers: Vec::new(),
             expected_nodes: 1,
-            global: Some(GlobalArgs {
-                own_parts: vec![(epoch.to_string(), p, n)],
-                ..GlobalArgs::default()
-            }),
+            global,
+            periods,
             epoch_candidate: epoch,
             day,
             now_ms: now_ms(),
@@ -509,7 +540,7 @@ impl Publisher {
             if self.local_published.get(&k) == Some(&(p, n)) {
                 continue;
             }
-            let delta = Delta::new(&tenant, d, self.local.actor.clone(), p, n, now);
+            let delta = Delta::of(&tenant, d, self.local.actor.clone(), p, n, now);
             let key = delta.key();
             let payload = signer.encode(&delta);
             let record = FutureRecord::to(&self.topic)
@@ -531,8 +562,11 @@ impl Publisher {
             }
         }
         let oldest = day::today().saturating_sub(2);
-        self.local_published.retain(|(_, d), _| *d >= oldest);
-        self.reported_epochs.retain(|(_, d, _)| *d >= oldest);
+        self.local_published
+            .retain(|(_, p), _| p.end_ms() > i64::from(oldest) * 86_400_000);
+        let oldest_ms = i64::from(oldest) * 86_400_000;
+        self.reported_epochs
+            .retain(|(_, p, _)| p.end_ms() > oldest_ms);
         self.local.prune(oldest, now * 1000);
         ok
     }
@@ -542,19 +576,32 @@ impl Publisher {
     /// or a new tenant has no part in the view yet, so a midnight is not
     /// mistaken for a data loss, and no per-tenant memory is needed to tell
     /// them apart.
-    fn report_new_epoch(&mut self, tenant: &str, day: u32, epoch: &str) {
+    fn report_new_epoch(&mut self, tenant: &str, period: Period, epoch: &str) {
         if self
             .reported_epochs
-            .insert((tenant.to_string(), day, epoch.to_string()))
+            .insert((tenant.to_string(), period, epoch.to_string()))
         {
             self.metrics.epoch_changes.inc();
             tracing::warn!(
                 tenant,
-                day,
+                period = %period,
                 epoch,
                 "new region epoch: Redis lost this tenant's counter; counting under a new actor"
             );
         }
+    }
+}
+
+/// The global limit `policy` enforces for periods of `kind`, if it has a
+/// tier of that kind.
+pub fn enforced_limit(policy: &tierlimit_shared::config::Policy, kind: PeriodKind) -> Option<u64> {
+    match kind {
+        PeriodKind::Day => policy.global,
+        kind => policy
+            .global_periods
+            .iter()
+            .find(|t| t.kind == kind)
+            .map(|t| t.limit),
     }
 }
 

@@ -32,6 +32,7 @@ use redis::Value;
 
 use tierlimit_shared::config::Config;
 use tierlimit_shared::messages::{actor, now_ms, partition_of, Delta};
+use tierlimit_shared::period::{Period, PeriodKind};
 use tierlimit_shared::wire::DeltaSigner;
 use tierlimit_shared::{day, keys, retention, validate};
 
@@ -80,7 +81,8 @@ pub struct Report {
 /// One (tenant, day) counter read from a tenant hash.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Counter {
-    pub day: u32,
+    /// The counter's period (a day, or another period of a global tier).
+    pub period: Period,
     pub epoch: String,
     pub p: u64,
     pub n: u64,
@@ -101,7 +103,7 @@ pub fn tenant_of(key: &str) -> Option<&str> {
 pub fn counters(fields: &[(String, String)]) -> Vec<Counter> {
     /// A day's epoch, P and N as far as read.
     type Fields = (Option<String>, Option<u64>, Option<u64>);
-    let mut days: BTreeMap<u32, Fields> = BTreeMap::new();
+    let mut days: BTreeMap<Period, Fields> = BTreeMap::new();
     for (field, value) in fields {
         let Some(rest) = field.strip_prefix("g:") else {
             continue;
@@ -109,7 +111,7 @@ pub fn counters(fields: &[(String, String)]) -> Vec<Counter> {
         let Some((d, f)) = rest.split_once(':') else {
             continue;
         };
-        let Ok(d) = d.parse::<u32>() else {
+        let Some(d) = Period::parse_label(d) else {
             continue;
         };
         let entry = days.entry(d).or_default();
@@ -122,10 +124,10 @@ pub fn counters(fields: &[(String, String)]) -> Vec<Counter> {
         }
     }
     days.into_iter()
-        .filter_map(|(day, (e, p, n))| {
+        .filter_map(|(period, (e, p, n))| {
             let (epoch, p) = (e?, p?);
             Some(Counter {
-                day,
+                period,
                 epoch,
                 p,
                 // As the publisher: N never exceeds P on the wire.
@@ -140,7 +142,7 @@ pub fn counters(fields: &[(String, String)]) -> Vec<Counter> {
 pub async fn run(settings: Settings) -> anyhow::Result<Report> {
     let loaded = Config::load(&settings.config)
         .with_context(|| format!("loading {}", settings.config.display()))?;
-    let config = loaded.config;
+    let config = &loaded.config;
     validate::name("node id", &settings.node_id).context("--node-id")?;
     let Some(region) = config.regions.get(&settings.region).cloned() else {
         bail!("--region {:?} is not configured", settings.region);
@@ -219,20 +221,35 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
                         redis::from_redis_value(hash).unwrap_or_default();
                     out.report.tenants += 1;
                     for c in counters(&fields) {
-                        if c.day < oldest || c.day > today.saturating_add(1) {
+                        // Retained: a day from `oldest` to tomorrow; another
+                        // period that has not ended before `oldest` began.
+                        let retained = match c.period.kind {
+                            PeriodKind::Day => {
+                                (oldest..=today.saturating_add(1)).contains(&c.period.index)
+                            }
+                            _ => {
+                                c.period.end_ms() > i64::from(oldest) * 86_400_000
+                                    && c.period.start_ms()
+                                        <= i64::from(today.saturating_add(1)) * 86_400_000
+                            }
+                        };
+                        if !retained {
                             out.report.skipped += 1;
                             continue;
                         }
                         out.report.counters += 1;
-                        let delta = Delta::new(
+                        let mut delta = Delta::of(
                             tenant,
-                            c.day,
+                            c.period,
                             actor(region_name, &c.epoch),
                             c.p,
                             c.n,
                             now_ms(),
                         )
                         .from_node(node);
+                        delta.limit = loaded.policy(tenant).and_then(|policy| {
+                            crate::publisher::enforced_limit(&policy, c.period.kind)
+                        });
                         out.send(delta).await;
                     }
                 }
@@ -271,8 +288,8 @@ impl Output {
     async fn send(&mut self, delta: Delta) {
         if self.dry_run {
             println!(
-                "{} day {} actor {} p {} n {}",
-                delta.tenant, delta.day, delta.actor, delta.p, delta.n
+                "{} {} actor {} p {} n {}",
+                delta.tenant, delta.period, delta.actor, delta.p, delta.n
             );
             return;
         }
@@ -285,7 +302,7 @@ impl Output {
         match self.producer.send_result(record) {
             Ok(delivery) => self.pending.push(delivery),
             Err((e, _)) => {
-                tracing::warn!(tenant = %delta.tenant, day = delta.day, error = %e, "delta not enqueued");
+                tracing::warn!(tenant = %delta.tenant, period = %delta.period, error = %e, "delta not enqueued");
                 self.report.failed += 1;
             }
         }
@@ -341,13 +358,13 @@ mod tests {
             counters(&fields),
             vec![
                 Counter {
-                    day: 20000,
+                    period: Period::day(20000),
                     epoch: "abc".into(),
                     p: 10,
                     n: 3
                 },
                 Counter {
-                    day: 20001,
+                    period: Period::day(20001),
                     epoch: "def".into(),
                     p: 5,
                     n: 0

@@ -1,5 +1,8 @@
 //! The broadcast view: the aggregator's latest global totals per
-//! (tenant, day), as read by the follower from the global topic.
+//! (tenant, period), as read by the follower from the global topic. A
+//! period is a UTC day for every tenant with a global tier (the day tier),
+//! and an hour, ISO week or calendar month for the tenants whose plans have
+//! tiers of those periods (`shared/src/period.rs`).
 //!
 //! Updates are merged per actor by max (the same CRDT rule as the
 //! aggregator's), so a broadcast that arrives late or twice — e.g. from two
@@ -10,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use tierlimit_shared::messages::{actor_region, GlobalUpdate};
+use tierlimit_shared::period::{Period, PeriodKind};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Entry {
@@ -60,18 +64,19 @@ const SHARDS: usize = 64;
 /// One shard of a day: tenant → entry.
 type Shard = RwLock<HashMap<Box<str>, Entry>>;
 
-/// One UTC day of the view, sharded by tenant.
+/// One period of the view (a UTC day, or an hour, week or month), sharded
+/// by tenant.
 struct DayView {
-    day: u32,
+    period: Period,
     shards: Box<[Shard]>,
     /// Entries in this day (the sum of the shards' lengths).
     entries: AtomicUsize,
 }
 
 impl DayView {
-    fn new(day: u32) -> DayView {
+    fn new(period: Period) -> DayView {
         DayView {
-            day,
+            period,
             shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
             entries: AtomicUsize::new(0),
         }
@@ -139,22 +144,22 @@ impl View {
         View::default()
     }
 
-    fn day(&self, day: u32) -> Option<Arc<DayView>> {
+    fn day(&self, period: Period) -> Option<Arc<DayView>> {
         let days = self.days.read().expect("view lock poisoned");
-        days.iter().find(|d| d.day == day).cloned()
+        days.iter().find(|d| d.period == period).cloned()
     }
 
-    /// The day's map, created (outside the lock) if it is new.
-    fn day_or_new(&self, day: u32) -> Arc<DayView> {
-        if let Some(d) = self.day(day) {
+    /// The period's map, created (outside the lock) if it is new.
+    fn day_or_new(&self, period: Period) -> Arc<DayView> {
+        if let Some(d) = self.day(period) {
             return d;
         }
-        let fresh = Arc::new(DayView::new(day));
+        let fresh = Arc::new(DayView::new(period));
         let mut days = self.days.write().expect("view lock poisoned");
-        if let Some(d) = days.iter().find(|d| d.day == day) {
+        if let Some(d) = days.iter().find(|d| d.period == period) {
             return Arc::clone(d);
         }
-        let at = days.partition_point(|d| d.day < day);
+        let at = days.partition_point(|d| d.period < period);
         days.insert(at, Arc::clone(&fresh));
         fresh
     }
@@ -164,7 +169,7 @@ impl View {
     /// The follower is the only writer, so the entry read here is the one
     /// replaced below.
     pub fn apply(&self, u: &GlobalUpdate) -> bool {
-        let day = self.day_or_new(u.day);
+        let day = self.day_or_new(u.period);
         let shard = day.shard(&u.tenant);
         let old = shard
             .read()
@@ -198,23 +203,47 @@ impl View {
         self.with(tenant, day, |e| e.cloned())
     }
 
-    /// Calls `f` with the entry without cloning it (hot path): two read
-    /// locks, the day list's for an instant, one shard's while `f` runs.
+    pub fn get_period(&self, tenant: &str, period: Period) -> Option<Entry> {
+        self.with_period(tenant, period, |e| e.cloned())
+    }
+
+    /// Calls `f` with the day's entry without cloning it (hot path): two
+    /// read locks, the period list's for an instant, one shard's while `f`
+    /// runs.
     pub fn with<R>(&self, tenant: &str, day: u32, f: impl FnOnce(Option<&Entry>) -> R) -> R {
-        let Some(d) = self.day(day) else {
+        self.with_period(tenant, Period::day(day), f)
+    }
+
+    /// [`View::with`] for any period.
+    pub fn with_period<R>(
+        &self,
+        tenant: &str,
+        period: Period,
+        f: impl FnOnce(Option<&Entry>) -> R,
+    ) -> R {
+        let Some(d) = self.day(period) else {
             return f(None);
         };
         let shard = d.shard(tenant).read().expect("view lock poisoned");
         f(shard.get(tenant))
     }
 
-    /// Drops days before `oldest`: O(days) under the lock, the entries
-    /// freed after it is released.
+    /// Drops days before `oldest`, and every other kind's periods before
+    /// the one holding the start of `oldest` (a decision reads only the
+    /// current period of each kind; the previous one stays while it holds
+    /// the oldest day kept, for a node whose clock lags Redis'): O(periods)
+    /// under the lock, the entries freed after it is released.
     pub fn prune(&self, oldest: u32) {
+        let from = u64::from(oldest) * 86_400_000;
+        let keep = |p: Period| match p.kind {
+            PeriodKind::Day => p.index >= oldest,
+            kind => p.index >= kind.at(from).index,
+        };
         let dropped: Vec<Arc<DayView>> = {
             let mut days = self.days.write().expect("view lock poisoned");
-            let keep_from = days.partition_point(|d| d.day < oldest);
-            days.drain(..keep_from).collect()
+            let (kept, dropped): (Vec<_>, Vec<_>) = days.drain(..).partition(|d| keep(d.period));
+            *days = kept;
+            dropped
         };
         drop(dropped);
     }
@@ -275,7 +304,7 @@ mod tests {
         GlobalUpdate {
             v: VERSION,
             tenant: "t".into(),
-            day: 1,
+            period: Period::day(1),
             total: 0,
             parts: parts
                 .iter()
@@ -288,6 +317,7 @@ mod tests {
             limit: Some(100),
             over_limit: false,
             ts_ms: ts,
+            limits_version: 0,
         }
     }
 
@@ -325,7 +355,7 @@ mod tests {
     fn for_tenant(tenant: &str, day: u32, p: u64) -> GlobalUpdate {
         GlobalUpdate {
             tenant: tenant.into(),
-            day,
+            period: Period::day(day),
             ..update(&[("eu/a", p, 0)], 1)
         }
     }
@@ -352,6 +382,35 @@ mod tests {
         v.prune(11);
         assert_eq!(v.get("late", 9), None);
         assert_eq!(v.len(), 500);
+    }
+
+    #[test]
+    fn periods_are_held_apart_and_pruned_by_kind() {
+        let v = View::new();
+        let day = |d: u32| u64::from(d) * 86_400_000;
+        // 2027-01-31 and 2027-02-01 (days 17927 and 17928).
+        let (jan31, feb1) = (17_927, 17_928);
+        let jan = PeriodKind::Month.at(day(jan31));
+        let feb = PeriodKind::Month.at(day(feb1));
+        assert_eq!((jan.human(), feb.human()), ("2027-01".into(), "2027-02".into()));
+        let at = |period, p| GlobalUpdate {
+            period,
+            ..update(&[("eu/a", p, 0)], 1)
+        };
+        v.apply(&at(Period::day(jan31), 5));
+        v.apply(&at(jan, 500));
+        v.apply(&at(feb, 7));
+        assert_eq!(v.get("t", jan31).unwrap().total(), 5);
+        assert_eq!(v.get_period("t", jan).unwrap().total(), 500);
+        assert_eq!(v.get_period("t", feb).unwrap().total(), 7);
+        // On Feb 1st, yesterday (Jan 31st) is kept, and with it January.
+        v.prune(jan31);
+        assert!(v.get_period("t", jan).is_some());
+        // From Feb 2nd, January is gone, February stays.
+        v.prune(feb1);
+        assert_eq!(v.get("t", jan31), None);
+        assert_eq!(v.get_period("t", jan), None);
+        assert_eq!(v.get_period("t", feb).unwrap().total(), 7);
     }
 
     #[test]

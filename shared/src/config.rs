@@ -950,6 +950,20 @@ impl Loaded {
 /// admits up to `L` minus it: about `regions × L` in all (issue 29,
 /// item 4). Until deltas carry the limit they were enforced under, the
 /// configuration is refused, naming the key, the plan and the fixes.
+/// A policy's global tiers in words: `1000 a day, 20000 a month`.
+fn describe_global(p: &Policy) -> String {
+    p.global
+        .map(|l| format!("{l} a day"))
+        .into_iter()
+        .chain(
+            p.global_periods
+                .iter()
+                .map(|t| format!("{} a {}", t.limit, t.kind)),
+        )
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn check_gateway_plans(
     config: &crate::rls::RlsConfig,
     rls: &crate::rls::Compiled,
@@ -964,12 +978,19 @@ fn check_gateway_plans(
         let Some(plan) = d.plan.as_deref() else {
             continue;
         };
-        let Some(limit) = plans.get(plan).and_then(|p| p.global) else {
+        let Some(gateway_plan) = plans
+            .get(plan)
+            .filter(|p| p.global.is_some() || !p.global_periods.is_empty())
+        else {
             continue;
         };
-        if aggregator_limit == Some(limit) {
+        let same = |u: &Policy| {
+            u.global == gateway_plan.global && u.global_periods == gateway_plan.global_periods
+        };
+        if unknown.is_some_and(same) {
             continue;
         }
+        let limit = describe_global(gateway_plan);
         // Tenants named by an entry may be any id; without one, the domain
         // itself is the tenant, which `[tenants]` may list.
         if d.tenant_entry.is_none() && tenants.contains_key(&d.name) {
@@ -1002,7 +1023,7 @@ fn check_gateway_plans(
         return Err(ConfigError::invalid(
             key,
             format!(
-                "plan {plan:?} has a global tier ({limit} a day) that the region-nodes would \
+                "plan {plan:?} has a global tier ({limit}) that the region-nodes would \
                  enforce for the tenants of RLS domain {:?} that [tenants] does not list, but \
                  the aggregator knows tenants only by id and {aggregator}: it would never \
                  broadcast their global count, and every region would admit up to the whole \
@@ -1687,6 +1708,29 @@ fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+impl Config {
+    /// The kinds of global tier other than the day that some plan or tenant
+    /// has (hour, week, month): what a rebuild of the aggregator or of a
+    /// node's view must reach back for (a month's counters may be weeks
+    /// old).
+    pub fn global_period_kinds(&self) -> std::collections::BTreeSet<PeriodKind> {
+        let tables = self
+            .plans
+            .values()
+            .filter_map(|p| p.global.as_ref())
+            .chain(self.tenants.values().filter_map(|t| t.global.as_ref()));
+        let mut kinds = std::collections::BTreeSet::new();
+        for g in tables {
+            for kind in PeriodKind::ALL {
+                if kind != PeriodKind::Day && g.of(kind).is_some() {
+                    kinds.insert(kind);
+                }
+            }
+        }
+        kinds
+    }
 }
 
 /// The non-day global tiers of `table` over `inherited` (a tenant's

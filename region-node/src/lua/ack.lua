@@ -1,14 +1,15 @@
 -- Acknowledges published entries of one bucket's dirty set.
 --
--- KEYS[1]   the bucket's dirty set (zset: member "tenant|day")
+-- KEYS[1]   the bucket's dirty set (zset: member "tenant|label", the label
+--           of a day or another period: shared/src/period.rs)
 -- KEYS[2..] the tenant hash of each acknowledged member, in ARGV order
 -- ARGV[1]   relaxed_ms (relaxed_flush_interval)
--- ARGV      then triplets: member, day, P + N as published
+-- ARGV      then triplets: member, label, P + N as published
 --
 -- Every acknowledged counter is stamped with the time of its publication
--- (`g:<day>:s`, Redis clock): the decision script schedules its next one a
+-- (`g:<label>:s`, Redis clock): the decision script schedules its next one a
 -- relaxed interval later. A member leaves the dirty set (and its hash loses
--- the day's publish state `g:<day>:d`) only if its counter has not grown
+-- the period's publish state `g:<label>:d`) only if its counter has not grown
 -- since the publisher read it: a charge that landed after the read raised
 -- P + N, so the entry stays dirty, due again a relaxed interval from now (an
 -- urgent entry keeps score 0). A member whose counter is gone (expired,

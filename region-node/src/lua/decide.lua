@@ -71,18 +71,28 @@
 --               and to the global count only on the charge's day) and 0; a
 --               peek's 0, 0 and 0
 --             K, the number of windowed tiers
+--             E, the number of global tiers of other periods than the day
+--               (hour, ISO week, calendar month: "Other periods" below)
 --             per tier: where its state is (0: the tenant hash, under the
 --               field prefix ARGV[5 + i]; i: KEYS[i]), algorithm code (1
 --               fixed window, 2 sliding window, 3 token bucket, 4 sliding
 --               log), limit, window_ms, cost, burst (the token bucket's)
---             per actor of this region in the broadcast: its P and N
+--             per other period j: its start and end in ms (computed by the
+--               node: the script does no calendar arithmetic), its limit,
+--               its broadcast total, own cap (-1 none), urgent_at (-1
+--               never), the number of this region's actors in its
+--               broadcast, and their P and N
+--             per actor of this region in the day's broadcast: its P and N
 -- ARGV[5 + i]  tier i's field prefix in the tenant hash ("-" for a tier
 --           in a key of its own), i = 1..K
+-- ARGV[5 + K + j]  other period j's field prefix, "g:<label>:" (labels:
+--           shared/src/period.rs), j = 1..E
 -- then      a refund's handle id ("-" when none) and its expiry, Redis ms
 --           (0 = none): from then on every window the charge touched has
 --           ended, and the refund is refused
--- then      the epoch of each actor of this region in the broadcast, in
---           the order of their P and N above
+-- then      the epochs of each other period's actors, period by period
+-- then      the epoch of each actor of this region in the day's broadcast,
+--           in the order of their P and N above
 --
 -- Reply: a list in fixed positions, parsed in script.rs with the call in
 -- hand. It holds only what the node cannot compute from its own call (a
@@ -91,9 +101,10 @@
 -- the window and now_ms), no global remaining (the node has the limit, the
 -- broadcast and its own parts).
 --   [1] outcome: 0 allowed (a refund and a peek always are), i > 0 denied
---       by tier i, -1 denied by the global tier, -2 expired (nothing done;
---       the reply is then { -2, now_ms }), -3 a check made for another day
---       than Redis' (nothing done; the reply is then { -3, now_ms })
+--       by tier i, -1 denied by the day's global tier, -(3 + j) by other
+--       period j's, -2 expired (nothing done; the reply is then
+--       { -2, now_ms }), -3 a check made for another day or period than
+--       Redis' clock is in (nothing done; the reply is then { -3, now_ms })
 --   [2] now_ms (Redis TIME; the day is now_ms / 86400000)
 --   [3] own_p   [4] own_n: this region's PN counter for the day
 --   [5] raised: units the rollback check added to P (see below)
@@ -103,6 +114,7 @@
 --   [7] epoch, naming this region's actor of the day's PN counter
 --   then each tier's remaining, in call order, followed by its reset_ms
 --       for a token bucket or a sliding log (state-dependent)
+--   then each other period's global remaining (after the call)
 --   then, when denied, retry_ms (-1 = never).
 --
 -- Numbers are Lua doubles: exact integers up to 2^53.
@@ -128,8 +140,8 @@ local IDX, N1, N2, EMIT, S1, S3 = 13, 14, 15, 16, 17, 18
 -- day's fields first (see the writes below).
 local BUSY_DAY = 64
 
-local deadline, node_day, ttl, glimit, gcost, btotal, own_cap, urgent_at, relaxed, op1, op2, op3, K, pos =
-  unpack_n('<ddddddddddddd', A[5])
+local deadline, node_day, ttl, glimit, gcost, btotal, own_cap, urgent_at, relaxed, op1, op2, op3, K, E, pos =
+  unpack_n('<dddddddddddddd', A[5])
 
 local t = redis.call('TIME')
 local now_us = t[1] * 1000000 + t[2]
@@ -179,10 +191,35 @@ for i = 1, K do
   end
   tiers[i] = tier
 end
--- This region's actors in the broadcast: their P and N follow the tiers in
--- A[5], their epochs are the string arguments from `first_epoch`.
-local first_epoch = 6 + K
+-- Other periods (hour, ISO week, calendar month): a global tier each,
+-- with a PN counter of its own under its prefix, decided with the rest.
+-- An array per period, allocated only for tenants that have them; these
+-- name its positions. open: Redis' clock is in the period (a check made for
+-- another one does nothing and answers -3, as for the day; a refund gives
+-- nothing back to a period that has ended: a closed period never changes).
+local XPRE, XSTART, XEND, XLIM, XBT, XCAP, XURG, XNP, XPARTS, XFIRST = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+local XOPEN, XP, XN, XNREAD, XEPOCH, XNEW, XREM, XOK, XMP, XMN, XCHANGED = 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21
+local xs = {}
+local first_epoch = 6 + K + E
 if op == 'refund' then first_epoch = first_epoch + 2 end
+for j = 1, E do
+  local s0, e0, lim, bt, cap, urg, np
+  s0, e0, lim, bt, cap, urg, np, pos = unpack_n('<ddddddd', A[5], pos)
+  local parts = {}
+  for i = 1, np do
+    parts[2 * i - 1], parts[2 * i], pos = unpack_n('<dd', A[5], pos)
+  end
+  local prefix = A[5 + K + j]
+  local open = s0 <= now_ms and now_ms < e0
+  if not open and op == 'check' then return { -3, now_ms } end
+  fields[nf + 1] = prefix .. 'e'; fields[nf + 2] = prefix .. 'p'
+  fields[nf + 3] = prefix .. 'n'; fields[nf + 4] = prefix .. 'd'
+  xs[j] = { prefix, s0, e0, lim, bt, cap, urg, np, parts, nf, open, 0, 0, 0, false, false, -1, true, 0, 0, false }
+  nf = nf + 4
+end
+-- The epochs of the other periods' actors come first, then the day's.
+local x_epoch = first_epoch
+for j = 1, E do first_epoch = first_epoch + xs[j][XNP] end
 local h = call('HMGET', KEYS[1], unpack(fields, 1, nf))
 
 -- Evaluate every tier: the decision (ok, remaining, reset, retry) and what
@@ -354,6 +391,46 @@ if glimit > 0 then
   end
 end
 
+-- Each other period's counter, raised to its actor's broadcast part like
+-- the day's, and its remaining (the same arithmetic as the day's).
+local x_denied, x_retry = 0, 0
+for j = 1, E do
+  local x = xs[j]
+  local f = x[XFIRST]
+  local xe = h[f + 1]
+  local xp = (h[f + 2] and h[f + 2] + 0) or 0
+  local xn = 0
+  if h[f + 3] and h[f + 3] ~= '0' then xn = h[f + 3] + 0 end
+  x[XNREAD] = xn; x[XNEW] = not xe; x[XEPOCH] = xe or A[4]
+  local mp, mn = 0, 0
+  if x[XOPEN] then
+    local parts = x[XPARTS]
+    for i = 1, x[XNP] do
+      if A[x_epoch + i - 1] == x[XEPOCH] then mp = parts[2 * i - 1]; mn = parts[2 * i] end
+    end
+  end
+  x_epoch = x_epoch + x[XNP]
+  if mp > xp or mn > xn then
+    xp = math.max(xp, mp); xn = math.max(xn, mn); x[XCHANGED] = true
+  end
+  x[XP] = xp; x[XN] = xn; x[XMP] = mp; x[XMN] = mn
+  if x[XLIM] > 0 then
+    local others = x[XBT] - (mp - mn)
+    if others < 0 then others = 0 end
+    local own = xp - xn
+    local rem = x[XLIM] - others - own
+    if x[XCAP] >= 0 and x[XCAP] - own < rem then rem = x[XCAP] - own end
+    if rem < 0 then rem = 0 end
+    x[XREM] = rem
+    if op == 'check' and gcost > rem then
+      x[XOK] = false
+      if x_denied == 0 then x_denied = j end
+      local r = x[XEND] - now_ms
+      if r > x_retry then x_retry = r end
+    end
+  end
+end
+
 -- Writes: pairs for one HSET of the tenant hash (`hs`, `nh` values);
 -- tiers in keys of their own are written apart. Numbers are formatted
 -- with %d (Redis would format a Lua number with %.17g, which costs more);
@@ -376,12 +453,12 @@ if op == 'refund' then
   local fresh = true
   if by_handle then
     local rf = KEYS[op1]
-    local expires_at = A[7 + K] + 0
+    local expires_at = A[7 + K + E] + 0
     if expires_at > 0 and now_ms >= expires_at then
       -- Every window of the charge has ended: nothing left to give back,
       -- nothing written.
       fresh = false; refunded = -2; changed = false
-    elseif call('SADD', rf, A[6 + K]) == 0 then
+    elseif call('SADD', rf, A[6 + K + E]) == 0 then
       -- Used already: nothing given back and nothing written, not even a
       -- rollback raise (the next call raises again).
       fresh = false; refunded = -1; changed = false
@@ -433,7 +510,7 @@ if op == 'refund' then
           -- at 60 s A leaves and D is admitted, three in one window.)
           local key = KEYS[tier[LOC]]
           if by_handle then
-            local tag = ':' .. A[6 + K] .. ':'
+            local tag = ':' .. A[6 + K + E] .. ':'
             local at = fmt('%d', charged_at)
             local members = call('ZRANGE', key, at, at, 'BYSCORE')
             local gone, n = {}, 0
@@ -482,6 +559,17 @@ if op == 'refund' then
       own_n = own_n + back
       changed = true
     end
+    -- Other periods: only into one still open, and by handle only into
+    -- the period the charge was in.
+    for j = 1, E do
+      local x = xs[j]
+      local xback = math.min(gcost, x[XP] - x[XN])
+      if not x[XOPEN] or (by_handle and (charged_at < x[XSTART] or charged_at >= x[XEND])) then xback = 0 end
+      if xback > 0 then
+        x[XN] = x[XN] + xback
+        x[XCHANGED] = true
+      end
+    end
   end
 elseif op == 'check' then
   -- Deny if any tier denies; retry after the longest wait.
@@ -496,6 +584,10 @@ elseif op == 'check' then
   if not global_ok then
     if outcome == 0 then outcome = -1 end
     if retry >= 0 and global_retry > retry then retry = global_retry end
+  end
+  if x_denied > 0 then
+    if outcome == 0 then outcome = -(3 + x_denied) end
+    if retry >= 0 and x_retry > retry then retry = x_retry end
   end
 
   if outcome == 0 then
@@ -518,6 +610,10 @@ elseif op == 'check' then
     if op1 > 0 and K > 0 then
       local want, share, life = op1, math.max(1, op2), op3
       local left = 86400000 - now_ms % 86400000
+      for j = 1, E do
+        local x = xs[j]
+        if x[XEND] - now_ms < left then left = x[XEND] - now_ms end
+      end
       for i = 1, K do
         local tier = tiers[i]
         if tier[ALG] > 2 then want = 0; break end
@@ -530,6 +626,10 @@ elseif op == 'check' then
         room = math.min(room, tier[REMAINING] - tier[COST])
       end
       if global_remaining >= 0 then room = math.min(room, global_remaining - gcost) end
+      for j = 1, E do
+        local x = xs[j]
+        if x[XREM] >= 0 then room = math.min(room, x[XREM] - gcost) end
+      end
       granted = math.min(want, floor(math.max(0, room) / share))
       if granted < 2 then granted = 0 end
     end
@@ -597,6 +697,15 @@ elseif op == 'check' then
     end
     own_p = own_p + gcost + granted
     changed = true
+    for j = 1, E do
+      local x = xs[j]
+      x[XP] = x[XP] + gcost + granted
+      x[XCHANGED] = true
+      if x[XREM] >= 0 then
+        x[XREM] = x[XREM] - gcost - granted
+        if x[XREM] < 0 then x[XREM] = 0 end
+      end
+    end
   end
 end
 -- op == 'peek' charges nothing, but persists a rollback raise: the
@@ -652,6 +761,56 @@ if changed then
     hs[nh + 1] = fields[4]; hs[nh + 2] = want; nh = nh + 2
   end
 end
+-- Other periods' counters: written and marked dirty as the day's (member
+-- "T|<label>"). A period's first counter forgets the same kind's periods
+-- before the previous one (listed in `gx`), and keeps the hash at least
+-- until the period has ended plus the day counters' TTL: a month tier keeps
+-- its tenant's hash for the month, while day fields still go as `gd` says.
+local x_keep = 0
+for j = 1, E do
+  local x = xs[j]
+  if x[XCHANGED] then
+    local f = x[XFIRST]
+    hs[nh + 1] = fields[f + 2]; hs[nh + 2] = fmt('%d', x[XP]); nh = nh + 2
+    if x[XN] ~= x[XNREAD] or x[XNEW] then hs[nh + 1] = fields[f + 3]; hs[nh + 2] = fmt('%d', x[XN]); nh = nh + 2 end
+    local prefix = x[XPRE]
+    local label = prefix:sub(3, -2)
+    if x[XNEW] then
+      hs[nh + 1] = fields[f + 1]; hs[nh + 2] = x[XEPOCH]; nh = nh + 2
+      local kind, index = label:sub(1, 1), label:sub(2) + 0
+      local kept = { label }
+      local listed = call('HGET', KEYS[1], 'gx')
+      if listed then
+        for l in string.gmatch(listed, '[^,]+') do
+          if l ~= label then
+            if l:sub(1, 1) == kind and l:sub(2) + 0 < index - 1 then
+              local g = 'g:' .. l .. ':'
+              call('HDEL', KEYS[1], g .. 'e', g .. 'p', g .. 'n', g .. 'd', g .. 's')
+            else
+              kept[#kept + 1] = l
+            end
+          end
+        end
+      end
+      hs[nh + 1] = 'gx'; hs[nh + 2] = table.concat(kept, ','); nh = nh + 2
+      local keep = x[XEND] - now_ms + ttl * 1000
+      if keep > x_keep then x_keep = keep end
+    end
+    local want = 1
+    if x[XURG] >= 0 and x[XP] - x[XN] >= x[XURG] then want = 2 end
+    local xstate = h[f + 4]
+    if not xstate or (want == 2 and xstate ~= '2') then
+      local score = 0
+      if want == 1 then
+        local stamped = call('HGET', KEYS[1], prefix .. 's')
+        score = math.max(now_ms, ((stamped and stamped + 0) or 0) + relaxed)
+      end
+      call('ZADD', KEYS[2], score, A[2] .. '|' .. label)
+      hs[nh + 1] = fields[f + 4]; hs[nh + 2] = want; nh = nh + 2
+    end
+    changed = true
+  end
+end
 -- The tenant's day just became busy (a charge took the counter past
 -- BUSY_DAY): the tenant hash is rewritten in the order its readers want, the
 -- day's counter, then the region's tiers, then the rest (node tiers, `gd`,
@@ -701,6 +860,18 @@ end
 -- A new day gives the hash its TTL, after the write: the first charge of a
 -- tenant creates the hash.
 if new_day and changed then call('EXPIRE', KEYS[1], ttl) end
+if x_keep > 0 then
+  local left = call('PTTL', KEYS[1])
+  if left < x_keep then call('PEXPIRE', KEYS[1], fmt('%d', x_keep)) end
+elseif new_day and changed and E > 0 then
+  -- The day's EXPIRE above must not cut a longer period's counter short.
+  local keep = ttl * 1000
+  for j = 1, E do
+    local x = xs[j]
+    if x[XOPEN] and x[XEND] - now_ms + ttl * 1000 > keep then keep = x[XEND] - now_ms + ttl * 1000 end
+  end
+  call('PEXPIRE', KEYS[1], fmt('%d', keep))
+end
 
 local out = { outcome, now_ms, own_p, own_n, raised, refunded + granted, epoch, nil, nil }
 local no = 7
@@ -708,6 +879,9 @@ for i = 1, K do
   local tier = tiers[i]
   out[no + 1] = tier[REMAINING]; no = no + 1
   if tier[ALG] > 2 then out[no + 1] = tier[RESET]; no = no + 1 end
+end
+for j = 1, E do
+  out[no + 1] = xs[j][XREM]; no = no + 1
 end
 if outcome ~= 0 then out[no + 1] = retry end
 return out

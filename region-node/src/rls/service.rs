@@ -447,7 +447,7 @@ impl Service {
             let Some(d) = &g.decided else { continue };
             for (t, st) in d.decision.tiers.iter().enumerate() {
                 if t < d.plan_tiers || t >= d.plan_tiers + g.in_call.len() {
-                    policies.push((st.tier.name(), st));
+                    policies.push((st.name(), st));
                 }
             }
             if d.decision.allowed {

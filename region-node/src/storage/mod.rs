@@ -99,10 +99,11 @@ pub enum StoreError {
     Url { url: String, reason: String },
     #[error("Redis refused at start: {0}")]
     Unsafe(String),
-    /// A check built for another day than Redis' clock says: it did
-    /// nothing; sent again for `day`.
-    #[error("the check was built for another day than Redis' clock says (day {day})")]
-    OtherDay { day: u32 },
+    /// A check built for another day (or another period of a global tier)
+    /// than Redis' clock says: it did nothing; sent again for `day`, with
+    /// the periods of Redis' clock `now_ms`.
+    #[error("the check was built for another day or period than Redis' clock says (day {day})")]
+    OtherDay { day: u32, now_ms: u64 },
 }
 
 impl StoreError {

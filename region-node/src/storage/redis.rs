@@ -55,13 +55,14 @@ use super::cluster::ClusterRouter;
 use super::link::{Link, Target};
 use super::safety::Eviction;
 use super::script::{
-    self, DecideCall, DecideReply, GlobalArgs, Op, RefundOf, ReplyError, Scope, TierCall,
+    self, DecideCall, DecideReply, GlobalArgs, Op, PeriodArgs, RefundOf, ReplyError, Scope, TierCall,
     DECIDE_LUA,
 };
 use super::{BoxFuture, CounterStore, StoreError};
 use crate::metrics::Metrics;
 use tierlimit_shared::config::Limit;
 use tierlimit_shared::keys;
+use tierlimit_shared::period::Period;
 
 /// Removes published dirty entries unless they changed since they were read.
 pub const ACK_LUA: &str = include_str!("../lua/ack.lua");
@@ -271,6 +272,7 @@ struct Compensation {
     tiers: Vec<(Scope, String, String, Limit, u64)>,
     expected_nodes: u32,
     global: Option<GlobalArgs>,
+    periods: Vec<PeriodArgs>,
     /// The call's unique id (its epoch candidate), the refund handle's id.
     id: String,
     day: u32,
@@ -300,6 +302,7 @@ impl Compensation {
                 .collect(),
             expected_nodes: call.expected_nodes,
             global: call.global.clone(),
+            periods: call.periods.clone(),
             id: call.epoch_candidate.to_string(),
             day: call.day,
             now_ms: call.now_ms,
@@ -344,6 +347,7 @@ impl Compensation {
                 .collect(),
             expected_nodes: self.expected_nodes,
             global: self.global.clone(),
+            periods: self.periods.clone(),
             epoch_candidate: &self.id,
             day: self.day,
             now_ms: self.now_ms,
@@ -670,6 +674,7 @@ impl RedisStore {
             // the decision path sends it again for Redis' day.
             Err(ReplyError::OtherDay { now_ms, .. }) => Err(StoreError::OtherDay {
                 day: (now_ms.max(0) as u64 / 86_400_000) as u32,
+                now_ms: now_ms.max(0) as u64,
             }),
             // Past its deadline the script did nothing: for the caller a
             // timeout known not to have charged. Redis answered, so it is
@@ -879,7 +884,7 @@ impl RedisStore {
         &self,
         bucket: u16,
         relaxed: Duration,
-        published: &[(String, u32, u64)],
+        published: &[(String, Period, u64)],
     ) -> Result<i64, StoreError> {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&self.ack_sha)
@@ -889,8 +894,10 @@ impl RedisStore {
             cmd.arg(keys::tenant_hash(tenant));
         }
         cmd.arg(relaxed.as_millis() as u64);
-        for (tenant, day, pn) in published {
-            cmd.arg(keys::dirty_member(tenant, *day)).arg(day).arg(pn);
+        for (tenant, period, pn) in published {
+            cmd.arg(keys::dirty_member_of(tenant, *period))
+                .arg(period.label())
+                .arg(pn);
         }
         let slot = keys::bucket_slot(bucket);
         let fut = async {

@@ -20,6 +20,7 @@ use redis::Value;
 use tierlimit_shared::config::{Algorithm, Limit};
 use tierlimit_shared::day::SECS_PER_DAY;
 use tierlimit_shared::keys;
+use tierlimit_shared::period::Period;
 
 /// The decision script.
 pub const DECIDE_LUA: &str = include_str!("../lua/decide.lua");
@@ -110,6 +111,26 @@ pub struct GlobalArgs {
     pub urgent_at: Option<u64>,
 }
 
+/// A global tier of another period than the day (hour, ISO week, calendar
+/// month), as the node's broadcast view sees it: decided in the same call
+/// as the day's, on a PN counter of its own (`g:<label>:` in the tenant
+/// hash). The node computes the period from its estimate of Redis' clock
+/// and sends its bounds; the script does no calendar arithmetic, and a
+/// check whose period Redis' clock is not in does nothing (answered as for
+/// another day, and sent again by the node).
+#[derive(Debug, Clone)]
+pub struct PeriodArgs {
+    pub period: Period,
+    pub limit: u64,
+    /// Broadcast total for (tenant, period), every actor (at least the
+    /// unbroadcast bound, as for the day).
+    pub broadcast_total: u64,
+    pub own_cap: Option<u64>,
+    /// This region's actors in the period's broadcast: (epoch, P, N).
+    pub own_parts: Vec<(String, u64, u64)>,
+    pub urgent_at: Option<u64>,
+}
+
 /// The charge a refund by handle gives back (see `crate::refund`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefundOf {
@@ -145,6 +166,9 @@ pub struct DecideCall<'a> {
     /// `region / expected_nodes` on its own).
     pub expected_nodes: u32,
     pub global: Option<GlobalArgs>,
+    /// The tenant's global tiers of other periods (hour, week, month), in
+    /// the order of `Policy::global_periods`.
+    pub periods: Vec<PeriodArgs>,
     /// Used only if the day's PN counter does not exist yet.
     pub epoch_candidate: &'a str,
     /// The day the node computed (UTC days since the epoch).
@@ -271,7 +295,7 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
 
     let g = call.global.as_ref();
     let parts: &[(String, u64, u64)] = g.map_or(&[], |g| &g.own_parts);
-    let mut n = Numbers::with_capacity(13 + 6 * call.tiers.len() + 2 * parts.len());
+    let mut n = Numbers::with_capacity(14 + 6 * call.tiers.len() + 2 * parts.len());
     n.push(deadline_ms as f64);
     n.int(u64::from(call.day));
     n.int(call.counter_ttl_secs);
@@ -315,6 +339,7 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
         }
     }
     n.int(call.tiers.len() as u64);
+    n.int(call.periods.len() as u64);
     // Where each tier's state is: 0 the tenant hash, i KEYS[i] (the keys of
     // `outside`, from KEYS[3], in tier order).
     let mut next_key = 2;
@@ -343,6 +368,19 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
             0
         });
     }
+    for x in &call.periods {
+        n.int(x.period.start_ms().max(0) as u64);
+        n.int(x.period.end_ms().max(0) as u64);
+        n.int(x.limit);
+        n.int(x.broadcast_total);
+        n.or_minus_one(x.own_cap);
+        n.or_minus_one(x.urgent_at);
+        n.int(x.own_parts.len() as u64);
+        for (_, p, nn) in &x.own_parts {
+            n.int(*p);
+            n.int(*nn);
+        }
+    }
     for (_, p, nn) in parts {
         n.int(*p);
         n.int(*nn);
@@ -364,11 +402,19 @@ pub fn encode(cmd: &mut redis::Cmd, call: &DecideCall<'_>, deadline_ms: i64) {
             cmd.arg(prefix);
         }
     }
+    for x in &call.periods {
+        cmd.arg(keys::period_prefix(x.period));
+    }
     if call.op == Op::Refund {
         cmd.arg(refund.map_or("-", |r| r.id.as_str()));
         // Read only by a refund by handle: a string (a strtod on the rare
         // refund) rather than a number every call would carry.
         cmd.arg(refund.map_or(0, |r| r.expires_at_ms));
+    }
+    for x in &call.periods {
+        for (epoch, _, _) in &x.own_parts {
+            cmd.arg(epoch);
+        }
     }
     for (epoch, _, _) in parts {
         cmd.arg(epoch);
@@ -414,7 +460,11 @@ pub fn unpack_numbers(bytes: &[u8]) -> Vec<f64> {
 pub enum Denied {
     /// The windowed tier at this index of the call.
     Tier(usize),
+    /// The day's global tier.
     Global,
+    /// The global tier of another period, at this index of
+    /// `DecideCall::periods`.
+    Period(usize),
 }
 
 /// One windowed tier's state after the call.
@@ -454,6 +504,12 @@ pub struct DecideReply {
     pub epoch: String,
     pub day: u32,
     pub global_remaining: Option<u64>,
+    /// Each other period's global remaining after the call, in the order
+    /// of `DecideCall::periods`.
+    pub periods_remaining: Vec<u64>,
+    /// When the first of the call's other periods ends, Redis ms (`None`:
+    /// the call has none). A lease never outlives it.
+    pub periods_end_ms: Option<u64>,
     /// Units the rollback check added to P: Redis held less than the
     /// aggregator already had from this actor.
     pub raised: u64,
@@ -521,8 +577,10 @@ impl DecideReply {
             });
         }
         let k = call.tiers.len();
+        let e = call.periods.len();
         let expected = HEADER
             + k
+            + e
             + call
                 .tiers
                 .iter()
@@ -539,6 +597,7 @@ impl DecideReply {
             0 => None,
             -1 => Some(Denied::Global),
             i if i > 0 && (i as usize) <= k => Some(Denied::Tier(i as usize - 1)),
+            i if i <= -4 && ((-i - 3) as usize) <= e => Some(Denied::Period((-i - 4) as usize)),
             other => return Err(ReplyError::Malformed(format!("outcome {other}"))),
         };
         let mut next = HEADER;
@@ -558,6 +617,11 @@ impl DecideReply {
                 remaining,
                 reset_ms,
             });
+        }
+        let mut periods_remaining = Vec::with_capacity(e);
+        for _ in 0..e {
+            periods_remaining.push(at(next)?.max(0) as u64);
+            next += 1;
         }
         let retry = if outcome != 0 { at(next)? } else { 0 };
         let unsigned = |i: usize| at(i).map(|v| v.max(0) as u64);
@@ -583,6 +647,8 @@ impl DecideReply {
             epoch,
             day,
             global_remaining,
+            periods_remaining,
+            periods_end_ms: periods_end_ms(call),
             raised,
             refunded,
             duplicate: call.op == Op::Refund && units == -1,
@@ -590,6 +656,14 @@ impl DecideReply {
             granted,
         })
     }
+}
+
+/// When the first of `call`'s other periods ends, ms (`None`: it has none).
+pub fn periods_end_ms(call: &DecideCall<'_>) -> Option<u64> {
+    call.periods
+        .iter()
+        .map(|x| x.period.end_ms().max(0) as u64)
+        .min()
 }
 
 /// What the global tier leaves this region after the call, as the script
