@@ -25,10 +25,11 @@ use serde::Serialize;
 use tierlimit_shared::auth::{Principal, Scope};
 use tierlimit_shared::config::HttpSettings;
 use tierlimit_shared::day;
-use tierlimit_shared::messages::{partition_of, ActorPart};
+use tierlimit_shared::messages::{now_ms, partition_of, ActorPart};
+use tierlimit_shared::period::{Period, PeriodKind};
 use tierlimit_shared::problem::Problem;
 
-use crate::merge::Snapshot;
+use crate::merge::{Carried, Snapshot};
 use crate::progress::{Membership, PartitionProgress, Readiness};
 use crate::state::State;
 
@@ -120,7 +121,11 @@ pub struct DayView {
     pub day: u32,
     pub date: String,
     pub total: u64,
+    /// The limit the counter is judged under: the one the nodes' deltas
+    /// carried, else the aggregator's configuration's.
     pub limit: Option<u64>,
+    /// The limits version of `limit` (0: the aggregator's configuration).
+    pub limits_version: u64,
     pub remaining: Option<u64>,
     pub over_limit: bool,
     pub parts: Vec<ActorPart>,
@@ -129,13 +134,56 @@ pub struct DayView {
 }
 
 impl DayView {
-    fn new(day: u32, counter: Option<Snapshot>, limit: Option<u64>) -> Self {
-        let total = counter.as_ref().map_or(0, |c| c.total);
+    fn new(day: u32, counter: Option<Snapshot>, configured: Option<u64>) -> Self {
+        let p = PeriodView::new(Period::day(day), counter, configured);
         DayView {
             day,
             date: day::to_iso(day),
+            total: p.total,
+            limit: p.limit,
+            limits_version: p.limits_version,
+            remaining: p.remaining,
+            over_limit: p.over_limit,
+            parts: p.parts,
+            regions: p.regions,
+        }
+    }
+}
+
+/// The current period of one of a tenant's other global tiers (hour, week,
+/// month).
+#[derive(Debug, Serialize)]
+pub struct PeriodView {
+    pub kind: PeriodKind,
+    /// The period's label (`m682`, `w2868`, `h490335`: kind and index).
+    pub period: String,
+    /// Its human name (`2026-11`, `2026-W48`, `2026-11-27T15`).
+    pub name: String,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub total: u64,
+    pub limit: Option<u64>,
+    pub limits_version: u64,
+    pub remaining: Option<u64>,
+    pub over_limit: bool,
+    pub parts: Vec<ActorPart>,
+    pub regions: BTreeMap<String, u64>,
+}
+
+impl PeriodView {
+    fn new(period: Period, counter: Option<Snapshot>, configured: Option<u64>) -> Self {
+        let total = counter.as_ref().map_or(0, |c| c.total);
+        let judged = Carried::or_config(counter.as_ref().and_then(|c| c.carried), || configured);
+        let limit = judged.limit;
+        PeriodView {
+            kind: period.kind,
+            period: period.label(),
+            name: period.human(),
+            start_ms: period.start_ms(),
+            end_ms: period.end_ms(),
             total,
             limit,
+            limits_version: judged.limits_version,
             remaining: limit.map(|l| l.saturating_sub(total)),
             over_limit: limit.is_some_and(|l| total >= l),
             regions: counter.as_ref().map(Snapshot::regions).unwrap_or_default(),
@@ -156,6 +204,9 @@ pub struct TenantView {
     pub caught_up: bool,
     pub today: DayView,
     pub yesterday: DayView,
+    /// The current period of each other tier kind (hour, week, month) the
+    /// tenant has a counter for or a configured limit in, hour first.
+    pub periods: Vec<PeriodView>,
 }
 
 async fn tenant_view(
@@ -177,17 +228,33 @@ async fn tenant_view(
     if let Err(e) = who.require(Scope::Read, Some(&tenant)) {
         return refuse(&state, e.into());
     }
-    let limit = state.limit_of(&tenant);
+    let limit = state.limit_of(&tenant, PeriodKind::Day);
+    let now = now_ms();
     let today = day::today();
     let yesterday = today.saturating_sub(1);
+    let others: Vec<(Period, Option<u64>)> = PeriodKind::ALL
+        .into_iter()
+        .filter(|k| *k != PeriodKind::Day)
+        .map(|k| (k.at(now), state.limit_of(&tenant, k)))
+        .collect();
     let partition = partition_of(&tenant, state.kafka().partitions);
     let core = state.lock();
+    let snapshot = |day| core.merged.snapshot(&tenant, Period::day(day));
+    let periods = others
+        .into_iter()
+        .filter_map(|(period, configured)| {
+            let counter = core.merged.snapshot(&tenant, period);
+            (counter.is_some() || configured.is_some())
+                .then(|| PeriodView::new(period, counter, configured))
+        })
+        .collect();
     let view = TenantView {
         partition,
         owned: core.progress.is_assigned(partition),
         caught_up: core.progress.is_caught_up(partition),
-        today: DayView::new(today, core.merged.snapshot(&tenant, today), limit),
-        yesterday: DayView::new(yesterday, core.merged.snapshot(&tenant, yesterday), limit),
+        today: DayView::new(today, snapshot(today), limit),
+        yesterday: DayView::new(yesterday, snapshot(yesterday), limit),
+        periods,
         tenant,
     };
     drop(core);
@@ -197,6 +264,9 @@ async fn tenant_view(
 #[derive(Debug, Serialize)]
 pub struct OverLimitTenant {
     pub tenant: String,
+    /// The tier: `day` (today), or `hour`, `week`, `month` (its current
+    /// period).
+    pub kind: PeriodKind,
     pub total: u64,
     pub limit: u64,
 }
@@ -206,8 +276,9 @@ pub struct OverLimitTenant {
 pub struct OverLimitView {
     pub day: u32,
     pub date: String,
-    /// Tenants of this instance's partitions at or over their limit today,
-    /// ordered by tenant id.
+    /// Tenants of this instance's partitions at or over the limit of one
+    /// of their tiers in its current period (today for the day's), ordered
+    /// by tenant id then tier (hour, day, week, month).
     pub tenants: Vec<OverLimitTenant>,
 }
 
@@ -219,30 +290,42 @@ async fn over_limit(
     if let Err(e) = who.require(Scope::Read, None) {
         return refuse(&state, e.into());
     }
+    let now = now_ms();
     let today = day::today();
     let config = state.live().load();
     let mut tenants: Vec<OverLimitTenant> = {
-        // Only the visible counters: every tenant at its limit passed the
-        // broadcast threshold and was broadcast (at most one broadcast
-        // interval ago), so this never walks every counter under the lock.
+        // Only the visible counters of the current periods: every tenant at
+        // its limit passed the broadcast threshold and was broadcast (at
+        // most one broadcast interval ago), so this never walks every
+        // counter under the lock.
         let core = state.lock();
-        core.merged
-            .on(today)
+        PeriodKind::ALL
             .into_iter()
-            .flat_map(|d| d.visible())
-            .filter(|(tenant, _)| who.may_see(tenant))
-            .filter_map(|(tenant, c)| {
-                let limit = config.policy(tenant).and_then(|p| p.global)?;
-                let total = c.total();
-                (total >= limit).then(|| OverLimitTenant {
-                    tenant: tenant.to_owned(),
-                    total,
-                    limit,
-                })
+            .map(|k| k.at(now))
+            .flat_map(|period| {
+                let core = &core;
+                let config = &config;
+                let who = &who;
+                core.merged
+                    .on(period)
+                    .into_iter()
+                    .flat_map(|d| d.visible())
+                    .filter(move |(tenant, _)| who.may_see(tenant))
+                    .filter_map(move |(tenant, c)| {
+                        let key = crate::merge::TenantPeriod::new(tenant, period);
+                        let limit = crate::state::judged(config, &key, c).limit?;
+                        let total = c.total();
+                        (total >= limit).then(|| OverLimitTenant {
+                            tenant: tenant.to_owned(),
+                            kind: period.kind,
+                            total,
+                            limit,
+                        })
+                    })
             })
             .collect()
     };
-    tenants.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+    tenants.sort_by(|a, b| (&a.tenant, a.kind).cmp(&(&b.tenant, b.kind)));
     Json(OverLimitView {
         day: today,
         date: day::to_iso(today),

@@ -254,12 +254,17 @@ pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 's
 /// Creates the deltas and global topics (if missing) with the partition
 /// count and replication factor of the configuration and, with `compact`,
 /// `cleanup.policy=compact,delete` and the retention that
-/// `aggregator.retention_days` implies. Returns the topics that were
-/// created.
+/// `aggregator.retention_days` and the configured tier kinds imply (a month
+/// tier: ~63 days, so that a rebuild on the 20th finds every actor's latest
+/// delta of the previous month; `shared::retention`). Returns the topics
+/// that were created.
 pub async fn create_topics(config_path: &Path, compact: bool) -> Result<Vec<String>, Error> {
     let loaded = Config::load(config_path)?;
     let c = &loaded.config;
-    tierlimit_shared::kafka::ensure_topics(&c.kafka, c.aggregator.retention_days, compact)
+    let kinds = tierlimit_shared::retention::kinds_in_use(c);
+    let retention_ms =
+        tierlimit_shared::retention::topic_retention_ms_for(c.aggregator.retention_days, &kinds);
+    tierlimit_shared::kafka::ensure_topics_retaining(&c.kafka, retention_ms, compact)
         .await
         .map_err(Error::Topics)
 }
