@@ -4,7 +4,8 @@
 //! The topic is the source of truth and this process keeps no storage, so
 //! **every assignment is rebuilt from the topic**: the rebalance callback
 //! sets each newly assigned partition's offset to the first record of the
-//! retained days (ListOffsets by timestamp, see
+//! retained days, or of the previous period of a configured week or month
+//! tier if that started earlier (ListOffsets by timestamp, see
 //! [`tierlimit_shared::retention`]; the beginning if the broker cannot say)
 //! before handing it to librdkafka. An explicit offset in `assign` takes
 //! precedence over committed offsets and over `auto.offset.reset`, so this

@@ -6,7 +6,13 @@
 //! - the tenants at or over their daily limit;
 //! - per region: the newest delta seen and how long ago (the delta lag while
 //!   a region has traffic), and its units today;
+//! - the periods held (every global tier's: hour, day, week, month), with
+//!   their counter count and units (kept as deltas merge: no walk);
 //! - this instance's readiness, partitions and consumer lag.
+//!
+//! The tenant rows are the day's tier (every tenant has that counter); a
+//! tenant's other tiers are in `/v1/global/<tenant>`. A row's limit is the
+//! one the nodes' deltas carried, else the configuration's.
 //!
 //! Like the JSON API, it shows what *this* instance holds: with several
 //! aggregators, each owns some partitions of the deltas topic, and the page

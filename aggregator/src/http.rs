@@ -1,6 +1,12 @@
 //! The aggregator's HTTP API: the global view of a tenant, the over-limit
 //! list, metrics and health.
 //!
+//! The tenant view shows the day's tier (today and yesterday) and the
+//! current period of each other tier the tenant has (`periods`); every
+//! limit shown is the one the nodes' deltas carried, else the
+//! configuration's (`limits_version` 0). `/v1/over-limit` lists one entry
+//! per tenant and tier (`kind`) at or over its limit in the current period.
+//!
 //! An aggregator only holds the tenants of the partitions assigned to it, so
 //! the tenant view says whether this instance owns the tenant (and whether it
 //! has finished rebuilding); zeros from a non-owner mean "ask another

@@ -1,5 +1,7 @@
 //! The tierlimit aggregator: merges every region's PN-counter deltas into
-//! global daily counts per tenant and broadcasts them back to the regions.
+//! global counts per tenant and calendar period (UTC hour, day, ISO week,
+//! month: one counter per global tier) and broadcasts them back to the
+//! regions, each judged under the limit the nodes' deltas carried.
 //!
 //! ```text
 //!  tierlimit.deltas ──► consumer ──► state (merge + progress) ──► broadcast ──► tierlimit.global
@@ -7,7 +9,8 @@
 //!                                         └──► http (/v1/global, /v1/over-limit, /metrics, /readyz)
 //! ```
 //!
-//! - [`merge`]: the CRDT state, one `PNCounter` per (tenant, day);
+//! - [`merge`]: the CRDT state, one `PNCounter` per (tenant, period),
+//!   grouped per period, each kind with its own retention;
 //! - [`progress`]: which partitions this instance owns and how far their
 //!   rebuild from the beginning has come;
 //! - [`state`]: both behind one lock, plus the rules that join them;
@@ -46,7 +49,7 @@ use crate::consumer::DeltaConsumer;
 use crate::metrics::Metrics;
 use crate::state::State;
 
-/// How often expired days are dropped and the gauges recomputed.
+/// How often expired periods are dropped and the gauges recomputed.
 const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(1);
 /// Pause before replacing a consumer that librdkafka declared unusable.
 const CONSUMER_RESTART_DELAY: Duration = Duration::from_secs(1);
