@@ -778,6 +778,10 @@ mod tests {
         assert!(html.starts_with("<!DOCTYPE html>"));
         assert!(html.contains("<meta http-equiv=\"refresh\" content=\"5\">"));
         assert!(html.contains("cluster <b>c&lt;1&gt;</b>"));
+        // The periods held, each tier's on a line.
+        assert!(html.contains(
+            "<tr class=\"period\" data-period=\"20000\"><td>day</td><td>2024-10-04</td>"
+        ));
         let hot = html.find("data-tenant=\"hot\" data-total=\"120\"").unwrap();
         let small = html.find("data-tenant=\"small\"").unwrap();
         let free = html.find("data-tenant=\"free\"").unwrap();

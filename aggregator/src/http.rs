@@ -394,7 +394,7 @@ mod tests {
     use axum::body::Body;
     use axum::http::Request;
     use http_body_util::BodyExt;
-    use tierlimit_shared::messages::{actor, now_ms, Delta};
+    use tierlimit_shared::messages::{actor, Delta};
     use tower::ServiceExt;
 
     use crate::state::tests::state;
@@ -500,6 +500,37 @@ mod tests {
         assert_eq!(status, StatusCode::OK);
         assert_eq!(v["tenants"][0]["tenant"], "acme");
         assert_eq!(v["tenants"].as_array().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn tenant_view_lists_the_current_period_of_other_tiers() {
+        let s = rebuilt_state();
+        let p = partition_of("acme", 4);
+        let month = PeriodKind::Month.at(now_ms());
+        let mut d = Delta::of("acme", month, actor("eu", "a"), 900, 0, now_ms());
+        d.limit = Some(800);
+        d.limits_version = 2;
+        s.on_delta(p, 0, &d);
+        let router = router(s.clone());
+        let (_, _, v) = get(&router, "/v1/global/acme").await;
+        let periods = v["periods"].as_array().unwrap();
+        assert_eq!(periods.len(), 1, "{v}");
+        assert_eq!(periods[0]["kind"], "month");
+        assert_eq!(periods[0]["name"], month.human());
+        assert_eq!(periods[0]["period"], month.label());
+        assert_eq!(periods[0]["total"], 900);
+        // The limit the node carried, not the configuration's (none).
+        assert_eq!(periods[0]["limit"], 800);
+        assert_eq!(periods[0]["limits_version"], 2);
+        assert_eq!(periods[0]["over_limit"], true);
+        // The day's tier is untouched, judged under the configuration.
+        assert_eq!(v["today"]["total"], 0);
+        assert_eq!(v["today"]["limit"], 100);
+        assert_eq!(v["today"]["limits_version"], 0);
+        crate::state::tests::broadcasts(&s);
+        let (_, _, v) = get(&router, "/v1/over-limit").await;
+        assert_eq!(v["tenants"][0]["kind"], "month");
+        assert_eq!(v["tenants"][0]["limit"], 800);
     }
 
     #[tokio::test]
