@@ -10,6 +10,10 @@
 //!
 //! `cargo bench -p aggregator --bench memory` (or `BENCH_ONLY=memory
 //! scripts/bench`); `MEMORY_SIZES="100000x20,10000000x1"` picks the sizes.
+//! `MEMORY_KINDS="hour,day,month"` gives every tenant a counter of each of
+//! those global tiers (issue 33: bytes per tenant with three tiers against
+//! the day's alone); the default is the day's only, and "counters" then
+//! counts tenants × kinds.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::{BTreeMap, HashMap};
@@ -20,6 +24,7 @@ use aggregator::merge::Merged;
 use crdts::pncounter::{Dir, Op};
 use crdts::{CmRDT, Dot, PNCounter};
 use tierlimit_shared::messages::{actor, Delta};
+use tierlimit_shared::period::{Period, PeriodKind};
 
 /// Bytes currently allocated through the global allocator.
 struct Counting;
@@ -52,6 +57,8 @@ fn held() -> isize {
 }
 
 const DAY: u32 = 20_000;
+/// Noon of `DAY`: what the retention is judged at.
+const NOW: u64 = DAY as u64 * 86_400_000 + 43_200_000;
 
 /// The previous layout: actor strings in both CRDT maps and the parts.
 #[derive(Default)]
@@ -69,6 +76,13 @@ fn main() {
         .iter()
         .map(|r| actor(r, "0123456789abcdef0123456789abcdef"))
         .collect();
+    let kinds: Vec<PeriodKind> = std::env::var("MEMORY_KINDS")
+        .unwrap_or_else(|_| "day".into())
+        .split(',')
+        .map(|k| PeriodKind::parse(k.trim()).expect("MEMORY_KINDS: hour,day,week,month"))
+        .collect();
+    let periods: Vec<Period> = kinds.iter().map(|k| k.at(NOW)).collect();
+    println!("(global tiers per tenant: {kinds:?})");
     println!("| counters | regions | bytes / counter | bytes / region part | before interning, bytes / part | fill time |");
     println!("(the tenant name of each counter's key excluded: every layout has it)");
     println!("|---:|---:|---:|---:|---:|---:|");
@@ -85,15 +99,21 @@ fn main() {
         let mut merged = Merged::new(2);
         for a in &actors[..r] {
             for t in &tenants {
-                let d = Delta::new(t, DAY, a.clone(), 1_000, 10, 0);
-                merged.apply(0, &d, DAY);
+                for p in &periods {
+                    let mut d = Delta::of(t, *p, a.clone(), 1_000, 10, 0);
+                    // v3: the node's enforced limit and limits version.
+                    d.limit = Some(100_000);
+                    d.limits_version = 1;
+                    merged.apply(0, &d, NOW);
+                }
             }
         }
         let fill = started.elapsed();
+        let n = n * periods.len();
         // The dirty set is what the next broadcast interval takes; in steady
         // state it holds only what changed since the last one.
         merged.take_dirty(false, |_| true, |_, _| false);
-        let bytes = (held() - before) as f64 - tenant_names(&tenants);
+        let bytes = (held() - before) as f64 - periods.len() as f64 * tenant_names(&tenants);
         assert_eq!(merged.len(), n);
         drop(merged);
 
@@ -117,7 +137,7 @@ fn main() {
             }
             let bytes = (held() - before) as f64 - tenant_names(&tenants);
             drop(old);
-            format!("{:.0}", bytes / (n * r) as f64)
+            format!("{:.0}", bytes / (tenants.len() * r) as f64)
         } else {
             "—".into()
         };

@@ -1,5 +1,10 @@
 //! Publishes the merged counters to `tierlimit.global`, where every
-//! region-node follows them.
+//! region-node follows them: one `GlobalUpdate` per (tenant, period), keyed
+//! `tenant|<period label>` (a day's label is the bare day number, so a day
+//! counter's key is the one it always had), carrying the period, the limit
+//! it was judged under and that limit's version (the one the deltas carried,
+//! see [`crate::merge::Carried`]; version 0 when the aggregator's own
+//! configuration decided).
 //!
 //! Only what decisions need: a region-node needs the other regions' spend
 //! of a tenant only when the tenant has a global limit and is near it. A
@@ -39,30 +44,33 @@ use rdkafka::error::KafkaError;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use tierlimit_shared::config::KafkaConfig;
 use tierlimit_shared::messages::{now_ms, partition_of, GlobalUpdate, VERSION};
+use tierlimit_shared::retention;
 use tierlimit_shared::wire::{heartbeat_interval, Heartbeat};
-use tierlimit_shared::{day, retention};
 use tokio::time::MissedTickBehavior;
 use tokio_util::sync::CancellationToken;
 
 use crate::kafka::{LogContext, Throttle};
-use crate::merge::{Snapshot, TenantDay};
-use crate::state::{Core, State};
+use crate::merge::{Carried, Snapshot, TenantPeriod};
+use crate::state::{configured_limit, Core, State};
 
 /// Longest wait for queued updates to be delivered at shutdown.
 const FLUSH_ON_SHUTDOWN: Duration = Duration::from_secs(3);
 
-/// The global update of one counter under the current limit.
-pub fn update(key: &TenantDay, counter: &Snapshot, limit: Option<u64>) -> GlobalUpdate {
+/// The global update of one counter of `key`'s period, judged under
+/// `judged` (the limit its deltas carried, else the configuration's: see
+/// [`Carried::or_config`]).
+pub fn update(key: &TenantPeriod, counter: &Snapshot, judged: Carried) -> GlobalUpdate {
     let total = counter.total;
     GlobalUpdate {
         v: VERSION,
         tenant: key.tenant.clone(),
-        day: key.day,
+        period: key.period,
         total,
         parts: counter.parts.clone(),
-        limit,
-        over_limit: limit.is_some_and(|l| total >= l),
+        limit: judged.limit,
+        over_limit: judged.limit.is_some_and(|l| total >= l),
         ts_ms: now_ms(),
+        limits_version: judged.limits_version,
     }
 }
 
@@ -189,7 +197,7 @@ impl Broadcaster {
     /// a broker outage never stalls the next interval.
     fn flush(&self, scope: Scope) {
         let state = &self.out.state;
-        let today = day::today();
+        let now = now_ms();
         // Computed from the two configurations, outside the lock.
         let changes = match scope {
             Scope::All => state.take_limit_changes(),
@@ -199,7 +207,7 @@ impl Broadcaster {
         let (taken, heartbeats) = {
             let mut core = state.lock();
             if let Some(changes) = changes.filter(|c| !c.is_empty()) {
-                let marked = changes.mark(&mut core.merged, today);
+                let marked = changes.mark(&mut core.merged, now);
                 tracing::info!(
                     counters = marked,
                     "limits changed: their counters are broadcast again"
@@ -255,7 +263,7 @@ impl Broadcaster {
 }
 
 /// A produced update and its delivery.
-type Pending = (TenantDay, DeliveryFuture);
+type Pending = (TenantPeriod, DeliveryFuture);
 
 impl Out {
     fn failures_of(&self, partition: i32) -> u64 {
@@ -265,7 +273,7 @@ impl Out {
     }
 
     /// Hands `taken` to the producer, one signed batch per partition.
-    fn produce_updates(&self, taken: Vec<(TenantDay, Snapshot)>) -> Vec<Pending> {
+    fn produce_updates(&self, taken: Vec<(TenantPeriod, Snapshot)>) -> Vec<Pending> {
         if taken.is_empty() {
             return Vec::new();
         }
@@ -281,10 +289,12 @@ impl Out {
         };
         // One signed batch per partition: a batch's records stay together
         // on the topic, so a follower verifies each root once.
-        let mut by_partition: BTreeMap<i32, Vec<(TenantDay, GlobalUpdate)>> = BTreeMap::new();
+        let mut by_partition: BTreeMap<i32, Vec<(TenantPeriod, GlobalUpdate)>> = BTreeMap::new();
         for (key, counter) in taken {
-            let limit = config.policy(&key.tenant).and_then(|p| p.global);
-            let update = update(&key, &counter, limit);
+            let judged = Carried::or_config(counter.carried, || {
+                configured_limit(&config, &key.tenant, key.period.kind)
+            });
+            let update = update(&key, &counter, judged);
             by_partition
                 .entry(partition_of(&key.tenant, self.partitions))
                 .or_default()
@@ -359,7 +369,7 @@ impl Out {
 
     /// Counts a failed update and keeps its counter dirty for the next
     /// interval; its partition writes no heartbeat until it is delivered.
-    fn failed(&self, key: &TenantDay, error: &str) {
+    fn failed(&self, key: &TenantPeriod, error: &str) {
         self.state.metrics.broadcasts_failed.inc();
         let partition = partition_of(&key.tenant, self.partitions);
         {
@@ -373,7 +383,7 @@ impl Out {
             }
         }
         if let Some(suppressed) = self.throttle.allow(error) {
-            tracing::warn!(tenant = %key.tenant, day = key.day, %error, suppressed, "global update not produced; retrying next interval");
+            tracing::warn!(tenant = %key.tenant, period = %key.period, %error, suppressed, "global update not produced; retrying next interval");
         }
     }
 }
@@ -383,6 +393,7 @@ mod tests {
     use super::*;
     use crate::merge::{Applied, Merged};
     use tierlimit_shared::messages::{actor, Delta};
+    use tierlimit_shared::period::{Period, PeriodKind};
 
     #[test]
     fn heartbeats_come_well_within_max_staleness() {
@@ -402,25 +413,69 @@ mod tests {
         assert_eq!(heartbeat_interval(&c), Duration::from_millis(100));
     }
 
+    /// Noon of day 10.
+    const NOW: u64 = 10 * 86_400_000 + 43_200_000;
+
+    fn limit(limit: Option<u64>) -> Carried {
+        Carried {
+            limit,
+            limits_version: 0,
+        }
+    }
+
     #[test]
     fn update_carries_total_parts_and_flag() {
         let mut m = Merged::new(2);
         let d = |a: &str, p| Delta::new("acme", 10, actor(a, "x"), p, 1, 0);
         assert!(matches!(
-            m.apply(0, &d("eu", 60), 10),
+            m.apply(0, &d("eu", 60), NOW),
             Applied::Changed { .. }
         ));
-        m.apply(0, &d("us", 41), 10);
-        let key = TenantDay::new("acme", 10);
-        let c = m.snapshot("acme", 10).unwrap();
-        let u = update(&key, &c, Some(99));
+        m.apply(0, &d("us", 41), NOW);
+        let key = TenantPeriod::day("acme", 10);
+        let c = m.snapshot("acme", Period::day(10)).unwrap();
+        let u = update(&key, &c, limit(Some(99)));
         assert_eq!(u.key(), "acme|10");
+        assert_eq!(u.period, Period::day(10));
         assert_eq!(u.total, 99);
         assert!(u.over_limit);
         assert_eq!(u.parts.len(), 2);
         assert_eq!(u.v, VERSION);
-        assert!(!update(&key, &c, Some(100)).over_limit);
-        assert!(!update(&key, &c, None).over_limit);
+        assert!(!update(&key, &c, limit(Some(100))).over_limit);
+        assert!(!update(&key, &c, limit(None)).over_limit);
         assert_eq!(GlobalUpdate::decode(&u.encode()).unwrap(), u);
+    }
+
+    #[test]
+    fn update_carries_the_period_and_the_carried_limit() {
+        let mut m = Merged::new(2);
+        let month = PeriodKind::Month.at(NOW);
+        let mut d = Delta::of("acme", month, actor("eu", "x"), 700, 0, 5);
+        d.limit = Some(600);
+        d.limits_version = 4;
+        m.apply(0, &d, NOW);
+        let (taken, _) = m.take_dirty(false, |_| true, |_, _| true);
+        let (key, snapshot) = &taken[0];
+        assert_eq!(key.period, month);
+        // The configuration (1000 here) is not consulted: the delta said.
+        let judged = Carried::or_config(snapshot.carried, || Some(1_000));
+        let u = update(key, snapshot, judged);
+        assert_eq!(u.period, month);
+        assert_eq!(u.key(), format!("acme|m{}", month.index));
+        assert_eq!(
+            (u.limit, u.limits_version, u.over_limit),
+            (Some(600), 4, true)
+        );
+        // On the wire (v3, the default) it decodes with its period.
+        let config = tierlimit_shared::Config::from_toml(crate::state::tests::CONFIG).unwrap();
+        let signer = tierlimit_shared::wire::BroadcastSigner::new(&config.config).unwrap();
+        let records = signer.encode(std::slice::from_ref(&u));
+        let back = tierlimit_shared::wire::codec::decode_global(&records[0])
+            .unwrap()
+            .message;
+        assert_eq!(
+            (back.period, back.limit, back.limits_version),
+            (month, Some(600), 4)
+        );
     }
 }

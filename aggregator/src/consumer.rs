@@ -4,7 +4,8 @@
 //! The topic is the source of truth and this process keeps no storage, so
 //! **every assignment is rebuilt from the topic**: the rebalance callback
 //! sets each newly assigned partition's offset to the first record of the
-//! retained days (ListOffsets by timestamp, see
+//! retained days, or of the previous period of a configured week or month
+//! tier if that started earlier (ListOffsets by timestamp, see
 //! [`tierlimit_shared::retention`]; the beginning if the broker cannot say)
 //! before handing it to librdkafka. An explicit offset in `assign` takes
 //! precedence over committed offsets and over `auto.offset.reset`, so this
@@ -44,9 +45,9 @@ use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
 use tierlimit_shared::config::{AggregatorSettings, KafkaConfig};
-use tierlimit_shared::messages::DecodeError;
+use tierlimit_shared::messages::{now_ms, DecodeError};
+use tierlimit_shared::retention;
 use tierlimit_shared::wire::Reject;
-use tierlimit_shared::{day, retention};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -113,8 +114,17 @@ impl ConsumerContext for RebuildContext {
                 let starts = if partitions.is_empty() {
                     Vec::new()
                 } else {
-                    let retention = self.state.live().load().config.aggregator.retention_days;
-                    let since = retention::since_ms(day::today(), retention);
+                    // The retained days, or the previous period of every
+                    // tier kind configured if that started earlier (a
+                    // month counter's latest delta of an actor may be
+                    // weeks old: `shared::retention`).
+                    let config = self.state.live().load();
+                    let kinds = retention::kinds_in_use(&config.config);
+                    let since = retention::rebuild_since_ms(
+                        now_ms(),
+                        config.config.aggregator.retention_days,
+                        &kinds,
+                    );
                     retention::start_offsets(
                         consumer,
                         &self.topic,

@@ -6,7 +6,13 @@
 //! - the tenants at or over their daily limit;
 //! - per region: the newest delta seen and how long ago (the delta lag while
 //!   a region has traffic), and its units today;
+//! - the periods held (every global tier's: hour, day, week, month), with
+//!   their counter count and units (kept as deltas merge: no walk);
 //! - this instance's readiness, partitions and consumer lag.
+//!
+//! The tenant rows are the day's tier (every tenant has that counter); a
+//! tenant's other tiers are in `/v1/global/<tenant>`. A row's limit is the
+//! one the nodes' deltas carried, else the configuration's.
 //!
 //! Like the JSON API, it shows what *this* instance holds: with several
 //! aggregators, each owns some partitions of the deltas topic, and the page
@@ -27,7 +33,9 @@ use axum::response::{IntoResponse, Response};
 use prometheus::core::Collector;
 use tierlimit_shared::day;
 use tierlimit_shared::messages::now_ms;
+use tierlimit_shared::period::Period;
 
+use crate::merge::{Carried, Counter};
 use crate::progress::Readiness;
 use crate::state::State;
 
@@ -69,6 +77,18 @@ pub struct Snapshot {
     /// Whether `RegionRow::units_today` covers every tenant (it covers the
     /// shown rows only when there are more tenants than rows).
     pub region_units_complete: bool,
+    /// Every period held (hour, day, week, month tiers), with its counter
+    /// count and units: kept by the state as deltas merge, so listing them
+    /// walks no counter. The tenant rows above are the day's.
+    pub periods: Vec<PeriodRow>,
+}
+
+/// One period held: its counters on this instance and their units.
+#[derive(Debug, Clone)]
+pub struct PeriodRow {
+    pub period: Period,
+    pub counters: usize,
+    pub units: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -156,22 +176,25 @@ const LIST_ALL_UP_TO: usize = 10_000;
 pub fn snapshot(state: &State, top: usize) -> Snapshot {
     let today = day::today();
     let config = state.live().load();
-    let (totals, tenant_count, units, not_ready, owned, lag) = {
+    let (totals, tenant_count, units, not_ready, owned, lag, periods) = {
         let core = state.lock();
-        let day = core.merged.on(today);
+        let day = core.merged.on(Period::day(today));
         let (tenant_count, units) = day.map_or((0, 0), |d| (d.len(), d.units()));
-        let totals: Vec<(String, u64)> = match day {
-            Some(d) if d.len() <= LIST_ALL_UP_TO => core
-                .merged
-                .day(today)
-                .map(|(t, c)| (t.to_owned(), c.total()))
-                .collect(),
-            Some(d) => d
-                .visible()
-                .map(|(t, c)| (t.to_owned(), c.total()))
-                .collect(),
+        let row = |(t, c): (&str, &Counter)| (t.to_owned(), c.total(), c.carried());
+        let totals: Vec<(String, u64, Option<Carried>)> = match day {
+            Some(d) if d.len() <= LIST_ALL_UP_TO => d.counters().map(row).collect(),
+            Some(d) => d.visible().map(row).collect(),
             None => Vec::new(),
         };
+        let periods: Vec<PeriodRow> = core
+            .merged
+            .periods()
+            .map(|(period, g)| PeriodRow {
+                period,
+                counters: g.len(),
+                units: g.units(),
+            })
+            .collect();
         let not_ready = match core.progress.readiness() {
             Readiness::Ready => None,
             Readiness::NotReady(why) => Some(why),
@@ -184,15 +207,18 @@ pub fn snapshot(state: &State, top: usize) -> Snapshot {
             not_ready,
             core.progress.assigned_partitions(),
             lag,
+            periods,
         )
     };
     let mut tenants: Vec<TenantRow> = totals
         .into_iter()
-        .map(|(tenant, total)| {
+        .map(|(tenant, total, carried)| {
             let policy = config.policy(&tenant);
             TenantRow {
                 plan: policy.as_ref().map(|p| p.plan.clone()),
-                limit: policy.and_then(|p| p.global),
+                // The limit the nodes enforce (carried by the deltas), else
+                // the configuration's.
+                limit: Carried::or_config(carried, || policy.and_then(|p| p.global)).limit,
                 tenant,
                 total,
                 regions: BTreeMap::new(),
@@ -210,7 +236,7 @@ pub fn snapshot(state: &State, top: usize) -> Snapshot {
     {
         let core = state.lock();
         for t in &mut tenants {
-            if let Some(c) = core.merged.snapshot(&t.tenant, today) {
+            if let Some(c) = core.merged.snapshot(&t.tenant, Period::day(today)) {
                 t.regions = c.regions();
             }
         }
@@ -281,6 +307,7 @@ pub fn snapshot(state: &State, top: usize) -> Snapshot {
         over_count,
         tenants,
         regions,
+        periods,
     }
 }
 
@@ -639,6 +666,31 @@ pub fn render(s: &Snapshot, refresh: u32) -> String {
          with nothing wrong.</p></section>",
     );
 
+    // Periods held: one line per period of every tier kind.
+    h.push_str("<section id=\"periods-section\"><h2>Counters per period</h2>");
+    if s.periods.is_empty() {
+        h.push_str("<p class=\"muted\">No counter held.</p>");
+    } else {
+        h.push_str(
+            "<table id=\"periods\"><thead><tr><th>tier</th><th>period (UTC)</th>\
+             <th class=\"n\">counters</th><th class=\"n\">units</th></tr></thead><tbody>",
+        );
+        for p in &s.periods {
+            let _ = write!(
+                h,
+                "<tr class=\"period\" data-period=\"{}\"><td>{}</td><td>{}</td>\
+                 <td class=\"n\">{}</td><td class=\"n\">{}</td></tr>",
+                esc(&p.period.label()),
+                p.period.kind,
+                esc(&p.period.human()),
+                num(p.counters as u64),
+                num(p.units),
+            );
+        }
+        h.push_str("</tbody></table>");
+    }
+    h.push_str("</section>");
+
     let owned: Vec<String> = s.partitions_owned.iter().map(|p| p.to_string()).collect();
     let _ = writeln!(
         h,
@@ -688,6 +740,11 @@ mod tests {
             units: tenants.iter().map(|t| t.total).sum(),
             over_count: tenants.iter().filter(|t| t.over_limit()).count(),
             region_units_complete: true,
+            periods: vec![PeriodRow {
+                period: Period::day(20_000),
+                counters: 2,
+                units: 70,
+            }],
             tenants,
             regions: vec![
                 RegionRow {
@@ -721,6 +778,10 @@ mod tests {
         assert!(html.starts_with("<!DOCTYPE html>"));
         assert!(html.contains("<meta http-equiv=\"refresh\" content=\"5\">"));
         assert!(html.contains("cluster <b>c&lt;1&gt;</b>"));
+        // The periods held, each tier's on a line.
+        assert!(html.contains(
+            "<tr class=\"period\" data-period=\"20000\"><td>day</td><td>2024-10-04</td>"
+        ));
         let hot = html.find("data-tenant=\"hot\" data-total=\"120\"").unwrap();
         let small = html.find("data-tenant=\"small\"").unwrap();
         let free = html.find("data-tenant=\"free\"").unwrap();

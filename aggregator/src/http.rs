@@ -1,6 +1,12 @@
 //! The aggregator's HTTP API: the global view of a tenant, the over-limit
 //! list, metrics and health.
 //!
+//! The tenant view shows the day's tier (today and yesterday) and the
+//! current period of each other tier the tenant has (`periods`); every
+//! limit shown is the one the nodes' deltas carried, else the
+//! configuration's (`limits_version` 0). `/v1/over-limit` lists one entry
+//! per tenant and tier (`kind`) at or over its limit in the current period.
+//!
 //! An aggregator only holds the tenants of the partitions assigned to it, so
 //! the tenant view says whether this instance owns the tenant (and whether it
 //! has finished rebuilding); zeros from a non-owner mean "ask another
@@ -25,10 +31,11 @@ use serde::Serialize;
 use tierlimit_shared::auth::{Principal, Scope};
 use tierlimit_shared::config::HttpSettings;
 use tierlimit_shared::day;
-use tierlimit_shared::messages::{partition_of, ActorPart};
+use tierlimit_shared::messages::{now_ms, partition_of, ActorPart};
+use tierlimit_shared::period::{Period, PeriodKind};
 use tierlimit_shared::problem::Problem;
 
-use crate::merge::Snapshot;
+use crate::merge::{Carried, Snapshot};
 use crate::progress::{Membership, PartitionProgress, Readiness};
 use crate::state::State;
 
@@ -120,7 +127,11 @@ pub struct DayView {
     pub day: u32,
     pub date: String,
     pub total: u64,
+    /// The limit the counter is judged under: the one the nodes' deltas
+    /// carried, else the aggregator's configuration's.
     pub limit: Option<u64>,
+    /// The limits version of `limit` (0: the aggregator's configuration).
+    pub limits_version: u64,
     pub remaining: Option<u64>,
     pub over_limit: bool,
     pub parts: Vec<ActorPart>,
@@ -129,13 +140,56 @@ pub struct DayView {
 }
 
 impl DayView {
-    fn new(day: u32, counter: Option<Snapshot>, limit: Option<u64>) -> Self {
-        let total = counter.as_ref().map_or(0, |c| c.total);
+    fn new(day: u32, counter: Option<Snapshot>, configured: Option<u64>) -> Self {
+        let p = PeriodView::new(Period::day(day), counter, configured);
         DayView {
             day,
             date: day::to_iso(day),
+            total: p.total,
+            limit: p.limit,
+            limits_version: p.limits_version,
+            remaining: p.remaining,
+            over_limit: p.over_limit,
+            parts: p.parts,
+            regions: p.regions,
+        }
+    }
+}
+
+/// The current period of one of a tenant's other global tiers (hour, week,
+/// month).
+#[derive(Debug, Serialize)]
+pub struct PeriodView {
+    pub kind: PeriodKind,
+    /// The period's label (`m682`, `w2868`, `h490335`: kind and index).
+    pub period: String,
+    /// Its human name (`2026-11`, `2026-W48`, `2026-11-27T15`).
+    pub name: String,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub total: u64,
+    pub limit: Option<u64>,
+    pub limits_version: u64,
+    pub remaining: Option<u64>,
+    pub over_limit: bool,
+    pub parts: Vec<ActorPart>,
+    pub regions: BTreeMap<String, u64>,
+}
+
+impl PeriodView {
+    fn new(period: Period, counter: Option<Snapshot>, configured: Option<u64>) -> Self {
+        let total = counter.as_ref().map_or(0, |c| c.total);
+        let judged = Carried::or_config(counter.as_ref().and_then(|c| c.carried), || configured);
+        let limit = judged.limit;
+        PeriodView {
+            kind: period.kind,
+            period: period.label(),
+            name: period.human(),
+            start_ms: period.start_ms(),
+            end_ms: period.end_ms(),
             total,
             limit,
+            limits_version: judged.limits_version,
             remaining: limit.map(|l| l.saturating_sub(total)),
             over_limit: limit.is_some_and(|l| total >= l),
             regions: counter.as_ref().map(Snapshot::regions).unwrap_or_default(),
@@ -156,6 +210,9 @@ pub struct TenantView {
     pub caught_up: bool,
     pub today: DayView,
     pub yesterday: DayView,
+    /// The current period of each other tier kind (hour, week, month) the
+    /// tenant has a counter for or a configured limit in, hour first.
+    pub periods: Vec<PeriodView>,
 }
 
 async fn tenant_view(
@@ -177,17 +234,33 @@ async fn tenant_view(
     if let Err(e) = who.require(Scope::Read, Some(&tenant)) {
         return refuse(&state, e.into());
     }
-    let limit = state.limit_of(&tenant);
+    let limit = state.limit_of(&tenant, PeriodKind::Day);
+    let now = now_ms();
     let today = day::today();
     let yesterday = today.saturating_sub(1);
+    let others: Vec<(Period, Option<u64>)> = PeriodKind::ALL
+        .into_iter()
+        .filter(|k| *k != PeriodKind::Day)
+        .map(|k| (k.at(now), state.limit_of(&tenant, k)))
+        .collect();
     let partition = partition_of(&tenant, state.kafka().partitions);
     let core = state.lock();
+    let snapshot = |day| core.merged.snapshot(&tenant, Period::day(day));
+    let periods = others
+        .into_iter()
+        .filter_map(|(period, configured)| {
+            let counter = core.merged.snapshot(&tenant, period);
+            (counter.is_some() || configured.is_some())
+                .then(|| PeriodView::new(period, counter, configured))
+        })
+        .collect();
     let view = TenantView {
         partition,
         owned: core.progress.is_assigned(partition),
         caught_up: core.progress.is_caught_up(partition),
-        today: DayView::new(today, core.merged.snapshot(&tenant, today), limit),
-        yesterday: DayView::new(yesterday, core.merged.snapshot(&tenant, yesterday), limit),
+        today: DayView::new(today, snapshot(today), limit),
+        yesterday: DayView::new(yesterday, snapshot(yesterday), limit),
+        periods,
         tenant,
     };
     drop(core);
@@ -197,6 +270,9 @@ async fn tenant_view(
 #[derive(Debug, Serialize)]
 pub struct OverLimitTenant {
     pub tenant: String,
+    /// The tier: `day` (today), or `hour`, `week`, `month` (its current
+    /// period).
+    pub kind: PeriodKind,
     pub total: u64,
     pub limit: u64,
 }
@@ -206,8 +282,9 @@ pub struct OverLimitTenant {
 pub struct OverLimitView {
     pub day: u32,
     pub date: String,
-    /// Tenants of this instance's partitions at or over their limit today,
-    /// ordered by tenant id.
+    /// Tenants of this instance's partitions at or over the limit of one
+    /// of their tiers in its current period (today for the day's), ordered
+    /// by tenant id then tier (hour, day, week, month).
     pub tenants: Vec<OverLimitTenant>,
 }
 
@@ -219,30 +296,42 @@ async fn over_limit(
     if let Err(e) = who.require(Scope::Read, None) {
         return refuse(&state, e.into());
     }
+    let now = now_ms();
     let today = day::today();
     let config = state.live().load();
     let mut tenants: Vec<OverLimitTenant> = {
-        // Only the visible counters: every tenant at its limit passed the
-        // broadcast threshold and was broadcast (at most one broadcast
-        // interval ago), so this never walks every counter under the lock.
+        // Only the visible counters of the current periods: every tenant at
+        // its limit passed the broadcast threshold and was broadcast (at
+        // most one broadcast interval ago), so this never walks every
+        // counter under the lock.
         let core = state.lock();
-        core.merged
-            .on(today)
+        PeriodKind::ALL
             .into_iter()
-            .flat_map(|d| d.visible())
-            .filter(|(tenant, _)| who.may_see(tenant))
-            .filter_map(|(tenant, c)| {
-                let limit = config.policy(tenant).and_then(|p| p.global)?;
-                let total = c.total();
-                (total >= limit).then(|| OverLimitTenant {
-                    tenant: tenant.to_owned(),
-                    total,
-                    limit,
-                })
+            .map(|k| k.at(now))
+            .flat_map(|period| {
+                let core = &core;
+                let config = &config;
+                let who = &who;
+                core.merged
+                    .on(period)
+                    .into_iter()
+                    .flat_map(|d| d.visible())
+                    .filter(move |(tenant, _)| who.may_see(tenant))
+                    .filter_map(move |(tenant, c)| {
+                        let key = crate::merge::TenantPeriod::new(tenant, period);
+                        let limit = crate::state::judged(config, &key, c).limit?;
+                        let total = c.total();
+                        (total >= limit).then(|| OverLimitTenant {
+                            tenant: tenant.to_owned(),
+                            kind: period.kind,
+                            total,
+                            limit,
+                        })
+                    })
             })
             .collect()
     };
-    tenants.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+    tenants.sort_by(|a, b| (&a.tenant, a.kind).cmp(&(&b.tenant, b.kind)));
     Json(OverLimitView {
         day: today,
         date: day::to_iso(today),
@@ -305,7 +394,7 @@ mod tests {
     use axum::body::Body;
     use axum::http::Request;
     use http_body_util::BodyExt;
-    use tierlimit_shared::messages::{actor, now_ms, Delta};
+    use tierlimit_shared::messages::{actor, Delta};
     use tower::ServiceExt;
 
     use crate::state::tests::state;
@@ -411,6 +500,37 @@ mod tests {
         assert_eq!(status, StatusCode::OK);
         assert_eq!(v["tenants"][0]["tenant"], "acme");
         assert_eq!(v["tenants"].as_array().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn tenant_view_lists_the_current_period_of_other_tiers() {
+        let s = rebuilt_state();
+        let p = partition_of("acme", 4);
+        let month = PeriodKind::Month.at(now_ms());
+        let mut d = Delta::of("acme", month, actor("eu", "a"), 900, 0, now_ms());
+        d.limit = Some(800);
+        d.limits_version = 2;
+        s.on_delta(p, 0, &d);
+        let router = router(s.clone());
+        let (_, _, v) = get(&router, "/v1/global/acme").await;
+        let periods = v["periods"].as_array().unwrap();
+        assert_eq!(periods.len(), 1, "{v}");
+        assert_eq!(periods[0]["kind"], "month");
+        assert_eq!(periods[0]["name"], month.human());
+        assert_eq!(periods[0]["period"], month.label());
+        assert_eq!(periods[0]["total"], 900);
+        // The limit the node carried, not the configuration's (none).
+        assert_eq!(periods[0]["limit"], 800);
+        assert_eq!(periods[0]["limits_version"], 2);
+        assert_eq!(periods[0]["over_limit"], true);
+        // The day's tier is untouched, judged under the configuration.
+        assert_eq!(v["today"]["total"], 0);
+        assert_eq!(v["today"]["limit"], 100);
+        assert_eq!(v["today"]["limits_version"], 0);
+        crate::state::tests::broadcasts(&s);
+        let (_, _, v) = get(&router, "/v1/over-limit").await;
+        assert_eq!(v["tenants"][0]["kind"], "month");
+        assert_eq!(v["tenants"][0]["limit"], 800);
     }
 
     #[tokio::test]

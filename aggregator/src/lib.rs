@@ -1,5 +1,7 @@
 //! The tierlimit aggregator: merges every region's PN-counter deltas into
-//! global daily counts per tenant and broadcasts them back to the regions.
+//! global counts per tenant and calendar period (UTC hour, day, ISO week,
+//! month: one counter per global tier) and broadcasts them back to the
+//! regions, each judged under the limit the nodes' deltas carried.
 //!
 //! ```text
 //!  tierlimit.deltas ──► consumer ──► state (merge + progress) ──► broadcast ──► tierlimit.global
@@ -7,7 +9,8 @@
 //!                                         └──► http (/v1/global, /v1/over-limit, /metrics, /readyz)
 //! ```
 //!
-//! - [`merge`]: the CRDT state, one `PNCounter` per (tenant, day);
+//! - [`merge`]: the CRDT state, one `PNCounter` per (tenant, period),
+//!   grouped per period, each kind with its own retention;
 //! - [`progress`]: which partitions this instance owns and how far their
 //!   rebuild from the beginning has come;
 //! - [`state`]: both behind one lock, plus the rules that join them;
@@ -46,7 +49,7 @@ use crate::consumer::DeltaConsumer;
 use crate::metrics::Metrics;
 use crate::state::State;
 
-/// How often expired days are dropped and the gauges recomputed.
+/// How often expired periods are dropped and the gauges recomputed.
 const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(1);
 /// Pause before replacing a consumer that librdkafka declared unusable.
 const CONSUMER_RESTART_DELAY: Duration = Duration::from_secs(1);
@@ -254,12 +257,17 @@ pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 's
 /// Creates the deltas and global topics (if missing) with the partition
 /// count and replication factor of the configuration and, with `compact`,
 /// `cleanup.policy=compact,delete` and the retention that
-/// `aggregator.retention_days` implies. Returns the topics that were
-/// created.
+/// `aggregator.retention_days` and the configured tier kinds imply (a month
+/// tier: ~63 days, so that a rebuild on the 20th finds every actor's latest
+/// delta of the previous month; `shared::retention`). Returns the topics
+/// that were created.
 pub async fn create_topics(config_path: &Path, compact: bool) -> Result<Vec<String>, Error> {
     let loaded = Config::load(config_path)?;
     let c = &loaded.config;
-    tierlimit_shared::kafka::ensure_topics(&c.kafka, c.aggregator.retention_days, compact)
+    let kinds = tierlimit_shared::retention::kinds_in_use(c);
+    let retention_ms =
+        tierlimit_shared::retention::topic_retention_ms_for(c.aggregator.retention_days, &kinds);
+    tierlimit_shared::kafka::ensure_topics_retaining(&c.kafka, retention_ms, compact)
         .await
         .map_err(Error::Topics)
 }

@@ -1,25 +1,34 @@
 //! Which counters a configuration reload changes: those whose tenant's
-//! global limit differs between the configuration today's broadcasts were
-//! made under and the one now in force.
+//! global limits (any period kind) differ between the configuration the
+//! broadcasts were made under and the one now in force.
+//!
+//! Since wire v3 the deltas carry the limit each node enforced, and a
+//! counter is judged under that ([`crate::merge::Carried`]): the
+//! aggregator's configuration is only the fallback for counters no delta
+//! carried a limit for (v2 writers during a rolling upgrade). A reload still
+//! marks the changed tenants' current counters; those judged under a carried
+//! limit go out unchanged, which costs one record each, only on a reload.
 //!
 //! A broadcast carries the tenant's limit and over-limit flag, so a reload
 //! must re-broadcast exactly the counters whose limit changed, and nothing
-//! else: re-broadcasting all of today at every SIGHUP made a reload cost
+//! else: re-broadcasting all of the current periods at every SIGHUP made a reload cost
 //! one record per active tenant on every node. The diff is computed from the
 //! two configurations, outside the state lock, in O(configured tenants):
 //! each named tenant's resolved policy (plans included) is compared. Only a
 //! change of the unknown-tenant policy's limit concerns tenants the
-//! configuration does not name, and then today's counters of every such
+//! configuration does not name, and then the current counters of every such
 //! tenant are marked (one pass, on that reload only). A reload that
-//! switches the broadcast signing key marks all of today, so that every
+//! switches the broadcast signing key marks all the current periods, so that every
 //! counter is on the topic signed with the new key before the old public
 //! key is retired (README, "Signed deltas and broadcasts").
 
 use std::sync::Arc;
 
 use tierlimit_shared::config::Loaded;
+use tierlimit_shared::period::PeriodKind;
 
-use crate::merge::{Merged, TenantDay};
+use crate::merge::{Merged, TenantPeriod};
+use crate::state::configured_limit;
 
 /// The tenants whose global limit a reload changed.
 #[derive(Debug)]
@@ -34,8 +43,9 @@ pub struct LimitChanges {
     now: Arc<Loaded>,
 }
 
-fn limit(c: &Loaded, tenant: &str) -> Option<u64> {
-    c.policy(tenant).and_then(|p| p.global)
+/// Every kind's configured limit of `tenant`.
+fn limits(c: &Loaded, tenant: &str) -> [Option<u64>; 4] {
+    PeriodKind::ALL.map(|k| configured_limit(c, tenant, k))
 }
 
 impl LimitChanges {
@@ -45,12 +55,15 @@ impl LimitChanges {
             .policies()
             .chain(now.policies())
             .map(|(t, _)| t)
-            .filter(|t| limit(before, t) != limit(&now, t))
+            .filter(|t| limits(before, t) != limits(&now, t))
             .map(str::to_owned)
             .collect();
         tenants.sort();
         tenants.dedup();
-        let global = |c: &Loaded| c.unknown_policy().and_then(|p| p.global);
+        let global = |c: &Loaded| {
+            c.unknown_policy()
+                .map(|p| (p.global, p.global_periods.clone()))
+        };
         let unknown = global(before) != global(&now);
         let key = |c: &Loaded| {
             let w = &c.config.wire;
@@ -69,19 +82,27 @@ impl LimitChanges {
         self.tenants.is_empty() && !self.unknown && !self.all
     }
 
-    /// Marks the concerned counters of `day` dirty; returns how many.
-    pub fn mark(&self, merged: &mut Merged, day: u32) -> usize {
+    /// Marks the concerned counters of the current period of every kind at
+    /// `now_ms` dirty; returns how many.
+    pub fn mark(&self, merged: &mut Merged, now_ms: u64) -> usize {
+        PeriodKind::ALL
+            .into_iter()
+            .map(|kind| self.mark_period(merged, kind.at(now_ms)))
+            .sum()
+    }
+
+    fn mark_period(&self, merged: &mut Merged, period: tierlimit_shared::period::Period) -> usize {
         if self.all {
-            return merged.mark_day_dirty(day, None);
+            return merged.mark_period_dirty(period, None);
         }
         let mut marked = 0;
         for t in &self.tenants {
-            if merged.mark_dirty(&TenantDay::new(t.as_str(), day)) {
+            if merged.mark_dirty(&TenantPeriod::new(t.as_str(), period)) {
                 marked += 1;
             }
         }
         if self.unknown {
-            marked += merged.mark_day_dirty_where(day, |t| self.now.is_unknown(t));
+            marked += merged.mark_period_dirty_where(period, |t| self.now.is_unknown(t));
         }
         marked
     }
@@ -120,10 +141,13 @@ accept_unsigned = true
         Arc::new(Config::from_toml(text).expect("valid"))
     }
 
+    /// Noon of day 10.
+    const NOW: u64 = 10 * 86_400_000 + 43_200_000;
+
     fn merged(tenants: &[&str]) -> Merged {
         let mut m = Merged::new(2);
         for t in tenants {
-            m.apply(0, &Delta::new(t, 10, actor("eu", "e"), 1, 0, 0), 10);
+            m.apply(0, &Delta::new(t, 10, actor("eu", "e"), 1, 0, 0), NOW);
         }
         m.take_dirty(false, |_| true, |_, _| true);
         m
@@ -134,7 +158,7 @@ accept_unsigned = true
         let c = LimitChanges::between(&load(BASE), load(BASE));
         assert!(c.is_empty());
         let mut m = merged(&["a", "b", "stranger"]);
-        assert_eq!(c.mark(&mut m, 10), 0);
+        assert_eq!(c.mark(&mut m, NOW), 0);
         assert_eq!(m.dirty_len(), 0);
     }
 
@@ -146,10 +170,10 @@ accept_unsigned = true
         );
         let c = LimitChanges::between(&load(BASE), load(&now));
         let mut m = merged(&["a", "b", "c", "stranger"]);
-        assert_eq!(c.mark(&mut m, 10), 1);
+        assert_eq!(c.mark(&mut m, NOW), 1);
         assert_eq!(m.dirty_len(), 1);
         // Not held on another day: nothing to mark.
-        assert_eq!(c.mark(&mut m, 11), 0);
+        assert_eq!(c.mark(&mut m, NOW + 86_400_000), 0);
     }
 
     #[test]
@@ -158,7 +182,7 @@ accept_unsigned = true
         let c = LimitChanges::between(&load(BASE), load(&now));
         let mut m = merged(&["a", "b", "c", "stranger"]);
         // a and c (named, on small) and stranger (unknown → small); not b.
-        assert_eq!(c.mark(&mut m, 10), 3);
+        assert_eq!(c.mark(&mut m, NOW), 3);
     }
 
     #[test]
@@ -180,7 +204,7 @@ accept_unsigned = true
         let c = LimitChanges::between(&load(&signing(1)), load(&signing(2)));
         assert!(!c.is_empty());
         let mut m = merged(&["a", "b", "stranger"]);
-        assert_eq!(c.mark(&mut m, 10), 3);
+        assert_eq!(c.mark(&mut m, NOW), 3);
     }
 
     #[test]
@@ -188,6 +212,21 @@ accept_unsigned = true
         let now = BASE.replace("[tenants.b]\nplan = \"big\"\n", "");
         let c = LimitChanges::between(&load(BASE), load(&now));
         let mut m = merged(&["a", "b"]);
-        assert_eq!(c.mark(&mut m, 10), 1);
+        assert_eq!(c.mark(&mut m, NOW), 1);
+    }
+
+    #[test]
+    fn a_month_tier_change_marks_the_current_month() {
+        let now = BASE.replace(
+            "[plans.big]\nglobal = { limit = 1000 }",
+            "[plans.big]\nglobal = { limit = 1000, month = 20000 }",
+        );
+        let c = LimitChanges::between(&load(BASE), load(&now));
+        let mut m = merged(&["a", "b"]);
+        let month = PeriodKind::Month.at(NOW);
+        m.apply(0, &Delta::of("b", month, actor("eu", "e"), 1, 0, 0), NOW);
+        m.take_dirty(false, |_| true, |_, _| true);
+        // b's day and month counters; not a's.
+        assert_eq!(c.mark(&mut m, NOW), 2);
     }
 }

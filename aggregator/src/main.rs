@@ -58,8 +58,9 @@ Admin (--admin-listen): GET / (dashboard), /metrics, /healthz, /readyz.";
 enum Command {
     /// Creates the deltas and global topics with the configured partition
     /// count, `cleanup.policy=compact,delete` and `retention.ms` of
-    /// `aggregator.retention_days` + 1 days (existing topics are left
-    /// alone).
+    /// `aggregator.retention_days` + 1 days, or two of the longest periods
+    /// of a configured week or month tier plus a day (63 days for a month)
+    /// (existing topics are left alone).
     CreateTopics {
         /// Configuration file (TOML).
         #[arg(long, env = "TIERLIMIT_CONFIG")]

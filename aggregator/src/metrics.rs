@@ -44,9 +44,9 @@ pub struct Metrics {
     /// Changed counters not broadcast: below `aggregator.broadcast_fraction`
     /// of their limit, or of a tenant without a global limit.
     pub broadcasts_withheld: IntCounter,
-    /// Tenants at or over their global limit today.
+    /// Tenants at or over one of their global limits in its current period.
     pub over_limit_tenants: IntGauge,
-    /// (tenant, day) counters held in memory.
+    /// (tenant, period) counters held in memory.
     pub tracked_counters: IntGauge,
     /// High watermark minus position, per assigned partition.
     pub consumer_lag: IntGaugeVec,
@@ -104,7 +104,7 @@ impl Metrics {
         );
         let rebuild_records = counter(
             "rebuild_records_total",
-            "Records read from a deltas partition before it caught up (rebuilds after an assignment): bounded by the retained days, not by all history.",
+            "Records read from a deltas partition before it caught up (rebuilds after an assignment): bounded by the retained days (or, with a week or month tier, the previous such period), not by all history.",
         );
         let merges_applied = counter(
             "merges_applied_total",
@@ -112,7 +112,7 @@ impl Metrics {
         );
         let deltas_ignored = counter_vec(
             "deltas_ignored_total",
-            "Decoded deltas dropped, by reason: expired (day past retention), future (day ahead of today + 1), unassigned.",
+            "Decoded deltas dropped, by reason: expired (period past its kind's retention), future (period ahead of the next one), unassigned.",
             &["reason"],
         );
         let undecodable = counter(
@@ -162,14 +162,17 @@ impl Metrics {
         );
         let over_limit_tenants = gauge(
             "over_limit_tenants",
-            "Tenants at or over their global limit today.",
+            "Tenants at or over one of their global limits in its current period (today for the day's).",
         );
         let http_rejections = counter_vec(
             "http_rejections_total",
             "HTTP requests refused with a problem+json, by its type slug (unauthorized, forbidden, overloaded, request-timeout, …).",
             &["reason"],
         );
-        let tracked_counters = gauge("tracked_counters", "(tenant, day) counters held in memory.");
+        let tracked_counters = gauge(
+            "tracked_counters",
+            "(tenant, period) counters held in memory.",
+        );
         let consumer_lag = IntGaugeVec::new(
             Opts::new(
                 name("consumer_lag"),

@@ -1,7 +1,8 @@
 //! Which deltas partitions this instance owns, and how far it has re-read each.
 //!
 //! The topic is the source of truth, so on every assignment the consumer
-//! re-reads its partitions from the first record of the retained days (see
+//! re-reads its partitions from the first record of the retained days, or of
+//! the previous period of a configured week or month tier (see
 //! [`tierlimit_shared::retention`]). Until a partition has been read
 //! up to the high watermark it had when it was assigned, its counters are
 //! partial: broadcasting them would move every region's view *backwards*.

@@ -13,13 +13,38 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tierlimit_shared::config::{ConfigError, KafkaConfig, Loaded};
 use tierlimit_shared::messages::{now_ms, partition_of, Delta};
+use tierlimit_shared::period::PeriodKind;
 use tierlimit_shared::reload::Live;
+use tierlimit_shared::retention;
 use tierlimit_shared::wire::{BroadcastSigner, DeltaVerifier, Heartbeat, PerConfig, Reject};
-use tierlimit_shared::{day, retention};
 use tokio::sync::Notify;
 
 use crate::limits::LimitChanges;
-use crate::merge::{Applied, Counter, Merged, TenantDay};
+use crate::merge::{Applied, Carried, Counter, Merged, TenantPeriod};
+
+/// The global limit of `tenant`'s tier of `kind` under the aggregator's own
+/// configuration: the day's `policy.global`, another kind's
+/// `policy.global_periods` entry. Only the fallback for a counter no delta
+/// carried a limit for (v2 writers, see [`crate::merge::Carried`]).
+pub fn configured_limit(config: &Loaded, tenant: &str, kind: PeriodKind) -> Option<u64> {
+    let policy = config.policy(tenant)?;
+    match kind {
+        PeriodKind::Day => policy.global,
+        kind => policy
+            .global_periods
+            .iter()
+            .find(|t| t.kind == kind)
+            .map(|t| t.limit),
+    }
+}
+
+/// The limit `counter` of `key` is judged under: the one its deltas
+/// carried, else the configuration's.
+pub fn judged(config: &Loaded, key: &TenantPeriod, counter: &Counter) -> Carried {
+    Carried::or_config(counter.carried(), || {
+        configured_limit(config, &key.tenant, key.period.kind)
+    })
+}
 use crate::metrics::Metrics;
 use crate::progress::{Progress, Readiness};
 
@@ -112,21 +137,22 @@ impl State {
         &self.kafka
     }
 
-    /// The tenant's daily global limit under the current configuration.
-    pub fn limit_of(&self, tenant: &str) -> Option<u64> {
-        self.live.load().policy(tenant).and_then(|p| p.global)
+    /// The tenant's global limit of `kind` under the current configuration
+    /// (the fallback for counters no delta carried a limit for).
+    pub fn limit_of(&self, tenant: &str, kind: PeriodKind) -> Option<u64> {
+        configured_limit(&self.live.load(), tenant, kind)
     }
 
     /// Which changed counters the regions need (see [`Merged::take_dirty`]):
-    /// those of tenants with a global limit whose total reached
-    /// `aggregator.broadcast_fraction` of it. Built from the configuration
-    /// outside the state lock; called under it, once per dirty counter.
-    pub fn wanted(&self) -> impl Fn(&TenantDay, &Counter) -> bool {
+    /// those with a global limit (carried by the deltas, else configured)
+    /// whose total reached `aggregator.broadcast_fraction` of it. Built
+    /// from the configuration outside the state lock; called under it, once
+    /// per dirty counter.
+    pub fn wanted(&self) -> impl Fn(&TenantPeriod, &Counter) -> bool {
         let config = self.live.load_full();
         move |key, counter| {
-            config
-                .policy(&key.tenant)
-                .and_then(|p| p.global)
+            judged(&config, key, counter)
+                .limit
                 .is_some_and(|l| counter.total() >= config.config.aggregator.broadcast_threshold(l))
         }
     }
@@ -313,12 +339,9 @@ impl State {
             m.misrouted.inc();
         }
         let config = self.live.load();
-        let limit = config.policy(&delta.tenant).and_then(|p| p.global);
-        // Crossing the broadcast threshold is urgent like crossing the limit:
-        // until their entry arrives the regions bound the others' spend by
-        // it.
-        let threshold = limit.map(|l| config.config.aggregator.broadcast_threshold(l));
-        let today = day::today();
+        // Only looked up if no delta of the counter carried a limit.
+        let configured = || configured_limit(&config, &delta.tenant, delta.period.kind);
+        let now = now_ms();
         let mut core = self.lock();
         if !core.progress.is_assigned(partition) {
             // Only possible in a race with a revocation; the next owner
@@ -334,13 +357,14 @@ impl State {
             m.rebuild_records.inc();
         }
         let (mut wake, mut epoch_changed) = (false, false);
-        let key = || TenantDay::new(delta.tenant.as_str(), delta.day);
-        match core.merged.apply(partition, delta, today) {
+        let key = || TenantPeriod::new(delta.tenant.as_str(), delta.period);
+        match core.merged.apply(partition, delta, now) {
             Applied::Changed {
                 before,
                 after,
                 stale,
                 new_epoch,
+                limit_changed,
             } => {
                 m.merges_applied.inc();
                 if !live_traffic {
@@ -353,13 +377,33 @@ impl State {
                     m.stale_deltas.inc();
                     core.merged.mark_visible(&key());
                 }
-                let crossed = |at: Option<u64>| at.is_some_and(|at| before < at && after >= at);
+                // The limit judged after this delta: the one it carried if
+                // it won, else the one held, else the configuration's.
+                let carried = core
+                    .merged
+                    .get(&delta.tenant, delta.period)
+                    .and_then(Counter::carried);
+                let limit = Carried::or_config(carried, configured).limit;
+                // Crossing the broadcast threshold is urgent like crossing
+                // the limit: until their entry arrives the regions bound the
+                // others' spend by it. So is a new limit (a node's reload)
+                // the total is already at.
+                let threshold = limit.map(|l| config.config.aggregator.broadcast_threshold(l));
+                let crossed = |at: Option<u64>| {
+                    at.is_some_and(|at| (before < at || limit_changed) && after >= at)
+                };
                 if live_traffic && (crossed(limit) || crossed(threshold)) {
                     core.merged.mark_urgent(&key());
                     wake = true;
                 }
             }
-            Applied::Unchanged { stale } => {
+            Applied::Unchanged {
+                stale,
+                limit_changed,
+            } => {
+                if !live_traffic && limit_changed {
+                    core.merged.forget_dirty(&key());
+                }
                 if stale && live_traffic {
                     m.stale_deltas.inc();
                     core.merged.mark_visible(&key());
@@ -417,27 +461,37 @@ impl State {
         self.lock().progress.readiness()
     }
 
-    /// Periodic upkeep: drops expired days and refreshes the gauges. Under
-    /// the lock it walks only today's visible counters (every over-limit
-    /// tenant is one), never every counter; the expired days are freed
-    /// after the lock is released.
+    /// Periodic upkeep: drops expired periods (each kind on its own
+    /// retention) and refreshes the gauges. Under the lock it walks only the
+    /// current periods' visible counters (every over-limit tenant is one),
+    /// never every counter; the expired periods are freed after the lock is
+    /// released.
     pub fn housekeeping(&self) {
-        let today = day::today();
+        let now = now_ms();
         let config = self.live.load();
         let mut core = self.lock();
         core.merged
             .set_retention(config.config.aggregator.retention_days);
-        let gone = core.merged.expire(today);
-        let over = core.merged.on(today).map_or(0, |d| {
-            d.visible()
-                .filter(|(tenant, c)| {
-                    config
-                        .policy(tenant)
-                        .and_then(|p| p.global)
-                        .is_some_and(|limit| c.total() >= limit)
-                })
-                .count()
-        });
+        let gone = core.merged.expire(now);
+        // Tenants at or over any of their tiers in its current period,
+        // each counted once.
+        let mut over = std::collections::BTreeSet::new();
+        for kind in PeriodKind::ALL {
+            let period = kind.at(now);
+            let Some(g) = core.merged.on(period) else {
+                continue;
+            };
+            for (tenant, c) in g.visible() {
+                let key = TenantPeriod::new(tenant, period);
+                if judged(&config, &key, c)
+                    .limit
+                    .is_some_and(|limit| c.total() >= limit)
+                {
+                    over.insert(tenant.to_owned());
+                }
+            }
+        }
+        let over = over.len();
         let tracked = core.merged.len();
         let ready = core.progress.readiness() == Readiness::Ready;
         drop(core);
@@ -456,7 +510,9 @@ impl State {
 pub(crate) mod tests {
     use super::*;
     use tierlimit_shared::config::Config;
+    use tierlimit_shared::day;
     use tierlimit_shared::messages::actor;
+    use tierlimit_shared::period::Period;
 
     pub(crate) const CONFIG: &str = r#"
 cluster = "test"
@@ -640,5 +696,73 @@ accept_unsigned = true
         assert_eq!(s.metrics.over_limit_tenants.get(), 2);
         assert_eq!(s.metrics.tracked_counters.get(), 3);
         assert_eq!(s.metrics.ready.get(), 1);
+    }
+
+    /// A v3 delta of a month carrying its tier's limit.
+    fn month(tenant: &str, region: &str, p: u64, limit: Option<u64>, version: u64) -> Delta {
+        let mut d = Delta::of(
+            tenant,
+            PeriodKind::Month.at(now_ms()),
+            actor(region, "e1"),
+            p,
+            0,
+            now_ms(),
+        );
+        d.limit = limit;
+        d.limits_version = version;
+        d
+    }
+
+    #[test]
+    fn limits_carried_by_deltas_decide_without_the_configuration() {
+        let s = state();
+        let p = partition_of("free", 4);
+        let g = s.on_assign(&[p]);
+        s.on_watermarks(p, g, 0, 0);
+        // "free" has no global tier in the aggregator's configuration; the
+        // node enforces a month tier of 1000 and says so.
+        s.on_delta(p, 0, &month("free", "eu", 200, Some(1_000), 1));
+        assert!(broadcasts(&s).is_empty(), "below 25 % of 1000");
+        s.on_delta(p, 1, &month("free", "eu", 250, Some(1_000), 1));
+        assert!(s.lock().merged.has_urgent(), "the threshold crossed");
+        assert_eq!(broadcasts(&s), ["free"]);
+        // The node lowers the limit to what is spent: over it, urgent.
+        s.on_delta(p, 2, &month("free", "us", 1, Some(251), 2));
+        assert!(s.lock().merged.has_urgent());
+        let config = s.live().load_full();
+        let core = s.lock();
+        let period = PeriodKind::Month.at(now_ms());
+        let c = core.merged.get("free", period).unwrap();
+        let j = judged(&config, &TenantPeriod::new("free", period), c);
+        assert_eq!((j.limit, j.limits_version), (Some(251), 2));
+        drop(core);
+        s.housekeeping();
+        assert_eq!(s.metrics.over_limit_tenants.get(), 1);
+    }
+
+    #[test]
+    fn without_a_carried_limit_the_configuration_decides() {
+        let config = Config::from_toml(&CONFIG.replace(
+            "[plans.small]\nglobal = { limit = 100 }",
+            "[plans.small]\nglobal = { limit = 100, month = 1000, hour = 10 }",
+        ))
+        .unwrap();
+        let at = |t: &str, k| configured_limit(&config, t, k);
+        assert_eq!(at("acme", PeriodKind::Day), Some(100));
+        assert_eq!(at("acme", PeriodKind::Month), Some(1_000));
+        assert_eq!(at("acme", PeriodKind::Hour), Some(10));
+        assert_eq!(at("acme", PeriodKind::Week), None);
+        assert_eq!(at("free", PeriodKind::Month), None);
+        let s = State::new(tierlimit_shared::reload::live(config), Metrics::new());
+        let p = partition_of("acme", 4);
+        let g = s.on_assign(&[p]);
+        s.on_watermarks(p, g, 0, 0);
+        // A v2 writer's month delta (no limit): judged under 1000.
+        s.on_delta(p, 0, &month("acme", "eu", 249, None, 0));
+        assert!(broadcasts(&s).is_empty());
+        s.on_delta(p, 1, &month("acme", "eu", 250, None, 0));
+        assert_eq!(broadcasts(&s), ["acme"]);
+        let period = PeriodKind::Month.at(now_ms());
+        assert_ne!(period, Period::day(day::today()));
     }
 }

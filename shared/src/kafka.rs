@@ -50,7 +50,9 @@ pub fn ordered_producer_config(k: &KafkaConfig) -> ClientConfig {
 ///
 /// `compact` asks for what production wants on both:
 /// `cleanup.policy=compact,delete` and `retention.ms` of
-/// `retention_days + 1` days (see [`crate::retention`]). Compaction keeps
+/// `retention_days + 1` days (see [`crate::retention`]; with week or month
+/// tiers, [`ensure_topics_retaining`] with
+/// [`crate::retention::topic_retention_ms_for`]). Compaction keeps
 /// the latest message per key (the whole truth: deltas are cumulative per
 /// actor, broadcasts per tenant and day); deletion drops the days no
 /// aggregator keeps any more, so a topic holds what is retained, not every
@@ -62,10 +64,23 @@ pub async fn ensure_topics(
     retention_days: u32,
     compact: bool,
 ) -> Result<Vec<String>, String> {
+    let retention_ms = crate::retention::topic_retention_ms(retention_days);
+    ensure_topics_retaining(k, retention_ms, compact).await
+}
+
+/// [`ensure_topics`] with `retention.ms` given: what a configuration with
+/// week or month tiers needs (`retention::topic_retention_ms_for`), since a
+/// rebuild must find every actor's latest delta of the previous month
+/// without relying on compaction.
+pub async fn ensure_topics_retaining(
+    k: &KafkaConfig,
+    retention_ms: u64,
+    compact: bool,
+) -> Result<Vec<String>, String> {
     let admin: AdminClient<DefaultClientContext> = client_config(k)
         .create()
         .map_err(|e| format!("cannot create Kafka admin client: {e}"))?;
-    let retention_ms = crate::retention::topic_retention_ms(retention_days).to_string();
+    let retention_ms = retention_ms.to_string();
     let mut topics = Vec::new();
     for name in [&k.deltas_topic, &k.global_topic] {
         let repl = TopicReplication::Fixed(k.replication_factor);
