@@ -138,7 +138,7 @@ mod tests {
     #[test]
     fn records_are_counted_by_kind() {
         let hb = codec::seal(
-            codec::heartbeat_body(&Heartbeat {
+            codec::heartbeat_body(codec::V3, &Heartbeat {
                 partition: 1,
                 deltas_offset: 2,
                 limits_version: 0,

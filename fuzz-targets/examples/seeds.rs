@@ -49,7 +49,7 @@ fn update() -> GlobalUpdate {
     GlobalUpdate {
         v: 2,
         tenant: "acme".into(),
-        day: 20_000,
+        period: tierlimit_shared::period::Period::day(20_000),
         total: 300,
         parts: ["eu/a", "eu/b", "us/c"]
             .iter()
@@ -62,6 +62,7 @@ fn update() -> GlobalUpdate {
         limit: Some(1_000),
         over_limit: false,
         ts_ms: 1_700_000_000_000,
+        limits_version: 0,
     }
 }
 

@@ -563,7 +563,7 @@ mod tests {
         let (key, partition, bytes) = r01.record("n3", 20_000, 42, 8);
         let d = verifier.decode(&bytes).expect("the aggregator accepts it");
         assert_eq!(d.tenant, "n3");
-        assert_eq!((d.day, d.p, d.n), (20_000, 42, 0));
+        assert_eq!((d.period.index, d.p, d.n), (20_000, 42, 0));
         assert_eq!(d.actor, format!("r01/{}", epoch(7, "r01")));
         assert_eq!(key, d.key());
         assert_eq!(key, format!("n3|20000|r01/{}|r01-sim", epoch(7, "r01")));

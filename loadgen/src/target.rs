@@ -285,6 +285,7 @@ impl ScriptCall {
                 limit: self.global_limit,
                 ..GlobalArgs::default()
             }),
+            periods: Vec::new(),
             epoch_candidate: "00000000b3c4a001",
             day,
             now_ms: 0,
@@ -310,7 +311,7 @@ impl ScriptCall {
                 tier: r.denied.map(|d| match d {
                     Denied::Tier(0) if has_node => "node",
                     Denied::Tier(_) => "region",
-                    Denied::Global => "global",
+                    Denied::Global | Denied::Period(_) => "global",
                 }),
                 mode: Some("redis"),
             },

@@ -59,7 +59,7 @@ impl Read for SingleLock {
         let e = map
             .entry(u.tenant.clone())
             .or_default()
-            .entry(u.day)
+            .entry(u.period.index)
             .or_default();
         for part in &u.parts {
             let slot = e.parts.entry(part.actor.clone()).or_insert((0, 0));
@@ -81,7 +81,7 @@ fn update(tenant: usize, p: u64) -> GlobalUpdate {
     GlobalUpdate {
         v: VERSION,
         tenant: format!("tenant-{tenant}"),
-        day: DAY,
+        period: tierlimit_shared::period::Period::day(DAY),
         total: p,
         parts: ["eu-west/e1", "us-east/e2", "ap-south/e3"]
             .iter()
@@ -94,6 +94,7 @@ fn update(tenant: usize, p: u64) -> GlobalUpdate {
         limit: Some(1_000_000),
         over_limit: false,
         ts_ms: p,
+        limits_version: 0,
     }
 }
 

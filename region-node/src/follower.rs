@@ -10,7 +10,7 @@
 //! covers the aggregators' clocks. A new node's catch-up then reads two
 //! days of broadcasts, not every day the topic ever held. When a plan has a
 //! global tier of a longer period (an ISO week, a calendar month), it starts
-//! instead at the start of the period holding yesterday, since a tenant
+//! instead at the start of the previous period of that kind, since a tenant
 //! over its month limit may have been broadcast weeks ago and nothing since
 //! (`since_ms`). It is "caught up"
 //! (ready) when its position on every partition has reached the high
@@ -54,16 +54,10 @@ const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 const VIEW_DAYS_BACK: u32 = 2;
 
 /// Where a rebuild of the view starts (Unix ms): the day before yesterday,
-/// or the start of the period holding yesterday of each longer kind of
-/// global tier the configuration has, whichever is earlier.
+/// or the start of the previous period of each longer kind of global tier
+/// the configuration has, whichever is earlier (`retention`).
 pub fn since_ms(config: &Config, now_ms: u64) -> i64 {
-    let today = day::of_unix_secs(now_ms / 1000);
-    let yesterday = now_ms.saturating_sub(86_400_000);
-    config
-        .global_period_kinds()
-        .into_iter()
-        .map(|kind| kind.at(yesterday).start_ms())
-        .fold(retention::since_ms(today, VIEW_DAYS_BACK), i64::min)
+    retention::rebuild_since_ms(now_ms, VIEW_DAYS_BACK, &retention::kinds_in_use(config))
 }
 
 pub async fn run(config: Config, node: String, view: Arc<View>, metrics: Arc<Metrics>) {

@@ -453,6 +453,8 @@ mod tests {
             epoch: "e".into(),
             day: 0,
             global_remaining: None,
+            periods_remaining: Vec::new(),
+            periods_end_ms: None,
             raised: 0,
             refunded: 0,
             duplicate: false,

@@ -1710,29 +1710,6 @@ fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
     Ok(())
 }
 
-impl Config {
-    /// The kinds of global tier other than the day that some plan or tenant
-    /// has (hour, week, month): what a rebuild of the aggregator or of a
-    /// node's view must reach back for (a month's counters may be weeks
-    /// old).
-    pub fn global_period_kinds(&self) -> std::collections::BTreeSet<PeriodKind> {
-        let tables = self
-            .plans
-            .values()
-            .filter_map(|p| p.global.as_ref())
-            .chain(self.tenants.values().filter_map(|t| t.global.as_ref()));
-        let mut kinds = std::collections::BTreeSet::new();
-        for g in tables {
-            for kind in PeriodKind::ALL {
-                if kind != PeriodKind::Day && g.of(kind).is_some() {
-                    kinds.insert(kind);
-                }
-            }
-        }
-        kinds
-    }
-}
-
 /// The non-day global tiers of `table` over `inherited` (a tenant's
 /// override names some kinds; the plan's others stay), hour → month.
 fn global_periods(table: Option<&GlobalLimitConfig>, inherited: &[GlobalTier]) -> Vec<GlobalTier> {

@@ -55,6 +55,7 @@ fn check(tenant: &str, cost: u64) -> DecideCall<'_> {
         tiers: Vec::new(),
         expected_nodes: 1,
         global: None,
+        periods: Vec::new(),
         epoch_candidate: "epochcand",
         day: today(),
         now_ms: tierlimit_shared::messages::now_ms(),

@@ -251,7 +251,7 @@ async fn forged_deltas_and_broadcasts_are_refused_counted_and_never_applied() {
     let update = GlobalUpdate {
         v: 1,
         tenant: "t".into(),
-        day,
+        period: tierlimit_shared::period::Period::day(day),
         total: huge,
         parts: vec![ActorPart {
             actor: actor("us", "forged"),
@@ -261,6 +261,7 @@ async fn forged_deltas_and_broadcasts_are_refused_counted_and_never_applied() {
         limit: Some(100),
         over_limit: true,
         ts_ms: now_ms(),
+        limits_version: 0,
     };
     let (mallory, _) = keys::ed25519_pair_from_seed([0x66; 32]);
     let forger = BroadcastSigner::with_key(

@@ -794,6 +794,7 @@ mod tests {
     fn st(tier: Tier, limit: u64, remaining: u64, reset_ms: u64, window_ms: u64) -> TierStatus {
         TierStatus {
             tier,
+            period: None,
             limit,
             remaining,
             reset_ms,

@@ -772,6 +772,7 @@ mod tests {
                     cost: 3,
                 },
             ],
+            periods: Vec::new(),
             expected_nodes: 1,
             global: Some(GlobalArgs {
                 limit: 100,
