@@ -568,7 +568,7 @@ mod tests {
         assert_eq!(key, d.key());
         assert_eq!(key, format!("n3|20000|r01/{}|r01-sim", epoch(7, "r01")));
         assert_eq!(partition, partition_of("n3", 8));
-        assert_eq!(bytes[0], tierlimit_shared::wire::codec::V2);
+        assert_eq!(bytes[0], tierlimit_shared::wire::codec::V3);
         // Another region's key does not vouch for r01's actor.
         let mut other = SimRegion::new(&cfg, "r02", 7).unwrap();
         other.actor = r01.actor.clone();

@@ -916,11 +916,11 @@ mod tests {
         );
         let n = region_node::storage::script::unpack_numbers(args[9]);
         // deadline, day, TTL; the check's lease: none asked (max 0, share
-        // 1, no tail); K = 2 tiers of six numbers.
+        // 1, no tail); K = 2 tiers of six numbers, E = 0 other periods.
         assert_eq!(n[..3], [0.0, 20_000.0, 259_200.0]);
-        assert_eq!(n[9..13], [0.0, 1.0, 0.0, 2.0]);
-        assert_eq!(n[13..19], [0.0, 1.0, 20.0, 1000.0, 1.0, 0.0]);
-        assert_eq!(n.len(), 25);
+        assert_eq!(n[9..14], [0.0, 1.0, 0.0, 2.0, 0.0]);
+        assert_eq!(n[14..20], [0.0, 1.0, 20.0, 1000.0, 1.0, 0.0]);
+        assert_eq!(n.len(), 26);
         assert_eq!((text(10), text(11)), ("n:n1:_:1:", "r:_:2:"));
         assert_eq!(args.len(), 12);
     }

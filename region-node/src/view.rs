@@ -388,8 +388,8 @@ mod tests {
     fn periods_are_held_apart_and_pruned_by_kind() {
         let v = View::new();
         let day = |d: u32| u64::from(d) * 86_400_000;
-        // 2027-01-31 and 2027-02-01 (days 17927 and 17928).
-        let (jan31, feb1) = (17_927, 17_928);
+        // 2027-01-31 and 2027-02-01 (days 20849 and 20850).
+        let (jan31, feb1) = (20_849, 20_850);
         let jan = PeriodKind::Month.at(day(jan31));
         let feb = PeriodKind::Month.at(day(feb1));
         assert_eq!((jan.human(), feb.human()), ("2027-01".into(), "2027-02".into()));

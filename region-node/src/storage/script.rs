@@ -977,6 +977,7 @@ mod tests {
             2000.0, // relaxed
             0.0, 1.0, 0.0, // a check's lease: none
             2.0, // K
+            0.0, // E: no other period
             0.0, 1.0, 10.0, 1000.0, 2.0, 0.0, // node tier: in the hash, fixed window
             3.0, 4.0, 10.0, 1000.0, 3.0, 0.0, // region tier: KEYS[3], sliding log
             9.0, 1.0, // the own part's P and N
