@@ -70,7 +70,8 @@ pub async fn decide_by(
 /// which reads the op's own *two* numbers where this release packs three
 /// (a lease's `tail_ms` is new): the call encoded as that release's node
 /// encoded it, the third op number taken out. Its reply is laid out as
-/// this release's.
+/// this release's. It has no global tiers of other periods either: the
+/// count of them (E, after K) is taken out, and `call` must have none.
 pub async fn decide_by_previous(
     con: &mut redis::aio::MultiplexedConnection,
     sha: &str,
@@ -85,6 +86,7 @@ pub async fn decide_by_previous(
             _ => unreachable!("encode writes plain arguments"),
         })
         .collect();
+    assert!(call.periods.is_empty(), "the previous release has no periods");
     let keys: usize = std::str::from_utf8(&args[0]).unwrap().parse().unwrap();
     // numkeys, the keys, op, tenant, day prefix, epoch, then the numbers:
     // deadline … relaxed (9), the op's numbers, K, …
@@ -94,6 +96,8 @@ pub async fn decide_by_previous(
     for (i, a) in args.iter().enumerate() {
         if i == numbers {
             let mut packed = a.clone();
+            // E (0) after K, then the op's third number.
+            packed.drain(13 * 8..14 * 8);
             packed.drain(11 * 8..12 * 8);
             cmd.arg(packed);
         } else {

@@ -611,3 +611,233 @@ async fn script_matches_the_model_across_days() {
         mismatches.join("\n")
     );
 }
+
+/// Issue 33: several global tiers (an hour, the day, an ISO week and a
+/// calendar month) against a model of one PN counter per period, over
+/// random checks, free-form refunds, refunds by handle and peeks at random
+/// instants that cross hours, midnights, Mondays and month ends (leap
+/// February 2028 and December → January among them). A check is allowed
+/// iff it fits every tier (the model's arithmetic on `Period`s, the
+/// script's on the bounds the node sends); a refund by handle gives back
+/// only to the periods the charge was in that are still open. Any
+/// difference in outcome, which tier denied, retry or remaining fails.
+#[tokio::test]
+async fn script_matches_the_model_with_several_global_tiers() {
+    use std::collections::HashMap;
+    use tierlimit_shared::period::{days_from_civil, Period, PeriodKind};
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let sha = harness::lua::load_with_fake_clock(&mut con).await;
+    let seed = env_u64("LUA_MODEL_SEED", 0x9E37_79B9_7F4A_7C15);
+    let scenarios = env_u64("LUA_MODEL_SCENARIOS", 150);
+    println!("seed {seed}, {scenarios} scenarios (LUA_MODEL_SEED / LUA_MODEL_SCENARIOS)");
+    let mut rng = Rng(seed ^ 0x5851_F42D_4C95_7F2D);
+    // Instants just before an hour, a day, a week and a month end.
+    let starts: Vec<u64> = [
+        (2028, 2, 28),
+        (2028, 2, 29),
+        (2026, 12, 31),
+        (2027, 2, 28),
+        (2026, 11, 30),
+        (2027, 1, 3),
+    ]
+    .iter()
+    .map(|&(y, m, d)| days_from_civil(y, m, d) as u64 * 86_400_000 + 23 * 3_600_000)
+    .collect();
+    let mut mismatches = Vec::new();
+    let (mut checks, mut denied_by_period, mut crossings) = (0u64, 0u64, 0u64);
+    for sc in 0..scenarios {
+        redis::cmd("FLUSHDB")
+            .query_async::<()>(&mut con)
+            .await
+            .unwrap();
+        let kinds = [PeriodKind::Hour, PeriodKind::Week, PeriodKind::Month];
+        let mut limits: Vec<(PeriodKind, u64)> = Vec::new();
+        for k in kinds {
+            if rng.below(3) > 0 {
+                limits.push((k, rng.range(3, 40)));
+            }
+        }
+        let day_limit = rng.range(5, 60);
+        let mut now_ms = starts[rng.below(starts.len() as u64) as usize] + rng.range(0, 3_500_000);
+        // The model: P and N per period, the charges (time, cost, id).
+        let mut model: HashMap<Period, (u64, u64)> = HashMap::new();
+        let mut charges: Vec<(u64, u64, String)> = Vec::new();
+        let mut used = std::collections::HashSet::new();
+        for op_i in 0..rng.range(20, 60) {
+            let before = now_ms;
+            now_ms += match rng.below(10) {
+                0 => rng.range(600_000, 2 * 3_600_000),
+                1..=3 => rng.range(10_000, 600_000),
+                _ => rng.range(1, 5_000),
+            };
+            if Period::day((before / 86_400_000) as u32) != Period::day((now_ms / 86_400_000) as u32)
+                || PeriodKind::Hour.at(before) != PeriodKind::Hour.at(now_ms)
+            {
+                crossings += 1;
+            }
+            harness::lua::set_fake_clock_us(&mut con, now_ms * 1000).await;
+            let cost = rng.range(1, 4);
+            let op = match rng.below(10) {
+                0..=6 => Op::Check,
+                7 | 8 => Op::Refund,
+                _ => Op::Peek,
+            };
+            let handle = (op == Op::Refund && !charges.is_empty() && rng.below(2) == 0)
+                .then(|| rng.below(charges.len() as u64) as usize);
+            // The periods of the call: a refund by handle names its charge's.
+            let at = handle.map_or(now_ms, |i| charges[i].0);
+            let periods: Vec<_> = limits
+                .iter()
+                .map(|(k, l)| region_node::storage::script::PeriodArgs {
+                    period: k.at(at),
+                    limit: *l,
+                    broadcast_total: 0,
+                    own_cap: None,
+                    own_parts: Vec::new(),
+                    urgent_at: None,
+                })
+                .collect();
+            let day = (now_ms / 86_400_000) as u32;
+            let id = format!("c{sc}x{op_i}");
+            let (cost, refund) = match handle {
+                Some(i) => (
+                    charges[i].1,
+                    Some(RefundOf {
+                        id: charges[i].2.clone(),
+                        charged_at_ms: charges[i].0,
+                        expires_at_ms: 0,
+                    }),
+                ),
+                None => (if op == Op::Peek { 0 } else { cost }, None),
+            };
+            let call = DecideCall {
+                op,
+                tenant: "t",
+                node_id: "n1",
+                cost,
+                tiers: Vec::new(),
+                expected_nodes: 1,
+                global: Some(GlobalArgs {
+                    limit: day_limit,
+                    ..GlobalArgs::default()
+                }),
+                periods,
+                epoch_candidate: &id,
+                day,
+                now_ms,
+                counter_ttl_secs: 3 * 86_400,
+                relaxed_ms: 2000,
+                refund,
+                lease: None,
+            };
+            let what = format!(
+                "scenario {sc} op {op_i} {} cost {cost} at {now_ms} limits {limits:?} day {day_limit}",
+                op.name()
+            );
+            let reply = match harness::lua::try_decide_by(&mut con, &sha, &call).await {
+                Ok(r) => r,
+                Err(e) => {
+                    mismatches.push(format!("{what}: {e}"));
+                    continue;
+                }
+            };
+            // The model's view of every tier at now.
+            let today = Period::day(day);
+            let own = |m: &HashMap<Period, (u64, u64)>, p: Period| {
+                m.get(&p).map_or(0, |(p, n)| p - n)
+            };
+            let mut tiers: Vec<(Period, u64)> = vec![(today, day_limit)];
+            tiers.extend(limits.iter().map(|(k, l)| (k.at(now_ms), *l)));
+            match op {
+                Op::Check => {
+                    checks += 1;
+                    let denying = tiers
+                        .iter()
+                        .position(|(p, l)| cost > l.saturating_sub(own(&model, *p)));
+                    let expected = match denying {
+                        None => None,
+                        Some(0) => Some(Denied::Global),
+                        Some(j) => Some(Denied::Period(j - 1)),
+                    };
+                    if expected.is_some_and(|d| d != Denied::Global) {
+                        denied_by_period += 1;
+                    }
+                    if reply.denied != expected {
+                        mismatches.push(format!(
+                            "{what}: denied {:?}, model {expected:?}",
+                            reply.denied
+                        ));
+                        continue;
+                    }
+                    if expected.is_none() {
+                        for (p, _) in &tiers {
+                            model.entry(*p).or_default().0 += cost;
+                        }
+                        charges.push((now_ms, cost, id.clone()));
+                    } else {
+                        // Retry: the latest end among the denying tiers (a
+                        // global tier's is its period's end, as the day's
+                        // always was, even for a cost above its limit).
+                        let retry = tiers
+                            .iter()
+                            .filter(|(p, l)| cost > l.saturating_sub(own(&model, *p)))
+                            .map(|(p, _)| p.left_ms(now_ms))
+                            .max()
+                            .unwrap();
+                        let got = reply.retry_ms.unwrap_or(u64::MAX);
+                        if got != retry {
+                            mismatches.push(format!("{what}: retry {got}, model {retry}"));
+                        }
+                    }
+                }
+                Op::Refund => {
+                    let fresh = match &call.refund {
+                        Some(r) => used.insert(r.id.clone()),
+                        None => true,
+                    };
+                    if fresh {
+                        for (p, _) in &tiers {
+                            let open_for_charge = call
+                                .refund
+                                .as_ref()
+                                .is_none_or(|r| p.contains(r.charged_at_ms));
+                            if open_for_charge {
+                                let e = model.entry(*p).or_default();
+                                e.1 += cost.min(e.0 - e.1);
+                            }
+                        }
+                    }
+                }
+                Op::Peek => {}
+            }
+            // Remaining of each other period after the call.
+            let expected: Vec<u64> = limits
+                .iter()
+                .map(|(k, l)| l.saturating_sub(own(&model, k.at(now_ms))))
+                .collect();
+            // A refund by handle names the charge's periods: for a closed
+            // one the script reports what is left of it (nothing moves).
+            if op != Op::Refund || call.refund.is_none() {
+                if reply.periods_remaining != expected {
+                    mismatches.push(format!(
+                        "{what}: periods remaining {:?}, model {expected:?}",
+                        reply.periods_remaining
+                    ));
+                }
+            }
+            if reply.own_p - reply.own_n != own(&model, today) {
+                mismatches.push(format!(
+                    "{what}: day count {}, model {}",
+                    reply.own_p - reply.own_n,
+                    own(&model, today)
+                ));
+            }
+        }
+    }
+    println!(
+        "{checks} checks, {denied_by_period} denied by an hour, week or month tier, {crossings} hour or day crossings"
+    );
+    assert!(denied_by_period > 0 && crossings > 0, "the scenarios must cross periods and deny");
+    assert!(mismatches.is_empty(), "{} mismatches, first: {:#?}", mismatches.len(), &mismatches[..mismatches.len().min(5)]);
+}

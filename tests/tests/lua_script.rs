@@ -1256,3 +1256,162 @@ async fn a_sliding_log_refund_gives_back_the_charges_own_units() {
         assert_eq!(ids, ["chargeB", "chargeC"], "by handle: {by_handle}");
     }
 }
+
+/// A global tier of `kind` with `limit`, at Redis' clock `at_ms`: no
+/// broadcast seen, no cap.
+fn period_tier(
+    kind: tierlimit_shared::period::PeriodKind,
+    limit: u64,
+    at_ms: u64,
+) -> region_node::storage::script::PeriodArgs {
+    region_node::storage::script::PeriodArgs {
+        period: kind.at(at_ms),
+        limit,
+        broadcast_total: 0,
+        own_cap: None,
+        own_parts: Vec::new(),
+        urgent_at: None,
+    }
+}
+
+/// The counter fields of (tenant, period): P and N.
+async fn period_counter(
+    con: &mut redis::aio::MultiplexedConnection,
+    tenant: &str,
+    period: tierlimit_shared::period::Period,
+) -> (Option<u64>, Option<u64>) {
+    let g = keys::period_prefix(period);
+    redis::cmd("HMGET")
+        .arg(keys::tenant_hash(tenant))
+        .arg(format!("{g}p"))
+        .arg(format!("{g}n"))
+        .query_async(con)
+        .await
+        .unwrap()
+}
+
+/// Issue 33: a tenant with a day, an hour and a month tier, decided in one
+/// call on the script's clock across the end of an hour, a leap day and a
+/// month (2028-02-29 → 2028-03-01): each tier denies alone, nothing is
+/// charged when one denies, a check made for a period Redis' clock has left
+/// does nothing, each period's counter is its own (fields and dirty-set
+/// member by label), and a refund gives back only to periods still open.
+#[tokio::test]
+async fn global_tiers_of_several_periods_are_decided_together_across_their_ends() {
+    use tierlimit_shared::period::{days_from_civil, Period, PeriodKind};
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let sha = harness::lua::load_with_fake_clock(&mut con).await;
+    let at = |d: u32, h: u64, m: u64| {
+        (days_from_civil(2028, 2, d) as u64) * 86_400_000 + h * 3_600_000 + m * 60_000
+    };
+    let call_at = |ms: u64| {
+        let mut c = check("cal", 1);
+        c.global = global(100);
+        c.periods = vec![
+            period_tier(PeriodKind::Hour, 5, ms),
+            period_tier(PeriodKind::Month, 8, ms),
+        ];
+        c.day = (ms / 86_400_000) as u32;
+        c.now_ms = ms;
+        c
+    };
+    // 22:10 on the leap day: the hour allows 5, the sixth is denied by it
+    // with a retry at 23:00, and nothing of it is charged anywhere.
+    let t0 = at(29, 22, 10);
+    harness::lua::set_fake_clock_us(&mut con, t0 * 1000).await;
+    let c = call_at(t0);
+    let (hour0, feb) = (c.periods[0].period, c.periods[1].period);
+    assert_eq!(feb.human(), "2028-02");
+    for i in 0..5 {
+        let r = harness::lua::decide_by(&mut con, &sha, &c).await;
+        assert!(r.allowed, "charge {i}");
+        assert_eq!(r.periods_remaining, vec![4 - i, 7 - i]);
+    }
+    let r = harness::lua::decide_by(&mut con, &sha, &c).await;
+    assert_eq!(r.denied, Some(Denied::Period(0)), "the hour denies");
+    assert_eq!(r.retry_ms, Some(at(29, 23, 0) - t0));
+    assert_eq!(period_counter(&mut con, "cal", hour0).await, (Some(5), Some(0)));
+    assert_eq!(period_counter(&mut con, "cal", feb).await.0, Some(5));
+    assert_eq!(r.own_p, 5, "the day's counter was not charged either");
+
+    // 23:00: a new hour; the month allows 3 more, then denies until March.
+    let t1 = at(29, 23, 0);
+    harness::lua::set_fake_clock_us(&mut con, t1 * 1000).await;
+    let c1 = call_at(t1);
+    for i in 0..3 {
+        assert!(harness::lua::decide_by(&mut con, &sha, &c1).await.allowed, "charge {i}");
+    }
+    let r = harness::lua::decide_by(&mut con, &sha, &c1).await;
+    assert_eq!(r.denied, Some(Denied::Period(1)), "the month denies");
+    assert_eq!(r.retry_ms, Some(at(29, 23, 0) + 3_600_000 - t1));
+    let feb_charge = t1;
+
+    // Redis' clock passes into March: a check built for February's periods
+    // (the node's clock behind) does nothing and is refused as another day.
+    let t2 = (days_from_civil(2028, 3, 1) as u64) * 86_400_000 + 1_000;
+    harness::lua::set_fake_clock_us(&mut con, t2 * 1000).await;
+    let mut stale = call_at(t1);
+    stale.day = (t2 / 86_400_000) as u32;
+    let err = harness::lua::try_decide_by(&mut con, &sha, &stale).await;
+    assert!(matches!(err, Err(ReplyError::OtherDay { .. })), "{err:?}");
+    // Built for March, it passes: a new month counter, under a new label.
+    let c2 = call_at(t2);
+    let mar = c2.periods[1].period;
+    assert_eq!((mar.human(), mar.index), ("2028-03".to_string(), feb.index + 1));
+    let r = harness::lua::decide_by(&mut con, &sha, &c2).await;
+    assert!(r.allowed);
+    assert_eq!(r.periods_remaining, vec![4, 7]);
+    assert_eq!(period_counter(&mut con, "cal", feb).await.0, Some(8));
+    assert_eq!(period_counter(&mut con, "cal", mar).await.0, Some(1));
+    // Each period's counter is dirty under its own label.
+    let members: Vec<String> = redis::cmd("ZRANGE")
+        .arg(keys::dirty(keys::bucket_of("cal")))
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    for p in [mar, c2.periods[0].period, Period::day((t2 / 86_400_000) as u32)] {
+        assert!(
+            members.contains(&keys::dirty_member_of("cal", p)),
+            "{p} in {members:?}"
+        );
+    }
+    // The hash lives at least until March ends (plus the day TTL).
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(keys::tenant_hash("cal"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(pttl as u64 >= mar.end_ms() as u64 - t2, "PTTL {pttl}");
+
+    // A refund by handle of February's charge: February and its hour are
+    // closed, nothing changes there; the open March counter is not the
+    // charge's either.
+    let mut rf = call_at(feb_charge);
+    rf.op = Op::Refund;
+    rf.day = (t2 / 86_400_000) as u32;
+    rf.refund = Some(RefundOf {
+        id: "feb".into(),
+        charged_at_ms: feb_charge,
+        expires_at_ms: 0,
+    });
+    harness::lua::decide_by(&mut con, &sha, &rf).await;
+    assert_eq!(period_counter(&mut con, "cal", feb).await, (Some(8), Some(0)));
+    assert_eq!(period_counter(&mut con, "cal", mar).await, (Some(1), Some(0)));
+    // A refund by handle of March's charge gives back to March and its hour.
+    let mut rf = call_at(t2);
+    rf.op = Op::Refund;
+    rf.refund = Some(RefundOf {
+        id: "mar".into(),
+        charged_at_ms: t2,
+        expires_at_ms: 0,
+    });
+    harness::lua::decide_by(&mut con, &sha, &rf).await;
+    assert_eq!(period_counter(&mut con, "cal", mar).await, (Some(1), Some(1)));
+    assert_eq!(
+        period_counter(&mut con, "cal", c2.periods[0].period).await,
+        (Some(1), Some(1))
+    );
+}

@@ -198,7 +198,7 @@ end
 -- another one does nothing and answers -3, as for the day; a refund gives
 -- nothing back to a period that has ended: a closed period never changes).
 local XPRE, XSTART, XEND, XLIM, XBT, XCAP, XURG, XNP, XPARTS, XFIRST = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
-local XOPEN, XP, XN, XNREAD, XEPOCH, XNEW, XREM, XOK, XMP, XMN, XCHANGED = 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21
+local XOPEN, XP, XN, XNREAD, XEPOCH, XNEW, XREM, XOK, XMP, XMN, XCHANGED, XOTH = 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22
 local xs = {}
 local first_epoch = 6 + K + E
 if op == 'refund' then first_epoch = first_epoch + 2 end
@@ -214,7 +214,7 @@ for j = 1, E do
   if not open and op == 'check' then return { -3, now_ms } end
   fields[nf + 1] = prefix .. 'e'; fields[nf + 2] = prefix .. 'p'
   fields[nf + 3] = prefix .. 'n'; fields[nf + 4] = prefix .. 'd'
-  xs[j] = { prefix, s0, e0, lim, bt, cap, urg, np, parts, nf, open, 0, 0, 0, false, false, -1, true, 0, 0, false }
+  xs[j] = { prefix, s0, e0, lim, bt, cap, urg, np, parts, nf, open, 0, 0, 0, false, false, -1, true, 0, 0, false, 0 }
   nf = nf + 4
 end
 -- The epochs of the other periods' actors come first, then the day's.
@@ -417,6 +417,7 @@ for j = 1, E do
   if x[XLIM] > 0 then
     local others = x[XBT] - (mp - mn)
     if others < 0 then others = 0 end
+    x[XOTH] = others
     local own = xp - xn
     local rem = x[XLIM] - others - own
     if x[XCAP] >= 0 and x[XCAP] - own < rem then rem = x[XCAP] - own end
@@ -701,10 +702,6 @@ elseif op == 'check' then
       local x = xs[j]
       x[XP] = x[XP] + gcost + granted
       x[XCHANGED] = true
-      if x[XREM] >= 0 then
-        x[XREM] = x[XREM] - gcost - granted
-        if x[XREM] < 0 then x[XREM] = 0 end
-      end
     end
   end
 end
@@ -880,8 +877,18 @@ for i = 1, K do
   out[no + 1] = tier[REMAINING]; no = no + 1
   if tier[ALG] > 2 then out[no + 1] = tier[RESET]; no = no + 1 end
 end
+-- Each other period's remaining after the call (as the node computes the
+-- day's from own P and N).
 for j = 1, E do
-  out[no + 1] = xs[j][XREM]; no = no + 1
+  local x = xs[j]
+  local rem = -1
+  if x[XLIM] > 0 then
+    local own = x[XP] - x[XN]
+    rem = x[XLIM] - x[XOTH] - own
+    if x[XCAP] >= 0 and x[XCAP] - own < rem then rem = x[XCAP] - own end
+    if rem < 0 then rem = 0 end
+  end
+  out[no + 1] = rem; no = no + 1
 end
 if outcome ~= 0 then out[no + 1] = retry end
 return out
