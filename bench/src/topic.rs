@@ -138,12 +138,15 @@ mod tests {
     #[test]
     fn records_are_counted_by_kind() {
         let hb = codec::seal(
-            codec::heartbeat_body(codec::V3, &Heartbeat {
-                partition: 1,
-                deltas_offset: 2,
-                limits_version: 0,
-                ts_ms: 3,
-            }),
+            codec::heartbeat_body(
+                codec::V3,
+                &Heartbeat {
+                    partition: 1,
+                    deltas_offset: 2,
+                    limits_version: 0,
+                    ts_ms: 3,
+                },
+            ),
             &Auth::None,
         );
         let mut t = Traffic::default();

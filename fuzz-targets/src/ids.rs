@@ -49,7 +49,10 @@ pub fn ids(data: &[u8]) -> bool {
             assert_eq!(keys::cluster_slot(k.as_bytes()), slot, "{k}");
         }
         let member = keys::dirty_member(&id, 20_000);
-        assert_eq!(keys::parse_dirty_member(&member), Some((&*id, tierlimit_shared::period::Period::day(20_000))));
+        assert_eq!(
+            keys::parse_dirty_member(&member),
+            Some((&*id, tierlimit_shared::period::Period::day(20_000)))
+        );
         assert!(messages::partition_of(&id, 16) < 16);
     }
     if key_ok {

@@ -50,7 +50,6 @@ use crate::storage::{
 };
 use crate::view::View;
 
-
 /// The three tiers, in the order they are checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -178,7 +178,10 @@ impl Lease {
     /// period of a global tier) ends.
     fn first_end_ms(&self) -> u64 {
         let day_end = (self.charged_at_ms / DAY_MS + 1) * DAY_MS;
-        let end = self.reply.periods_end_ms.map_or(day_end, |p| p.min(day_end));
+        let end = self
+            .reply
+            .periods_end_ms
+            .map_or(day_end, |p| p.min(day_end));
         self.ends_at_ms.iter().copied().fold(end, u64::min)
     }
 }

@@ -297,6 +297,9 @@ mod tests {
         assert_eq!(local.decide_now(&call(Op::Refund, 2)).refunded, 2);
         // Never below zero: one unit was left.
         assert_eq!(local.decide_now(&call(Op::Refund, 2)).refunded, 1);
-        assert_eq!(local.counts(), vec![("t".to_string(), Period::day(7), 3, 3)]);
+        assert_eq!(
+            local.counts(),
+            vec![("t".to_string(), Period::day(7), 3, 3)]
+        );
     }
 }

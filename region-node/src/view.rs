@@ -392,7 +392,10 @@ mod tests {
         let (jan31, feb1) = (20_849, 20_850);
         let jan = PeriodKind::Month.at(day(jan31));
         let feb = PeriodKind::Month.at(day(feb1));
-        assert_eq!((jan.human(), feb.human()), ("2027-01".into(), "2027-02".into()));
+        assert_eq!(
+            (jan.human(), feb.human()),
+            ("2027-01".into(), "2027-02".into())
+        );
         let at = |period, p| GlobalUpdate {
             period,
             ..update(&[("eu/a", p, 0)], 1)

@@ -17,11 +17,11 @@ pub mod config;
 pub mod day;
 pub mod describe;
 pub mod duration;
-pub mod period;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod keys;
 pub mod messages;
+pub mod period;
 #[cfg(feature = "http")]
 pub mod problem;
 pub mod reload;

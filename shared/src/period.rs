@@ -337,7 +337,10 @@ mod tests {
         let p = Period::day(20_419);
         assert_eq!(p.label(), "20419");
         assert_eq!(Period::parse_label("20419"), Some(p));
-        assert_eq!(PeriodKind::Hour.at(ms(2026, 11, 27, 15)).human(), "2026-11-27T15");
+        assert_eq!(
+            PeriodKind::Hour.at(ms(2026, 11, 27, 15)).human(),
+            "2026-11-27T15"
+        );
         for bad in ["", "x1", "h", "m-1", "d12", "h1x", "w 3"] {
             assert_eq!(Period::parse_label(bad), None, "{bad:?}");
         }

@@ -1150,7 +1150,10 @@ fn global_tiers_take_calendar_periods() {
         t
     };
     // `limit` keeps meaning one UTC day.
-    let l = ok(&with_acme(&["plans", "free", "global"], v("{ limit = 1000 }")));
+    let l = ok(&with_acme(
+        &["plans", "free", "global"],
+        v("{ limit = 1000 }"),
+    ));
     assert_eq!(l.policy("acme").unwrap().global, Some(1000));
     assert!(l.policy("acme").unwrap().global_periods.is_empty());
     // A plan with hour, day and month tiers; a tenant overriding the month
@@ -1159,15 +1162,25 @@ fn global_tiers_take_calendar_periods() {
         &["plans", "free", "global"],
         v("{ hour = 100, day = 1000, month = 20000 }"),
     );
-    set(&mut t, &["tenants", "acme", "global"], v("{ month = 50000 }"));
+    set(
+        &mut t,
+        &["tenants", "acme", "global"],
+        v("{ month = 50000 }"),
+    );
     let l = ok(&t);
     let p = l.policy("acme").unwrap();
     assert_eq!(p.global, Some(1000));
     assert_eq!(
         p.global_periods,
         vec![
-            GlobalTier { kind: PeriodKind::Hour, limit: 100 },
-            GlobalTier { kind: PeriodKind::Month, limit: 50000 },
+            GlobalTier {
+                kind: PeriodKind::Hour,
+                limit: 100
+            },
+            GlobalTier {
+                kind: PeriodKind::Month,
+                limit: 50000
+            },
         ]
     );
     // A month alone has no day tier.

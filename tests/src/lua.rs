@@ -86,7 +86,10 @@ pub async fn decide_by_previous(
             _ => unreachable!("encode writes plain arguments"),
         })
         .collect();
-    assert!(call.periods.is_empty(), "the previous release has no periods");
+    assert!(
+        call.periods.is_empty(),
+        "the previous release has no periods"
+    );
     let keys: usize = std::str::from_utf8(&args[0]).unwrap().parse().unwrap();
     // numkeys, the keys, op, tenant, day prefix, epoch, then the numbers:
     // deadline … relaxed (9), the op's numbers, K, …

@@ -337,6 +337,169 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
     wait_total(&agg, "hot", allowed - 5).await;
 }
 
+/// Issue 33: a calendar month tier beside a daily one, shared by two
+/// regions through the real broker and aggregator. Both regions push until
+/// denied by the month (`violated-policy: global-month`, the headers naming
+/// both global policies), the aggregator counts the month exactly (its own
+/// counter, the limit carried by the nodes' deltas), both regions then deny
+/// from the month's broadcast alone, and a refund comes off the month. The
+/// overshoot past 200 is the global tier's documented one (each region may
+/// spend `L − (θ − 1)` before the first broadcast reaches it), printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_monthly_tier_beside_the_daily_one_is_shared_by_every_region() {
+    const MONTHLY: &str = r#"
+[plans.m]
+global = { day = 100000, month = 200 }
+[tenants.mo]
+plan = "m"
+"#;
+    let (_w, agg, eu, us) = two_regions(MONTHLY).await;
+    let mut tasks = Vec::new();
+    for url in [eu.url("/v1/check"), us.url("/v1/check")] {
+        for _ in 0..3 {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                let http = harness::http_client();
+                let mut allowed = 0u64;
+                loop {
+                    let r = http
+                        .post(&url)
+                        .json(&json!({ "tenant": "mo" }))
+                        .send()
+                        .await
+                        .unwrap();
+                    let policy = r
+                        .headers()
+                        .get("ratelimit-policy")
+                        .map(|v| v.to_str().unwrap().to_string());
+                    let s = r.status().as_u16();
+                    let body: Value = r.json().await.unwrap();
+                    let policy = policy.unwrap_or_default();
+                    assert!(
+                        policy.contains("\"global\";q=100000")
+                            && policy.contains("\"global-month\";q=200"),
+                        "{policy}"
+                    );
+                    if s == 200 {
+                        allowed += 1;
+                    } else {
+                        assert_eq!(body["violated-policy"], "global-month", "{body}");
+                        return allowed;
+                    }
+                }
+            }));
+        }
+    }
+    let mut allowed = 0;
+    for t in tasks {
+        allowed += t.await.unwrap();
+    }
+    assert!(
+        allowed >= 200,
+        "the regions together reach the month's limit ({allowed})"
+    );
+    // Until the broadcast reaches a region, a check there may still pass
+    // (a denial under the stale-view cap lifts when the view is fresh):
+    // every check is counted.
+    let late = std::sync::atomic::AtomicU64::new(0);
+    wait_until(
+        "both regions deny from the month's broadcast",
+        DEADLINE,
+        || async {
+            let mut both = true;
+            for n in [&eu, &us] {
+                let (s, body) = check(&n.http, &n.url("/v1/check"), "mo").await;
+                if s == 200 {
+                    late.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                both &=
+                    s == 429 && body["mode"] == "view" && body["violated-policy"] == "global-month";
+            }
+            both
+        },
+    )
+    .await;
+    let allowed = allowed + late.into_inner();
+    // The month's own counter, exact; the day's holds the same units.
+    let month = |v: &Value| {
+        v["periods"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["kind"] == "month").cloned())
+    };
+    let seen = std::sync::Mutex::new(Value::Null);
+    let waited = tokio::time::timeout(DEADLINE, async {
+        loop {
+            let v = harness::try_json(&agg.http, &agg.url("/v1/global/mo")).await;
+            if v.as_ref()
+                .and_then(month)
+                .is_some_and(|m| m["total"].as_u64() == Some(allowed))
+            {
+                return;
+            }
+            *seen.lock().unwrap() = v.unwrap_or_default();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        waited.is_ok(),
+        "the aggregator's month total should be {allowed}: {}",
+        seen.lock().unwrap()
+    );
+    let v: Value = harness::get_json(&agg.http, &agg.url("/v1/global/mo")).await;
+    let m = month(&v).unwrap();
+    let now = tierlimit_shared::messages::now_ms();
+    let this_month = tierlimit_shared::period::PeriodKind::Month.at(now);
+    assert_eq!(m["name"], this_month.human(), "{v}");
+    assert_eq!(
+        (m["limit"].as_u64(), m["over_limit"].as_bool()),
+        (Some(200), Some(true)),
+        "{v}"
+    );
+    assert_eq!(m["regions"].as_object().unwrap().len(), 2, "{v}");
+    // The day's counter holds the same units (published on its relaxed
+    // schedule: far from its limit, it is not urgent).
+    let mut month_truth = 0;
+    for (_, r) in &_w.redis {
+        let mut con = r.client().await;
+        let g = tierlimit_shared::keys::period_prefix(this_month);
+        let (p, n): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(tierlimit_shared::keys::tenant_hash("mo"))
+            .arg(format!("{g}p"))
+            .arg(format!("{g}n"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        month_truth += p.unwrap_or(0) - n.unwrap_or(0);
+    }
+    assert_eq!(
+        (_w.redis_truth("mo").await, month_truth),
+        (allowed, allowed),
+        "Redis' day and month counters hold what clients were allowed"
+    );
+    wait_total(&agg, "mo", allowed).await;
+    println!(
+        "month tier of 200 across two regions: allowed {allowed} (overshoot {})",
+        allowed - 200
+    );
+    // A refund gives units back to the open month (and the day).
+    let r = eu
+        .http
+        .post(eu.url("/v1/refund"))
+        .json(&json!({"tenant": "mo", "cost": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    wait_until("the refund comes off the month", DEADLINE, || async {
+        let v = harness::try_json(&agg.http, &agg.url("/v1/global/mo")).await;
+        v.as_ref()
+            .and_then(month)
+            .is_some_and(|m| m["total"].as_u64() == Some(allowed - 3))
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_reordering_and_garbage_change_nothing() {
     let (w, agg, eu, us) = two_regions(GLOBAL_ONLY).await;
@@ -998,9 +1161,17 @@ async fn an_upgrade_from_key_scheme_1_loses_no_count() {
 /// exact at each step (client-counted units = aggregator total = Redis),
 /// and a limited tenant pushed through both nodes is admitted exactly to
 /// its limit and then denied by both: the two releases share one count.
+///
+/// Wire v3 (issue 33) is this release's default, which the previous one
+/// cannot read: while processes of both releases run, this release's run
+/// with `wire.version = 2` (README, "Upgrading"); once the previous
+/// release is gone they restart on v3, and today's counters go on under the
+/// same Redis fields and Kafka keys: the count stays exact across the
+/// switch, and the limited tenant stays denied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_upgrade_from_the_previous_release_loses_no_count() {
     use harness::previous_release;
+    const V2: &[(&str, &str)] = &[("TIERLIMIT__WIRE__VERSION", "2")];
     let w = World::new(&["eu"], GLOBAL_ONLY).await;
     let old_agg = Aggregator::start_from(&previous_release::bin("aggregator"), &w.cfg, &[]).await;
     let old = RegionNode::start_from(
@@ -1016,14 +1187,14 @@ async fn an_upgrade_from_the_previous_release_loses_no_count() {
     allow_n(&old, "t", 20).await;
     wait_total(&old_agg, "t", 20).await;
     // A node of this release joins the region (same Redis): both charge.
-    let new = RegionNode::start(&w.cfg, "eu", "b").await;
+    let new = RegionNode::start_with_env(&w.cfg, "eu", "b", V2).await;
     node_ready(&new).await;
     allow_n(&new, "t", 15).await;
     allow_n(&old, "t", 10).await;
     wait_total(&old_agg, "t", 45).await;
     // The aggregator is upgraded: this release's rebuilds from the topic.
     drop(old_agg);
-    let agg = Aggregator::start(&w.cfg).await;
+    let agg = Aggregator::start_from(&harness::bin_path("aggregator"), &w.cfg, V2).await;
     agg_ready(&agg).await;
     wait_total(&agg, "t", 45).await;
     allow_n(&old, "t", 7).await;
@@ -1095,6 +1266,42 @@ async fn an_upgrade_from_the_previous_release_loses_no_count() {
     );
     wait_total(&agg, "hot", 300).await;
     wait_total(&agg, "t", 55).await;
+
+    // The previous release is gone: this release's processes restart on
+    // wire v3 (the default). The aggregator rebuilds from v2 and v3 records
+    // of the same keys; the node goes on charging today's counter.
+    drop(old);
+    drop(new);
+    drop(agg);
+    let agg = Aggregator::start(&w.cfg).await;
+    agg_ready(&agg).await;
+    let new = RegionNode::start(&w.cfg, "eu", "b").await;
+    node_ready(&new).await;
+    wait_total(&agg, "t", 55).await;
+    allow_n(&new, "t", 5).await;
+    wait_total(&agg, "t", 60).await;
+    assert_eq!(
+        w.redis_truth("t").await,
+        60,
+        "one counter across the switch"
+    );
+    wait_until("the v3 node's view holds hot at 300", DEADLINE, || async {
+        let v = harness::try_json(&new.http, &new.url("/v1/tenants/hot")).await;
+        v.is_some_and(|v| v["global_total"].as_u64() == Some(300))
+    })
+    .await;
+    let (s, body) = check(&new.http, &new.url("/v1/check"), "hot").await;
+    assert_eq!(
+        (s, &body["violated-policy"]),
+        (429, &json!("global")),
+        "{body}"
+    );
+    // A restarted aggregator counts the same from both versions' records.
+    drop(agg);
+    let agg = Aggregator::start(&w.cfg).await;
+    agg_ready(&agg).await;
+    wait_total(&agg, "t", 60).await;
+    wait_total(&agg, "hot", 300).await;
 }
 
 /// Sequential checks of one unit of `tenant` on `node` until `n` are

@@ -671,7 +671,8 @@ async fn script_matches_the_model_with_several_global_tiers() {
                 1..=3 => rng.range(10_000, 600_000),
                 _ => rng.range(1, 5_000),
             };
-            if Period::day((before / 86_400_000) as u32) != Period::day((now_ms / 86_400_000) as u32)
+            if Period::day((before / 86_400_000) as u32)
+                != Period::day((now_ms / 86_400_000) as u32)
                 || PeriodKind::Hour.at(before) != PeriodKind::Hour.at(now_ms)
             {
                 crossings += 1;
@@ -744,9 +745,8 @@ async fn script_matches_the_model_with_several_global_tiers() {
             };
             // The model's view of every tier at now.
             let today = Period::day(day);
-            let own = |m: &HashMap<Period, (u64, u64)>, p: Period| {
-                m.get(&p).map_or(0, |(p, n)| p - n)
-            };
+            let own =
+                |m: &HashMap<Period, (u64, u64)>, p: Period| m.get(&p).map_or(0, |(p, n)| p - n);
             let mut tiers: Vec<(Period, u64)> = vec![(today, day_limit)];
             tiers.extend(limits.iter().map(|(k, l)| (k.at(now_ms), *l)));
             match op {
@@ -838,6 +838,14 @@ async fn script_matches_the_model_with_several_global_tiers() {
     println!(
         "{checks} checks, {denied_by_period} denied by an hour, week or month tier, {crossings} hour or day crossings"
     );
-    assert!(denied_by_period > 0 && crossings > 0, "the scenarios must cross periods and deny");
-    assert!(mismatches.is_empty(), "{} mismatches, first: {:#?}", mismatches.len(), &mismatches[..mismatches.len().min(5)]);
+    assert!(
+        denied_by_period > 0 && crossings > 0,
+        "the scenarios must cross periods and deny"
+    );
+    assert!(
+        mismatches.is_empty(),
+        "{} mismatches, first: {:#?}",
+        mismatches.len(),
+        &mismatches[..mismatches.len().min(5)]
+    );
 }

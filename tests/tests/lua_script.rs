@@ -1331,7 +1331,10 @@ async fn global_tiers_of_several_periods_are_decided_together_across_their_ends(
     let r = harness::lua::decide_by(&mut con, &sha, &c).await;
     assert_eq!(r.denied, Some(Denied::Period(0)), "the hour denies");
     assert_eq!(r.retry_ms, Some(at(29, 23, 0) - t0));
-    assert_eq!(period_counter(&mut con, "cal", hour0).await, (Some(5), Some(0)));
+    assert_eq!(
+        period_counter(&mut con, "cal", hour0).await,
+        (Some(5), Some(0))
+    );
     assert_eq!(period_counter(&mut con, "cal", feb).await.0, Some(5));
     assert_eq!(r.own_p, 5, "the day's counter was not charged either");
 
@@ -1340,7 +1343,10 @@ async fn global_tiers_of_several_periods_are_decided_together_across_their_ends(
     harness::lua::set_fake_clock_us(&mut con, t1 * 1000).await;
     let c1 = call_at(t1);
     for i in 0..3 {
-        assert!(harness::lua::decide_by(&mut con, &sha, &c1).await.allowed, "charge {i}");
+        assert!(
+            harness::lua::decide_by(&mut con, &sha, &c1).await.allowed,
+            "charge {i}"
+        );
     }
     let r = harness::lua::decide_by(&mut con, &sha, &c1).await;
     assert_eq!(r.denied, Some(Denied::Period(1)), "the month denies");
@@ -1358,7 +1364,10 @@ async fn global_tiers_of_several_periods_are_decided_together_across_their_ends(
     // Built for March, it passes: a new month counter, under a new label.
     let c2 = call_at(t2);
     let mar = c2.periods[1].period;
-    assert_eq!((mar.human(), mar.index), ("2028-03".to_string(), feb.index + 1));
+    assert_eq!(
+        (mar.human(), mar.index),
+        ("2028-03".to_string(), feb.index + 1)
+    );
     let r = harness::lua::decide_by(&mut con, &sha, &c2).await;
     assert!(r.allowed);
     assert_eq!(r.periods_remaining, vec![4, 7]);
@@ -1372,7 +1381,11 @@ async fn global_tiers_of_several_periods_are_decided_together_across_their_ends(
         .query_async(&mut con)
         .await
         .unwrap();
-    for p in [mar, c2.periods[0].period, Period::day((t2 / 86_400_000) as u32)] {
+    for p in [
+        mar,
+        c2.periods[0].period,
+        Period::day((t2 / 86_400_000) as u32),
+    ] {
         assert!(
             members.contains(&keys::dirty_member_of("cal", p)),
             "{p} in {members:?}"
@@ -1398,8 +1411,14 @@ async fn global_tiers_of_several_periods_are_decided_together_across_their_ends(
         expires_at_ms: 0,
     });
     harness::lua::decide_by(&mut con, &sha, &rf).await;
-    assert_eq!(period_counter(&mut con, "cal", feb).await, (Some(8), Some(0)));
-    assert_eq!(period_counter(&mut con, "cal", mar).await, (Some(1), Some(0)));
+    assert_eq!(
+        period_counter(&mut con, "cal", feb).await,
+        (Some(8), Some(0))
+    );
+    assert_eq!(
+        period_counter(&mut con, "cal", mar).await,
+        (Some(1), Some(0))
+    );
     // A refund by handle of March's charge gives back to March and its hour.
     let mut rf = call_at(t2);
     rf.op = Op::Refund;
@@ -1409,7 +1428,10 @@ async fn global_tiers_of_several_periods_are_decided_together_across_their_ends(
         expires_at_ms: 0,
     });
     harness::lua::decide_by(&mut con, &sha, &rf).await;
-    assert_eq!(period_counter(&mut con, "cal", mar).await, (Some(1), Some(1)));
+    assert_eq!(
+        period_counter(&mut con, "cal", mar).await,
+        (Some(1), Some(1))
+    );
     assert_eq!(
         period_counter(&mut con, "cal", c2.periods[0].period).await,
         (Some(1), Some(1))

@@ -55,8 +55,8 @@ use super::cluster::ClusterRouter;
 use super::link::{Link, Target};
 use super::safety::Eviction;
 use super::script::{
-    self, DecideCall, DecideReply, GlobalArgs, Op, PeriodArgs, RefundOf, ReplyError, Scope, TierCall,
-    DECIDE_LUA,
+    self, DecideCall, DecideReply, GlobalArgs, Op, PeriodArgs, RefundOf, ReplyError, Scope,
+    TierCall, DECIDE_LUA,
 };
 use super::{BoxFuture, CounterStore, StoreError};
 use crate::metrics::Metrics;

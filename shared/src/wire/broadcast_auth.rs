@@ -199,9 +199,7 @@ impl BroadcastVerifier {
                 }
                 Ok(Broadcast::Update(u))
             }
-            Version::V2 | Version::V3
-                if codec::kind_of(bytes) == Some(Kind::Heartbeat as u8) =>
-            {
+            Version::V2 | Version::V3 if codec::kind_of(bytes) == Some(Kind::Heartbeat as u8) => {
                 let frame = codec::decode_heartbeat(bytes)?;
                 self.check(frame.signed, &frame.auth)?;
                 Ok(Broadcast::Heartbeat(frame.message))

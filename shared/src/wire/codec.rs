@@ -575,17 +575,23 @@ mod tests {
         }
         // A day in v3 keeps its Kafka key: the bare day number.
         let day = delta();
-        let m = decode_delta(&seal(delta_body_v3(&day), &Auth::None)).unwrap().message;
+        let m = decode_delta(&seal(delta_body_v3(&day), &Auth::None))
+            .unwrap()
+            .message;
         assert_eq!(m.key(), day.key());
         assert_eq!(day.key(), "acme|20000|eu-west/a1b2c3|eu-west-1");
         let mut u = global();
         u.period = month;
         u.limits_version = 9;
-        let m = decode_global(&seal(global_body_v3(&u), &Auth::None)).unwrap().message;
+        let m = decode_global(&seal(global_body_v3(&u), &Auth::None))
+            .unwrap()
+            .message;
         assert_eq!(m, GlobalUpdate { v: 3, ..u.clone() });
         assert_eq!(m.key(), format!("acme|m{}", month.index));
         // v2 records decode as UTC days with no enforced limit.
-        let m = decode_delta(&seal(delta_body(&day), &Auth::None)).unwrap().message;
+        let m = decode_delta(&seal(delta_body(&day), &Auth::None))
+            .unwrap()
+            .message;
         assert_eq!((m.v, m.period, m.limit), (2, Period::day(20_000), None));
     }
 
