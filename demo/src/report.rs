@@ -219,6 +219,25 @@ fn promises(w: &World, o: &Outcome, dead: &[String]) -> Vec<Promise> {
             c.converged.map_or("did not converge".into(), |d| format!("converged {:.2} s after the heal", d.as_secs_f64()))
         ),
     ));
+    // The steady tenants' month tier (a fresh world: the month holds what
+    // today holds, counted by a counter of its own).
+    let months: Vec<String> = STEADY
+        .iter()
+        .map(|t| match &c.month[t] {
+            Some((name, total)) => format!("{t} {total} in {name}"),
+            None => format!("{t} ?"),
+        })
+        .collect();
+    promises.push(promise(
+        STEADY
+            .iter()
+            .all(|t| c.month[t].as_ref().map(|m| m.1) == Some(c.want[t])),
+        format!(
+            "a calendar-month tier beside the daily one (plan standard: 100000 a day, 2000000 a month): \
+             the aggregator's month count = clients' allowed − refunded ({})",
+            months.join(", ")
+        ),
+    ));
     let e = &o.envoy;
     promises.push(promise(
         e.counted(),

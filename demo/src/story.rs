@@ -106,6 +106,9 @@ pub struct Converge {
     pub truth: BTreeMap<&'static str, u64>,
     /// Per tenant: the aggregator's total when the wait ended.
     pub seen: BTreeMap<&'static str, Option<u64>>,
+    /// Per steady tenant (plan `standard`, with a month tier): the
+    /// aggregator's month name and total when the wait ended.
+    pub month: BTreeMap<&'static str, Option<(String, u64)>>,
     /// Heal → every tenant exact, if it happened in time.
     pub converged: Option<Duration>,
     /// Heal → the first delta of the cut region at the aggregator.
@@ -419,6 +422,7 @@ impl Story<'_> {
             truth.insert(t, w.redis_truth(t, day).await?);
         }
         let mut seen: BTreeMap<&str, Option<u64>> = BTreeMap::new();
+        let mut month: BTreeMap<&str, Option<(String, u64)>> = BTreeMap::new();
         let mut first_delta_after_heal = None;
         let converged = loop {
             if first_delta_after_heal.is_none()
@@ -432,7 +436,13 @@ impl Story<'_> {
             for t in TENANTS {
                 seen.insert(t, w.agg_view(t).await.map(|v| v.0));
             }
-            if TENANTS.iter().all(|t| seen[t] == Some(want[t])) {
+            for t in STEADY {
+                month.insert(t, w.agg_month(t).await);
+            }
+            let months_exact = STEADY
+                .iter()
+                .all(|t| month[t].as_ref().map(|m| m.1) == Some(want[t]));
+            if TENANTS.iter().all(|t| seen[t] == Some(want[t])) && months_exact {
                 break Some(cut.healed_at.elapsed());
             }
             if cut.healed_at.elapsed() > CONVERGE_DEADLINE {
@@ -444,6 +454,7 @@ impl Story<'_> {
             want,
             truth,
             seen,
+            month,
             converged,
             first_delta_after_heal,
         })

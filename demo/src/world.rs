@@ -415,10 +415,11 @@ broadcast_interval = "250ms"
     let _ = write!(
         t,
         r#"
-# acme, globex, initech: steady traffic, far below every limit.
+# acme, globex, initech: steady traffic, far below every limit; a
+# calendar-month tier beside the daily one (both UTC).
 [plans.standard]
 on_store_error = "local"
-global = {{ limit = 100000 }}
+global = {{ day = 100000, month = 2000000 }}
 node = {{ limit = 20, window = "1s", algorithm = "fixed_window" }}
 region = {{ limit = 1200, window = "1m", algorithm = "sliding_window" }}
 
@@ -485,6 +486,22 @@ impl World {
             })
             .unwrap_or_default();
         Some((total, regions))
+    }
+
+    /// The aggregator's count of `tenant` this calendar month (its month
+    /// tier's counter): the month's name and total.
+    pub async fn agg_month(&self, tenant: &str) -> Option<(String, u64)> {
+        let v = testkit::try_json(
+            &self.http,
+            &format!("{}/v1/global/{tenant}", self.aggregator),
+        )
+        .await?;
+        let m = v["periods"]
+            .as_array()?
+            .iter()
+            .find(|p| p["kind"] == "month")?
+            .clone();
+        Some((m["name"].as_str()?.to_string(), m["total"].as_u64()?))
     }
 
     /// The aggregator's count of `tenant` today from `region` alone.

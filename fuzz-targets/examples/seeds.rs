@@ -107,6 +107,15 @@ fn deltas() {
     big.n = u64::MAX;
     big.node = None;
     write("delta", "ok-signed-max.bin", eu.encode(&big));
+    // The previous release's v2, still read; and a v3 month counter with
+    // the limit the node enforced.
+    let eu_v2 = DeltaSigner::with_key(Version::V2, Some(("eu-1", fixture::EU_SECRET.as_slice())));
+    write("delta", "ok-signed-eu-v2.bin", eu_v2.encode(&delta("eu")));
+    let mut month = delta("eu");
+    month.period = tierlimit_shared::period::PeriodKind::Month.at(1_700_000_000_000);
+    month.limit = Some(2_000_000);
+    month.limits_version = 3;
+    write("delta", "ok-signed-month.bin", eu.encode(&month));
     write("delta", "bad-wrong-region.bin", eu.encode(&delta("us")));
     write("delta", "bad-unknown-region.bin", eu.encode(&delta("mars")));
     let unsigned = DeltaSigner::with_key(Version::V2, None);
@@ -136,6 +145,10 @@ fn broadcasts() {
     let records = signer.encode(&[update(), other]);
     write("broadcast", "ok-update-0.bin", &records[0]);
     write("broadcast", "ok-update-1.bin", &records[1]);
+    let mut month = update();
+    month.period = tierlimit_shared::period::PeriodKind::Month.at(1_700_000_000_000);
+    month.limits_version = 3;
+    write("broadcast", "ok-update-month.bin", &signer.encode(&[month])[0]);
     let hb = Heartbeat {
         partition: 3,
         deltas_offset: 1_234_567,

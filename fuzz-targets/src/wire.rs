@@ -55,7 +55,13 @@ pub fn delta(data: &[u8]) -> bool {
     // The signed part is a prefix of the record, the auth the rest.
     assert!(data.starts_with(frame.signed));
     // Re-encoding gives the same message back.
-    let again = codec::seal(codec::delta_body(&d), &frame.auth);
+    // Re-encoded in its own version (a v3 record carries what v2 cannot).
+    let (body, version): (fn(&Delta) -> Vec<u8>, _) = if d.v >= 3 {
+        (codec::delta_body_v3, Version::V3)
+    } else {
+        (codec::delta_body, Version::V2)
+    };
+    let again = codec::seal(body(&d), &frame.auth);
     let f2 = codec::decode_delta(&again).expect("a re-encoded delta decodes");
     assert_eq!(f2.message, d);
     assert_eq!(f2.auth, frame.auth);
@@ -64,7 +70,7 @@ pub fn delta(data: &[u8]) -> bool {
     let region = actor_region(&d.actor);
     for (r, secret) in [("eu", fixture::EU_SECRET), ("us", fixture::US_SECRET)] {
         let signer =
-            DeltaSigner::with_key(Version::V2, Some((&format!("{r}-1"), secret.as_slice())));
+            DeltaSigner::with_key(version, Some((&format!("{r}-1"), secret.as_slice())));
         let record = signer.encode(&d);
         let got = signed.decode(&record);
         if r == region {
@@ -76,7 +82,7 @@ pub fn delta(data: &[u8]) -> bool {
     }
     // Unsigned: refused by default, accepted in upgrade mode iff the
     // region is known.
-    let unsigned = DeltaSigner::with_key(Version::V2, None).encode(&d);
+    let unsigned = DeltaSigner::with_key(version, None).encode(&d);
     assert_eq!(signed.decode(&unsigned).unwrap_err().reason(), "unsigned");
     assert_eq!(
         open.decode(&unsigned).is_ok(),
@@ -104,7 +110,12 @@ pub fn broadcast(data: &[u8]) -> bool {
         let u = frame.message;
         check_update(&u);
         assert!(data.starts_with(frame.signed));
-        let again = codec::seal(codec::global_body(&u), &frame.auth);
+        let body: fn(&GlobalUpdate) -> Vec<u8> = if u.v >= 3 {
+            codec::global_body_v3
+        } else {
+            codec::global_body
+        };
+        let again = codec::seal(body(&u), &frame.auth);
         let f2 = codec::decode_global(&again).expect("a re-encoded update decodes");
         assert_eq!(f2.message, u);
         assert_eq!(f2.auth, frame.auth);
@@ -119,13 +130,14 @@ pub fn broadcast(data: &[u8]) -> bool {
         let mut fresh = BroadcastVerifier::new(fixture::signed()).expect("fixture keys");
         for i in [2, 0, 1] {
             let got = fresh.decode(&records[i]).expect("a signed record verifies");
-            assert_eq!(got, batch[i]);
+            // The fixture's signer writes the configured version (v3).
+            assert_eq!(got, GlobalUpdate { v: got.v, ..batch[i].clone() });
         }
         let first = codec::decode_global(&records[0]).expect("a signed record decodes");
-        let forged = codec::seal(codec::global_body(&other), &first.auth);
+        let forged = codec::seal(body(&other), &first.auth);
         assert!(fresh.decode(&forged).is_err(), "a moved proof verified");
         // Unsigned: refused by default, accepted in upgrade mode.
-        let unsigned = codec::seal(codec::global_body(&u), &Auth::None);
+        let unsigned = codec::seal(body(&u), &Auth::None);
         assert_eq!(signed.decode(&unsigned).unwrap_err().reason(), "unsigned");
         assert_eq!(open.decode(&unsigned).expect("upgrade mode"), u);
     }
