@@ -11,8 +11,8 @@ use minijinja::{Environment, UndefinedBehavior};
 use serde::{Deserialize, Serialize};
 
 use crate::chart::{line_chart, Chart, Series};
-use crate::knobs::Knobs;
 use crate::loadgen::Summary;
+use crate::results::{Provenance, RunRecord, Source, SCHEMA};
 use crate::scenario::{
     accuracy::Accuracy, ceiling::Ceiling, crossings::Crossings, fast_path::FastPath, kafka::Kafka,
     latency::Latency, peer::Peer, rollover::Rollover, saturation::Saturation, scale::Scale,
@@ -21,17 +21,16 @@ use crate::scenario::{
 /// The template, compiled in (scripts/bench rebuilds the runner first).
 pub const TEMPLATE: &str = include_str!("../BENCHMARKS.md.j2");
 
-/// Everything a run measured, as written to `$TMP/results/bench.json` and
-/// rendered into BENCHMARKS.md. A scenario that did not run is `None`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// Everything the report shows, as written to the results file
+/// (`benchmarks/results.json` for a full run, `benchmarks/runs/…json` for
+/// a partial one) and rendered into BENCHMARKS.md. A scenario that did not
+/// run is `None`; [`Provenance`] says which run measured each one.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Results {
-    pub run_date: String,
-    pub elapsed_s: u64,
-    pub knobs: Knobs,
-    pub machine: Machine,
-    pub load_start: String,
-    /// (scenario, 1-min load average as it started), then ("end", …).
-    pub loads: Vec<(String, String)>,
+    /// [`crate::results::SCHEMA`] when written.
+    pub schema: u32,
+    #[serde(flatten)]
+    pub provenance: Provenance,
     pub ceiling: Option<Ceiling>,
     pub latency: Option<Latency>,
     #[serde(default)]
@@ -53,43 +52,60 @@ pub struct Results {
     pub baseline: Option<crate::scenario::baseline::BaselineBench>,
     #[serde(default)]
     pub envoy: Option<crate::scenario::envoy::EnvoyBench>,
-    pub commands: Vec<String>,
-    /// The main run's configuration file.
-    pub config: Option<String>,
     /// Charts written beside the report (name → relative path).
     #[serde(default)]
     pub charts: std::collections::BTreeMap<String, String>,
 }
 
 impl Results {
-    /// A run that has measured nothing yet.
-    pub fn new(run_date: String, knobs: Knobs, machine: Machine, load_start: String) -> Results {
+    /// A run that has measured nothing yet: one [`RunRecord`], which every
+    /// section the run fills in will name.
+    pub fn new(run: RunRecord) -> Results {
         Results {
-            run_date,
-            elapsed_s: 0,
-            knobs,
-            machine,
-            load_start,
-            loads: Vec::new(),
-            ceiling: None,
-            latency: None,
-            saturation: None,
-            fast_path: None,
-            kafka: None,
-            accuracy: None,
-            crossings: None,
-            scale: None,
-            regions20: None,
-            rollover: None,
-            rollover_error: None,
-            peer: None,
-            cluster: None,
-            leases: None,
-            baseline: None,
-            envoy: None,
-            commands: Vec::new(),
-            config: None,
-            charts: Default::default(),
+            schema: SCHEMA,
+            provenance: Provenance {
+                runs: vec![run],
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// The names of the scenarios this file holds figures of.
+    pub fn present(&self) -> Vec<&'static str> {
+        let has = [
+            ("ceiling", self.ceiling.is_some()),
+            ("latency", self.latency.is_some()),
+            ("saturation", self.saturation.is_some()),
+            ("fast_path", self.fast_path.is_some()),
+            ("kafka", self.kafka.is_some()),
+            ("accuracy", self.accuracy.is_some()),
+            ("crossings", self.crossings.is_some()),
+            ("scale", self.scale.is_some()),
+            ("regions20", self.regions20.is_some()),
+            (
+                "rollover",
+                self.rollover.is_some() || self.rollover_error.is_some(),
+            ),
+            ("peer", self.peer.is_some()),
+            ("cluster", self.cluster.is_some()),
+            ("leases", self.leases.is_some()),
+            ("baseline", self.baseline.is_some()),
+            ("envoy", self.envoy.is_some()),
+        ];
+        has.iter().filter(|(_, h)| *h).map(|(n, _)| *n).collect()
+    }
+
+    /// Every section that holds figures names run `id` (a run just made).
+    pub fn attribute_to(&mut self, id: &str) {
+        for name in self.present() {
+            self.provenance.sources.insert(
+                name.to_string(),
+                Source {
+                    run: id.to_string(),
+                    note: None,
+                },
+            );
         }
     }
 }
@@ -252,12 +268,79 @@ pub fn environment() -> Environment<'static> {
     env
 }
 
-/// Renders the report.
+/// A section's source as the template sees it: the run itself, and the
+/// note.
+#[derive(Serialize)]
+struct SectionSource<'a> {
+    run: &'a RunRecord,
+    note: &'a Option<String>,
+}
+
+fn section_source<'a>(p: &'a Provenance, s: &'a Source) -> Option<SectionSource<'a>> {
+    Some(SectionSource {
+        run: p.run(&s.run)?,
+        note: &s.note,
+    })
+}
+
+/// Renders the report: the results, plus what the generator computes from
+/// them (every target's verdict, each section's run).
 pub fn render(results: &Results) -> anyhow::Result<String> {
+    if results.schema != SCHEMA {
+        return Err(crate::results::ProvenanceError::Schema {
+            found: results.schema,
+        }
+        .into());
+    }
+    results.provenance.check()?;
+    let p = &results.provenance;
+    let src = |s| section_source(p, s);
+    let sources: std::collections::BTreeMap<&str, SectionSource> = p
+        .sources
+        .iter()
+        .filter_map(|(name, s)| Some((name.as_str(), src(s)?)))
+        .collect();
+    let recorded: Vec<_> = p
+        .recorded
+        .iter()
+        .filter_map(|r| {
+            Some(minijinja::context! {
+                slot => r.slot,
+                body => r.body,
+                source => Value::from_serialize(src(&r.source)?),
+            })
+        })
+        .collect();
+    let recorded_rows: Vec<_> = p
+        .recorded_rows
+        .iter()
+        .filter_map(|r| {
+            let judged = crate::target::Judged::from(r.target.clone());
+            let figure = r.target.figure.map(num).unwrap_or_else(|| "n/a".into());
+            Some(minijinja::context! {
+                section => r.section,
+                what => r.what,
+                result => r.result.replace("{}", &figure),
+                target => Value::from_serialize(&judged),
+                source => Value::from_serialize(src(&r.source)?),
+            })
+        })
+        .collect();
+    let only_run = match p.runs.as_slice() {
+        [one] => Some(one),
+        _ => None,
+    };
     let env = environment();
     let tmpl = env.get_template("BENCHMARKS.md")?;
-    tmpl.render(Value::from_serialize(results))
-        .context("rendering bench/BENCHMARKS.md.j2")
+    let ctx = minijinja::context! {
+        t => Value::from_serialize(crate::target::of(results)),
+        src => Value::from_serialize(&sources),
+        recorded => recorded,
+        recorded_rows => recorded_rows,
+        only_run => Value::from_serialize(only_run),
+        ..Value::from_serialize(results)
+    };
+    tmpl.render(ctx).context("rendering bench/BENCHMARKS.md.j2")
 }
 
 /// Writes the charts into `dir` (`benchmarks/` beside the report) and
@@ -368,14 +451,36 @@ mod tests {
         assert_eq!(utc_iso(1_795_305_600), "2026-11-22T00:00:00Z");
     }
 
+    /// A run of `only` that has measured nothing yet.
+    fn run_of(only: &[&str]) -> Results {
+        let mut args = vec!["bench"];
+        if !only.is_empty() {
+            args.push("--only");
+        }
+        let joined = only.join(",");
+        if !only.is_empty() {
+            args.push(&joined);
+        }
+        let knobs = <crate::knobs::Knobs as clap::Parser>::parse_from(args);
+        Results::new(RunRecord {
+            id: "r".into(),
+            kind: Some(if only.is_empty() {
+                crate::results::RunKind::Full
+            } else {
+                crate::results::RunKind::Partial
+            }),
+            started: Some("2026-11-21 15:25 UTC".into()),
+            only: knobs.only.clone(),
+            machine: Some(Machine::default()),
+            load_before: Some("1 1 1".into()),
+            knobs: Some(knobs),
+            ..Default::default()
+        })
+    }
+
     #[test]
     fn the_template_renders_an_empty_run() {
-        let results = Results::new(
-            "2026-11-21 15:25 UTC".into(),
-            <Knobs as clap::Parser>::parse_from(["bench"]),
-            Machine::default(),
-            "1 1 1".into(),
-        );
+        let results = run_of(&[]);
         let md = render(&results).unwrap();
         assert!(md.starts_with("# Benchmarks\n"));
         assert!(md.contains("## Hot path: profile and changes"));
@@ -384,12 +489,7 @@ mod tests {
     #[test]
     fn the_regions20_section_renders_its_targets() {
         use crate::scenario::regions20::{Reading, Regions20};
-        let mut results = Results::new(
-            "2026-11-26 04:00 UTC".into(),
-            <Knobs as clap::Parser>::parse_from(["bench", "--only", "regions20"]),
-            Machine::default(),
-            "1 1 1".into(),
-        );
+        let mut results = run_of(&["regions20"]);
         let reading = |node_mib: u64, agg_mib: u64, at_s: u64| Reading {
             at_s,
             node_rss_kib: node_mib * 1024,
@@ -425,12 +525,7 @@ mod tests {
 
     #[test]
     fn the_envoy_section_renders_its_rows_and_target() {
-        let mut results = Results::new(
-            "2026-11-21 15:25 UTC".into(),
-            <Knobs as clap::Parser>::parse_from(["bench", "--only", "envoy"]),
-            Machine::default(),
-            "1 1 1".into(),
-        );
+        let mut results = run_of(&["envoy"]);
         let row = |rps: f64, node: Option<f64>| crate::scenario::envoy::Row {
             rps,
             p50_ms: 1.5,
@@ -460,7 +555,7 @@ mod tests {
         assert!(md.contains("| Envoy + RLS over gRPC | 12000 | 1.50 | 4.00 | 30.0 | 30.0 | 40.0 |"));
         assert!(md.contains("| Envoy, no filter (ceiling) | 30000 |"));
         assert!(
-            md.contains("**0.83×** (30.0 vs 36.0 µs) | ≤ 1.0× | met |"),
+            md.contains("**0.83×** (30.0 vs 36.0 µs) | ≤ 1× | met |"),
             "{md}"
         );
     }

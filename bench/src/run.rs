@@ -92,6 +92,20 @@ impl Run {
         self.record(line);
     }
 
+    /// Records a process just spawned (through testkit) as the kernel
+    /// holds it: its argv from `/proc/PID/cmdline`, the environment it was
+    /// given beyond the runner's own (`/proc/PID/environ`), and its working
+    /// directory when not the runner's. So the list is what ran, not what a
+    /// hand-written line says ran; a trailing `&`: a background server.
+    pub fn record_spawned(&self, pid: u32) {
+        match spawned_line(pid) {
+            Some(line) => self.record(line + " &"),
+            None => self.record(format!(
+                "# pid {pid} exited before its command line was read"
+            )),
+        }
+    }
+
     pub fn commands(&self) -> Vec<String> {
         self.commands.lock().unwrap().clone()
     }
@@ -202,6 +216,56 @@ pub fn version_of(program: &str, args: &[&str]) -> String {
                 .to_string()
         })
         .unwrap_or_default()
+}
+
+/// `[cd DIR;] [env K=V…] PROGRAM ARGS…` of a running process, from
+/// `/proc` (`None` once it is gone).
+fn spawned_line(pid: u32) -> Option<String> {
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    let split = |bytes: Vec<u8>| -> Vec<String> {
+        bytes
+            .split(|b| *b == 0)
+            .filter(|w| !w.is_empty())
+            .map(|w| String::from_utf8_lossy(w).into_owned())
+            .collect()
+    };
+    let argv = split(std::fs::read(proc_dir.join("cmdline")).ok()?);
+    if argv.is_empty() {
+        return None;
+    }
+    let own: std::collections::BTreeMap<String, String> = std::env::vars().collect();
+    let mut env: Vec<String> = split(std::fs::read(proc_dir.join("environ")).unwrap_or_default())
+        .into_iter()
+        .filter(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            own.get(k).map(String::as_str) != Some(v)
+        })
+        .collect();
+    env.sort();
+    let mut line = String::new();
+    if let (Ok(cwd), Ok(here)) = (
+        std::fs::read_link(proc_dir.join("cwd")),
+        std::env::current_dir(),
+    ) {
+        if cwd != here {
+            line.push_str(&format!("cd {}; ", shell_quote(&cwd.display().to_string())));
+        }
+    }
+    if !env.is_empty() {
+        line.push_str("env ");
+        for kv in &env {
+            line.push_str(&shell_quote(kv));
+            line.push(' ');
+        }
+    }
+    line.push_str(
+        &argv
+            .iter()
+            .map(|a| shell_quote(a))
+            .collect::<Vec<_>>()
+            .join(" "),
+    );
+    Some(line)
 }
 
 /// One argument quoted for a POSIX shell, only when it needs it.

@@ -25,6 +25,7 @@ use crate::world::{solo_config, start_node};
 
 /// One throughput round.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Round {
     pub summary: Summary,
     pub node_cpu_us: f64,
@@ -33,6 +34,7 @@ pub struct Round {
 
 /// A failover under load.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Failover {
     pub kind: String,
     /// Kill → first decision answered by Redis again, ms.
@@ -43,6 +45,7 @@ pub struct Failover {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ClusterBench {
     pub rounds: u64,
     pub duration: u64,

@@ -13,6 +13,7 @@ use crate::scenario::ceiling::{script_opts, WARMUP};
 use crate::world::Region;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Latency {
     /// Requests/s: half the saturated rate.
     pub rate: u64,

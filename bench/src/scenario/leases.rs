@@ -22,6 +22,7 @@ pub const LEASE_MAX: u64 = 256;
 
 /// One throughput round.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Round {
     pub summary: Summary,
     pub node_cpu_us: f64,
@@ -32,6 +33,7 @@ pub struct Round {
 
 /// Medians of one variant's rounds.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Variant {
     pub rounds: Vec<Round>,
     pub rps: f64,
@@ -43,6 +45,7 @@ pub struct Variant {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct LeaseBench {
     pub rounds: u64,
     pub duration: u64,
