@@ -315,13 +315,14 @@ pub fn render(results: &Results) -> anyhow::Result<String> {
         .recorded_rows
         .iter()
         .filter_map(|r| {
-            let judged = crate::target::Judged::from(r.target.clone());
-            let figure = r.target.figure.map(num).unwrap_or_else(|| "n/a".into());
+            let judged = r.target.clone().map(crate::target::Judged::from);
+            let figure = r.figure().map(num).unwrap_or_else(|| "n/a".into());
             Some(minijinja::context! {
                 section => r.section,
                 what => r.what,
                 result => r.result.replace("{}", &figure),
                 target => Value::from_serialize(&judged),
+                target_text => r.target_text,
                 source => Value::from_serialize(src(&r.source)?),
             })
         })
@@ -476,6 +477,53 @@ mod tests {
             knobs: Some(knobs),
             ..Default::default()
         })
+    }
+
+    /// The committed BENCHMARKS.md is exactly what the generator makes from
+    /// the committed results file: a hand edit of either, or a template
+    /// change without `scripts/bench --render`, fails here, in the test
+    /// command, not in a reader's hands.
+    #[test]
+    fn the_committed_benchmarks_md_is_the_generators_output() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let read = |name: &str| {
+            std::fs::read_to_string(root.join(name)).unwrap_or_else(|e| panic!("read {name}: {e}"))
+        };
+        let results: Results = serde_json::from_str(&read("benchmarks/results.json"))
+            .expect("benchmarks/results.json parses as the runner's results");
+        let rendered = render(&results).expect("benchmarks/results.json renders");
+        let committed = read("BENCHMARKS.md");
+        if rendered != committed {
+            let line = rendered
+                .lines()
+                .zip(committed.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or_else(|| rendered.lines().count().min(committed.lines().count()));
+            panic!(
+                "BENCHMARKS.md is not the generator's output from benchmarks/results.json \
+                 (first difference at line {}: generated {:?}, committed {:?}); \
+                 run `scripts/bench --render`",
+                line + 1,
+                rendered.lines().nth(line).unwrap_or("<end>"),
+                committed.lines().nth(line).unwrap_or("<end>"),
+            );
+        }
+    }
+
+    /// Every section of a results file names a run it lists, so that no
+    /// figure is printed without its date and machine.
+    #[test]
+    fn a_section_naming_an_unlisted_run_is_refused() {
+        let mut results = run_of(&["envoy"]);
+        results.provenance.sources.insert(
+            "envoy".into(),
+            Source {
+                run: "elsewhere".into(),
+                note: None,
+            },
+        );
+        let err = render(&results).unwrap_err();
+        assert!(err.to_string().contains("elsewhere"), "{err}");
     }
 
     #[test]

@@ -113,8 +113,19 @@ pub struct RecordedRow {
     pub what: String,
     /// Markdown around the figure, `{}` where the figure goes.
     pub result: String,
-    pub target: Target,
+    /// `None`: a row with no numeric bound ([`RecordedRow::target_text`]
+    /// says what was aimed at), which the generator does not judge.
+    pub target: Option<Target>,
+    /// The figure of a row without a target.
+    pub figure: Option<f64>,
+    pub target_text: Option<String>,
     pub source: Source,
+}
+
+impl RecordedRow {
+    pub fn figure(&self) -> Option<f64> {
+        self.target.as_ref().and_then(|t| t.figure).or(self.figure)
+    }
 }
 
 /// What the generator needs beside the scenarios' typed results.

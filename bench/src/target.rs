@@ -103,29 +103,6 @@ impl From<Target> for Judged {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_verdict_follows_the_unrounded_figure() {
-        let t = |x: Option<f64>, op| Target::new("t", x, op, 0.5, "×").verdict();
-        assert_eq!(t(Some(0.5), Op::AtMost), Verdict::Met);
-        assert_eq!(t(Some(0.503), Op::AtMost), Verdict::Missed);
-        assert_eq!(t(Some(0.503), Op::AtLeast), Verdict::Met);
-        assert_eq!(t(None, Op::AtLeast), Verdict::NotMeasured);
-        assert_eq!(t(Some(f64::NAN), Op::AtLeast), Verdict::NotMeasured);
-        assert_eq!(
-            Target::new("t", Some(0.0), Op::Equal, 0.0, "").verdict(),
-            Verdict::Met
-        );
-        assert_eq!(
-            Target::new("t", None, Op::AtMost, 700.0, " ms").bound_text(),
-            "≤ 700 ms"
-        );
-    }
-}
-
 /// The full run's wall-time budget on 2 cores, s (`scripts/bench`'s header
 /// states it): one hour, so that the run can be made once per round on the
 /// round's final code.
@@ -284,4 +261,27 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
     t.into_iter()
         .map(|t| (t.name.clone(), Judged::from(t)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verdict_follows_the_unrounded_figure() {
+        let t = |x: Option<f64>, op| Target::new("t", x, op, 0.5, "×").verdict();
+        assert_eq!(t(Some(0.5), Op::AtMost), Verdict::Met);
+        assert_eq!(t(Some(0.503), Op::AtMost), Verdict::Missed);
+        assert_eq!(t(Some(0.503), Op::AtLeast), Verdict::Met);
+        assert_eq!(t(None, Op::AtLeast), Verdict::NotMeasured);
+        assert_eq!(t(Some(f64::NAN), Op::AtLeast), Verdict::NotMeasured);
+        assert_eq!(
+            Target::new("t", Some(0.0), Op::Equal, 0.0, "").verdict(),
+            Verdict::Met
+        );
+        assert_eq!(
+            Target::new("t", None, Op::AtMost, 700.0, " ms").bound_text(),
+            "≤ 700 ms"
+        );
+    }
 }
