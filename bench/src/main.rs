@@ -489,3 +489,103 @@ fn write_markdown(r: &Results, out: &Path) -> anyhow::Result<()> {
     std::fs::rename(&tmp, out).with_context(|| format!("rename to {}", out.display()))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::results::{Profile, Recorded, Source};
+
+    fn knobs(dir: &Path, only: &[&str]) -> Knobs {
+        let mut args = vec!["bench".to_string()];
+        if !only.is_empty() {
+            args.extend(["--only".to_string(), only.join(",")]);
+        }
+        let mut k = <Knobs as clap::Parser>::parse_from(args);
+        k.out = dir.join("BENCHMARKS.md");
+        k.results = dir.join("benchmarks").join("results.json");
+        k
+    }
+
+    fn run_of(id: &str, k: &Knobs) -> Results {
+        let mut r = Results::new(RunRecord {
+            id: id.into(),
+            kind: Some(if k.only.is_empty() {
+                RunKind::Full
+            } else {
+                RunKind::Partial
+            }),
+            profile: k.profile(),
+            started: Some("2026-11-27 16:00 UTC".into()),
+            elapsed_s: Some(60),
+            only: k.only.clone(),
+            machine: Some(Machine::default()),
+            ..Default::default()
+        });
+        r.attribute_to(id);
+        r
+    }
+
+    #[test]
+    fn a_partial_run_writes_its_own_files_and_leaves_benchmarks_md_alone() {
+        let dir = testkit::tempfile::tempdir().unwrap();
+        let k = knobs(dir.path(), &["leases"]);
+        let mut r = run_of("2026-11-27-16-00-leases", &k);
+        let written = publish(&mut r, &k).unwrap();
+        let runs = dir.path().join("benchmarks").join("runs");
+        assert_eq!(written, runs.join("2026-11-27-16-00-leases.md"));
+        assert!(runs.join("2026-11-27-16-00-leases.json").exists());
+        assert!(!k.out.exists() && !k.results.exists());
+    }
+
+    #[test]
+    fn a_quick_run_of_everything_is_a_partial_one_too() {
+        let dir = testkit::tempfile::tempdir().unwrap();
+        let mut k = knobs(dir.path(), &[]);
+        k.quick = true;
+        assert_eq!(k.profile(), Profile::Quick);
+        let mut r = run_of("2026-11-27-16-00-all-quick", &k);
+        publish(&mut r, &k).unwrap();
+        assert!(!k.out.exists() && !k.results.exists());
+        let md = std::fs::read_to_string(
+            dir.path()
+                .join("benchmarks/runs/2026-11-27-16-00-all-quick.md"),
+        )
+        .unwrap();
+        assert!(md.contains("the quick profile"), "{md}");
+        assert!(md.contains("(budget ≤ 900 s: met)"), "{md}");
+    }
+
+    #[test]
+    fn a_full_run_rewrites_both_files_and_keeps_the_recorded_sections() {
+        let dir = testkit::tempfile::tempdir().unwrap();
+        let k = knobs(dir.path(), &[]);
+        let mut old = run_of("old-partial", &knobs(dir.path(), &["envoy"]));
+        old.provenance.runs.push(RunRecord {
+            id: "by-hand".into(),
+            kind: Some(RunKind::Manual),
+            ..Default::default()
+        });
+        old.provenance.recorded.push(Recorded {
+            slot: "view".into(),
+            source: Source {
+                run: "by-hand".into(),
+                note: None,
+            },
+            body: "A table measured by hand.".into(),
+        });
+        write_json(&k.results, &old).unwrap();
+        let mut r = run_of("2026-11-27-16-00-all", &k);
+        publish(&mut r, &k).unwrap();
+        let new: Results = read_results(&k.results).unwrap();
+        let ids: Vec<&str> = new.provenance.runs.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["2026-11-27-16-00-all", "by-hand"]);
+        let md = std::fs::read_to_string(&k.out).unwrap();
+        assert!(
+            md.contains("Figures from one run of `scripts/bench`"),
+            "{md}"
+        );
+        assert!(md.contains("A table measured by hand."), "{md}");
+        assert!(md.contains("from run `by-hand`"), "{md}");
+        assert_eq!(md, report::render(&new).unwrap());
+    }
+}

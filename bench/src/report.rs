@@ -327,8 +327,16 @@ pub fn render(results: &Results) -> anyhow::Result<String> {
             })
         })
         .collect();
-    let only_run = match p.runs.as_slice() {
-        [one] => Some(one),
+    // The run that measured every typed section, when there is one: runs
+    // of hand measurements carried along with their recorded sections do
+    // not make a full run's report a merge.
+    let bench_runs: Vec<&RunRecord> = p
+        .runs
+        .iter()
+        .filter(|r| r.kind != Some(crate::results::RunKind::Manual))
+        .collect();
+    let only_run = match bench_runs.as_slice() {
+        [one] => Some(*one),
         _ => None,
     };
     let env = environment();

@@ -243,7 +243,13 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             "×",
         ));
     }
-    if let [run] = r.provenance.runs.as_slice() {
+    let bench_runs: Vec<_> = r
+        .provenance
+        .runs
+        .iter()
+        .filter(|run| run.kind != Some(crate::results::RunKind::Manual))
+        .collect();
+    if let [run] = bench_runs.as_slice() {
         if run.only.is_empty() && run.kind != Some(crate::results::RunKind::Manual) {
             let budget = match run.profile {
                 crate::results::Profile::Full => FULL_BUDGET_S,
