@@ -344,6 +344,7 @@ pub fn render(results: &Results) -> anyhow::Result<String> {
     let ctx = minijinja::context! {
         t => Value::from_serialize(crate::target::of(results)),
         src => Value::from_serialize(&sources),
+        recorded_slots => p.recorded.iter().map(|r| r.slot.as_str()).collect::<Vec<_>>(),
         recorded => recorded,
         recorded_rows => recorded_rows,
         only_run => Value::from_serialize(only_run),
@@ -539,7 +540,9 @@ mod tests {
         let results = run_of(&[]);
         let md = render(&results).unwrap();
         assert!(md.starts_with("# Benchmarks\n"));
-        assert!(md.contains("## Hot path: profile and changes"));
+        assert!(md.contains("## Commands"), "{md}");
+        // No recorded section: no heading left empty.
+        assert!(!md.contains("## Hot path"), "{md}");
     }
 
     #[test]

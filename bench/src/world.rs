@@ -174,7 +174,7 @@ pub struct Region {
 impl Region {
     pub async fn start(run: &Run) -> anyhow::Result<Region> {
         let redis = Redis::start();
-        run.record_spawned(redis.proc.pid());
+        run.record_spawned(&redis.proc);
         let conn = RedisConn::open(&redis.url()).await?;
         Ok(Region { redis, conn })
     }
@@ -237,7 +237,7 @@ pub async fn start_node(
     let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn"), BENCH_OPEN_SCOPES];
     all.extend_from_slice(env);
     let node = RegionNode::start_with_env(config, region, node_id, &all).await;
-    run.record_spawned(node.proc.pid());
+    run.record_spawned(&node.proc);
     if ready != "/healthz" {
         wait_ok(
             &node.http,
@@ -255,7 +255,7 @@ pub async fn start_aggregator(run: &Run, config: &Path, env: &[(&str, &str)]) ->
     let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn")];
     all.extend_from_slice(env);
     let agg = Aggregator::start_with_env(config, &all).await;
-    run.record_spawned(agg.proc.pid());
+    run.record_spawned(&agg.proc);
     wait_ok(
         &agg.http,
         "the aggregator ready on /readyz",
@@ -269,7 +269,7 @@ pub async fn start_aggregator(run: &Run, config: &Path, env: &[(&str, &str)]) ->
 /// A Tansu broker (recorded) with the two compacted topics of 8 partitions.
 pub async fn start_tansu(run: &Run) -> Tansu {
     let tansu = Tansu::start();
-    run.record_spawned(tansu.proc.pid());
+    run.record_spawned(&tansu.proc);
     run.record(format!(
         "# topics tierlimit.deltas and tierlimit.global created on {} with 8 partitions, cleanup.policy=compact",
         tansu.brokers()

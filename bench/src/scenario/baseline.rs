@@ -130,7 +130,7 @@ async fn start_old(run: &Run, bin: &Path, config: &Path) -> anyhow::Result<(test
     ];
     let mut proc = testkit::Proc::spawn(bin, args, &[("RUST_LOG", "warn")]);
     run.record("# the baseline region-node:");
-    run.record_spawned(proc.pid());
+    run.record_spawned(&proc);
     let http = reqwest::Client::new();
     let started = Instant::now();
     loop {

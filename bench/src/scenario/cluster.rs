@@ -125,9 +125,9 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<ClusterBench> {
     let cfg_s = write(dir.path(), "standalone", &config(&standalone.url()))?;
     let cfg_c = write(dir.path(), "cluster", &config(&cluster.cluster_url()))?;
     run.record("# scenario 8: a standalone redis-server and a 3-master cluster".to_string());
-    run.record_spawned(standalone.proc.pid());
+    run.record_spawned(&standalone.proc);
     for pid in cluster.pids() {
-        run.record_spawned(pid);
+        run.record_spawned_pid(pid);
     }
     run.record(format!("# scenario 8: {}", cfg_c.display()));
     let node_s = start_node(run, &cfg_s, "eu", "eu-1", "/healthz", &[]).await;
@@ -167,7 +167,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<ClusterBench> {
     let mut c = tokio::task::block_in_place(|| RedisCluster::start(3, 1));
     run.record("# scenario 8: the failover cluster (3 masters, 1 replica each)".to_string());
     for pid in c.pids() {
-        run.record_spawned(pid);
+        run.record_spawned_pid(pid);
     }
     let cfg = write(dir.path(), "failover-cluster", &config(&c.cluster_url()))?;
     let node = start_node(run, &cfg, "eu", "eu-1", "/healthz", &[("RUST_LOG", LOG)]).await;

@@ -213,7 +213,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<EnvoyBench> {
     ));
     let dir = testkit::temp_dir();
     let redis = testkit::Redis::start();
-    run.record_spawned(redis.proc.pid());
+    run.record_spawned(&redis.proc);
     let conn = RedisConn::open(&redis.url()).await?;
     let cfg = write(dir.path(), &config(&redis.url()));
     run.record(format!("# scenario 10: {}", cfg.display()));
@@ -241,7 +241,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<EnvoyBench> {
         ("with the filter", &limited),
     ] {
         run.record(format!("# Envoy {what}:"));
-        run.record_spawned(e.proc.pid());
+        run.record_spawned(&e.proc);
     }
 
     let gateway = |e: &Envoy| {

@@ -257,7 +257,7 @@ max_per_day = 100000000
 /// follower that keeps up reads every record anyway, compacted or not.
 async fn start_tansu(run: &Run) -> testkit::Tansu {
     let tansu = testkit::Tansu::start();
-    run.record_spawned(tansu.proc.pid());
+    run.record_spawned(&tansu.proc);
     run.record(format!(
         "# topics tierlimit.deltas and tierlimit.global created on {} with {PARTITIONS} partitions, the broker's default cleanup",
         tansu.brokers()

@@ -623,7 +623,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Rollover> {
         },
         ping,
     );
-    run.record_spawned(redis.pid());
+    run.record_spawned(&redis);
     let conn = RedisConn::open(&format!("redis://127.0.0.1:{port}/")).await?;
 
     // libfaketime on redis-server: its TIME must read real time + OFFSET,
@@ -709,8 +709,8 @@ plan = "bench"
         Duration::from_secs(60),
     )
     .await;
-    run.record_spawned(agg.proc.pid());
-    run.record_spawned(node.proc.pid());
+    run.record_spawned(&agg.proc);
+    run.record_spawned(&node.proc);
 
     // libfaketime on region-node and the aggregator, and the delta's day
     // end to end: one check for tenant "probe" must land on the fake day in
