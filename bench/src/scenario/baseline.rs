@@ -172,6 +172,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
     ];
     let mut conns = Vec::new();
     for r in &redis {
+        run.record_spawned(&r.proc);
         conns.push(RedisConn::open(&r.url()).await?);
     }
     let write = |name: &str, toml: String| -> anyhow::Result<PathBuf> {

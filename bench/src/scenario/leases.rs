@@ -131,6 +131,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
     ));
     let dir = testkit::temp_dir();
     let (redis_off, redis_on) = (testkit::Redis::start(), testkit::Redis::start());
+    run.record_spawned(&redis_off.proc);
+    run.record_spawned(&redis_on.proc);
     let (conn_off, conn_on) = (
         RedisConn::open(&redis_off.url()).await?,
         RedisConn::open(&redis_on.url()).await?,

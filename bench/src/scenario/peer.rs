@@ -86,12 +86,7 @@ pub async fn start(run: &Run) -> Throttlecrab {
         |port| Cmd::new(&bin).args(args(port)).log_file(&log),
         testkit::start::accepts,
     );
-    run.record_cmd(
-        "",
-        std::path::Path::new("throttlecrab-server"),
-        &args(port),
-        true,
-    );
+    run.record_spawned(&proc);
     let http = testkit::http_client();
     crate::world::wait_ok(
         &http,
