@@ -188,9 +188,12 @@ impl Knobs {
     /// The knobs from the command line and the environment, the quick
     /// profile's sizes applied to every knob left at its default.
     pub fn from_env() -> Knobs {
-        use clap::{CommandFactory, FromArgMatches};
-        let matches = Knobs::command().get_matches();
-        let mut k = Knobs::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        Knobs::from_matches(&<Knobs as clap::CommandFactory>::command().get_matches())
+    }
+
+    fn from_matches(matches: &clap::ArgMatches) -> Knobs {
+        use clap::FromArgMatches;
+        let mut k = Knobs::from_arg_matches(matches).unwrap_or_else(|e| e.exit());
         if k.quick {
             let default = |id: &str| {
                 matches.value_source(id) == Some(clap::parser::ValueSource::DefaultValue)
@@ -263,5 +266,27 @@ impl Knobs {
         }
         anyhow::ensure!(self.rounds >= 1, "BENCH_ROUNDS must be at least 1");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn knobs(args: &[&str]) -> Knobs {
+        let matches = <Knobs as clap::CommandFactory>::command().get_matches_from(args);
+        Knobs::from_matches(&matches)
+    }
+
+    #[test]
+    fn the_quick_profile_shrinks_only_the_knobs_left_at_their_default() {
+        let full = knobs(&["bench"]);
+        assert_eq!((full.duration, full.rounds, full.quick), (5, 3, false));
+        let quick = knobs(&["bench", "--quick", "--duration", "7"]);
+        assert_eq!(quick.profile(), crate::results::Profile::Quick);
+        assert_eq!(quick.duration, 7, "set explicitly: kept");
+        assert_eq!(quick.rounds, 1);
+        assert_eq!(quick.scale_tenants, 100_000);
+        assert_eq!(quick.rollover_settle, 0);
     }
 }
