@@ -43,7 +43,8 @@ pub const SCENARIOS: &[&str] = &[
 /// Scenarios (BENCHMARKS.md says what each measures):
 ///   ceiling    1: EVALSHA decide.lua alone (1 and 16 in flight a connection) vs
 ///                 region-node checks over HTTP, same concurrency
-///   latency    2: p50/p99/p99.9 at 50% of the saturated rate (runs ceiling)
+///   latency    2: p50/p99/p99.9 at 25, 50, 75 and 90% of the saturated rate,
+///                 region-node's own histograms beside them (runs ceiling)
 ///   saturation 2b: open loop at 1.5x the saturated rate: fail-mode
 ///                 decisions, shed requests, caller latency, admission off/on
 ///   fast_path  3: decisions/s for a tenant the broadcast marked over its limit

@@ -583,6 +583,59 @@ mod tests {
     }
 
     #[test]
+    fn the_latency_section_renders_every_level_and_the_inside_figures() {
+        use crate::loadgen::Percentiles;
+        use crate::scenario::latency::{BucketQuantiles, Latency, Level, ServerSide};
+        let mut results = run_of(&["latency"]);
+        let summary = |rps: f64, p50: f64, p99: f64| Summary {
+            throughput_rps: rps,
+            latency_us: Some(Percentiles {
+                p50,
+                p99,
+                p99_9: p99 * 2.0,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let server = ServerSide {
+            decision: BucketQuantiles {
+                count: 1000,
+                p50_ms: Some(0.1),
+                p99_ms: Some(1.0),
+                p99_9_ms: None,
+            },
+            redis_call: BucketQuantiles {
+                count: 400,
+                p50_ms: Some(0.5),
+                p99_ms: Some(2.5),
+                p99_9_ms: Some(5.0),
+            },
+        };
+        let level = |fraction: f64| Level {
+            fraction,
+            rate: (20000.0 * fraction) as u64,
+            check: summary(20000.0 * fraction, 400.0, 3000.0),
+            evalsha: summary(20000.0 * fraction, 200.0, 1000.0),
+            server: Some(server.clone()),
+        };
+        results.latency = Some(Latency {
+            rate: 10000,
+            check: summary(10000.0, 400.0, 3000.0),
+            evalsha: summary(10000.0, 200.0, 1000.0),
+            server: Some(server.clone()),
+            levels: crate::scenario::latency::LEVELS.map(level).to_vec(),
+            ..Default::default()
+        });
+        let md = render(&results).unwrap();
+        assert!(
+            md.contains("| 75 % | 15000 | 0.4 / 3 / 6 | 0.2 / 1 / 2 | 0.1 / 1 | 0.5 / 2.5 |"),
+            "{md}"
+        );
+        assert!(md.contains("| a decision | 1000 | 0.1 | 1 | n/a |"), "{md}");
+        assert!(md.contains("**≤ 1 ms** vs ≤ 2.5 ms | — (reported;"), "{md}");
+    }
+
+    #[test]
     fn the_envoy_section_renders_its_rows_and_target() {
         let mut results = run_of(&["envoy"]);
         let row = |rps: f64, node: Option<f64>| crate::scenario::envoy::Row {

@@ -31,6 +31,8 @@ pub struct Latency {
     /// where it is made, which the two client-side runs above cannot give
     /// (they differ by a process and a TCP hop on 2 shared cores).
     pub server: Option<ServerSide>,
+    /// Every load level, 25 % to 90 % of the saturated rate.
+    pub levels: Vec<Level>,
 }
 
 /// Quantiles of a Prometheus histogram's increase over a run, each the
@@ -104,17 +106,34 @@ pub fn quantiles(before: &[(f64, f64)], after: &[(f64, f64)]) -> BucketQuantiles
     }
 }
 
-pub async fn run(
+/// The fractions of the saturated rate the scenario runs at; the one at
+/// 50 % also fills [`Latency`]'s own fields (its first rows, its
+/// differences), as before the other levels were added.
+pub const LEVELS: [f64; 4] = [0.25, 0.5, 0.75, 0.9];
+
+/// One load level: the check and the bare `EVALSHA` at the same open-loop
+/// rate, and region-node's histograms over the check.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Level {
+    /// Of the saturated rate (scenario 1's region-node throughput).
+    pub fraction: f64,
+    pub rate: u64,
+    pub check: Summary,
+    pub evalsha: Summary,
+    pub server: Option<ServerSide>,
+}
+
+async fn level(
     run: &Run,
     k: &Knobs,
+    fraction: f64,
     saturated: f64,
     solo: &RegionNode,
     eu: &Region,
-) -> anyhow::Result<Latency> {
-    let rate = (saturated / 2.0) as u64;
-    run.scenario(&format!(
-        "2/7 latency at 50% of saturation: {rate} req/s, open loop"
-    ));
+) -> anyhow::Result<Level> {
+    let rate = (saturated * fraction) as u64;
+    let pct = (fraction * 100.0).round() as u64;
     let seconds = k.duration * 3;
     let lat = strings([
         "--mode".to_string(),
@@ -140,7 +159,7 @@ pub async fn run(
         )
     };
     let before = hist(&metrics_text(&solo.http, &base).await);
-    let check = run.http("s2_check", &a).await?;
+    let check = run.http(&format!("s2_check_{pct}"), &a).await?;
     let after = hist(&metrics_text(&solo.http, &base).await);
     let server = (!after.0.is_empty()).then(|| ServerSide {
         decision: quantiles(&before.0, &after.0),
@@ -149,22 +168,52 @@ pub async fn run(
     let mut a = strings(["--redis-url".to_string(), eu.redis.url()]);
     a.extend(script_opts());
     a.extend(lat.iter().cloned());
-    let evalsha = run.redis("s2_evalsha", &a).await?;
+    let evalsha = run.redis(&format!("s2_evalsha_{pct}"), &a).await?;
+    Ok(Level {
+        fraction,
+        rate,
+        check,
+        evalsha,
+        server,
+    })
+}
+
+pub async fn run(
+    run: &Run,
+    k: &Knobs,
+    saturated: f64,
+    solo: &RegionNode,
+    eu: &Region,
+) -> anyhow::Result<Latency> {
+    run.scenario(&format!(
+        "2/7 latency at 25, 50, 75 and 90% of saturation ({saturated:.0} req/s), open loop"
+    ));
+    let mut levels = Vec::new();
+    for fraction in LEVELS {
+        levels.push(level(run, k, fraction, saturated, solo, eu).await?);
+    }
+    let half = levels
+        .iter()
+        .find(|l| l.fraction == 0.5)
+        .cloned()
+        .unwrap_or_default();
     let lat_of = |s: &Summary, f: fn(&crate::loadgen::Percentiles) -> f64| {
         s.latency_us.as_ref().map(f).unwrap_or(0.0)
     };
     let svc_p50 = |s: &Summary| s.service_us.as_ref().map(|p| p.p50).unwrap_or(0.0);
+    let (check, evalsha) = (&half.check, &half.evalsha);
     let l = Latency {
-        rate,
-        seconds,
+        rate: half.rate,
+        seconds: k.duration * 3,
         warmup: WARMUP,
-        added_p50_ms: (lat_of(&check, |p| p.p50) - lat_of(&evalsha, |p| p.p50)) / 1000.0,
-        added_p99_ms: (lat_of(&check, |p| p.p99) - lat_of(&evalsha, |p| p.p99)) / 1000.0,
-        added_p99_9_ms: (lat_of(&check, |p| p.p99_9) - lat_of(&evalsha, |p| p.p99_9)) / 1000.0,
-        added_service_p50_ms: (svc_p50(&check) - svc_p50(&evalsha)) / 1000.0,
-        server,
-        check,
-        evalsha,
+        added_p50_ms: (lat_of(check, |p| p.p50) - lat_of(evalsha, |p| p.p50)) / 1000.0,
+        added_p99_ms: (lat_of(check, |p| p.p99) - lat_of(evalsha, |p| p.p99)) / 1000.0,
+        added_p99_9_ms: (lat_of(check, |p| p.p99_9) - lat_of(evalsha, |p| p.p99_9)) / 1000.0,
+        added_service_p50_ms: (svc_p50(check) - svc_p50(evalsha)) / 1000.0,
+        server: half.server.clone(),
+        check: half.check.clone(),
+        evalsha: half.evalsha.clone(),
+        levels,
     };
     run.save("s2_latency", &l)?;
     Ok(l)
