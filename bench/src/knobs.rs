@@ -26,20 +26,25 @@ pub const SCENARIOS: &[&str] = &[
     "envoy",
 ];
 
-/// Every benchmark scenario of tierlimit on this machine, in one run, then
-/// BENCHMARKS.md rewritten from bench/BENCHMARKS.md.j2 with the figures and
-/// SVG charts in benchmarks/ beside it.
+/// Every benchmark scenario of tierlimit on this machine, in one run: its
+/// typed results go to benchmarks/results.json, and BENCHMARKS.md is
+/// rendered from that file and bench/BENCHMARKS.md.j2, SVG charts in
+/// benchmarks/. A partial run (--only, BENCH_ONLY) or a --quick one writes
+/// benchmarks/runs/DATE-NAMES.{json,md} instead and leaves BENCHMARKS.md
+/// alone.
 ///
 /// Run it through `scripts/bench` (which runs `scripts/setup --bench` and
 /// builds the release binaries first). It starts its own redis-servers,
 /// Tansu broker, aggregator, region-nodes and throttlecrab-server on
 /// loopback ports, drives them with `loadgen`, and
-/// stops everything when done. About 15 minutes on 2 cores.
+/// stops everything when done. Budget on 2 cores: 60 minutes for the full
+/// profile (plus the baseline's one-off build), 15 for --quick.
 ///
 /// Scenarios (BENCHMARKS.md says what each measures):
 ///   ceiling    1: EVALSHA decide.lua alone (1 and 16 in flight a connection) vs
 ///                 region-node checks over HTTP, same concurrency
-///   latency    2: p50/p99/p99.9 at 50% of the saturated rate (runs ceiling)
+///   latency    2: p50/p99/p99.9 at 25, 50, 75 and 90% of the saturated rate,
+///                 region-node's own histograms beside them (runs ceiling)
 ///   saturation 2b: open loop at 1.5x the saturated rate: fail-mode
 ///                 decisions, shed requests, caller latency, admission off/on
 ///   fast_path  3: decisions/s for a tenant the broadcast marked over its limit
@@ -148,9 +153,24 @@ pub struct Knobs {
     /// when the run fails.
     #[arg(long, env = "BENCH_KEEP", value_parser = clap::builder::FalseyValueParser::new())]
     pub keep: bool,
-    /// The Markdown file to write; the charts go to benchmarks/ beside it.
+    /// The Markdown file a full run rewrites; the charts go to benchmarks/
+    /// beside it.
     #[arg(long, env = "BENCH_OUT", default_value = "BENCHMARKS.md")]
     pub out: PathBuf,
+    /// The results file a full run rewrites (and `--render` reads); partial
+    /// runs write beside it, under runs/.
+    #[arg(long, env = "BENCH_RESULTS", default_value = "benchmarks/results.json")]
+    pub results: PathBuf,
+    /// Every scenario smaller (the quick profile, about a quarter of an
+    /// hour): shorter and fewer rounds, fewer tenants. Knobs set explicitly
+    /// keep their value. Its results go under runs/, never to
+    /// BENCHMARKS.md.
+    #[arg(long, env = "BENCH_QUICK", value_parser = clap::builder::FalseyValueParser::new())]
+    pub quick: bool,
+    /// No run: BENCHMARKS.md rendered again from the results file.
+    #[arg(long)]
+    #[serde(skip)]
+    pub render: bool,
     /// Render the report again from a kept run's directory (no run).
     #[arg(long, env = "BENCH_REPORT_FROM")]
     #[serde(skip)]
@@ -166,6 +186,70 @@ pub struct Knobs {
 pub const KAFKA_SIDE: &[&str] = &["fast_path", "kafka", "accuracy", "crossings", "scale"];
 
 impl Knobs {
+    /// The knobs from the command line and the environment, the quick
+    /// profile's sizes applied to every knob left at its default.
+    pub fn from_env() -> Knobs {
+        Knobs::from_matches(&<Knobs as clap::CommandFactory>::command().get_matches())
+    }
+
+    fn from_matches(matches: &clap::ArgMatches) -> Knobs {
+        use clap::FromArgMatches;
+        let mut k = Knobs::from_arg_matches(matches).unwrap_or_else(|e| e.exit());
+        if k.quick {
+            let default = |id: &str| {
+                matches.value_source(id) == Some(clap::parser::ValueSource::DefaultValue)
+            };
+            k.apply_quick(default);
+        }
+        k
+    }
+
+    /// The quick profile: each scenario a fraction of its full size, so
+    /// that every section still runs (and its figures land in the same
+    /// typed fields) within the quick budget. `default(id)`: whether knob
+    /// `id` was left at its default (only those shrink).
+    pub fn apply_quick(&mut self, default: impl Fn(&str) -> bool) {
+        let set = |id: &str, field: &mut u64, quick: u64| {
+            if default(id) {
+                *field = quick;
+            }
+        };
+        set("duration", &mut self.duration, 2);
+        set("rounds", &mut self.rounds, 1);
+        set("scale_tenants", &mut self.scale_tenants, 100_000);
+        set("r20_tenants", &mut self.r20_tenants, 20_000);
+        set("r20_rounds", &mut self.r20_rounds, 1);
+        set("acc_limit", &mut self.acc_limit, 30_000);
+        set("cross_tenants", &mut self.cross_tenants, 20);
+        set("rollover_tenants", &mut self.rollover_tenants, 20_000);
+        set(
+            "rollover_phase_a_seconds",
+            &mut self.rollover_phase_a_seconds,
+            45,
+        );
+        set(
+            "rollover_margin_seconds",
+            &mut self.rollover_margin_seconds,
+            30,
+        );
+        set(
+            "rollover_drain_seconds",
+            &mut self.rollover_drain_seconds,
+            180,
+        );
+        if default("rollover_settle") {
+            self.rollover_settle = 0;
+        }
+    }
+
+    pub fn profile(&self) -> crate::results::Profile {
+        if self.quick {
+            crate::results::Profile::Quick
+        } else {
+            crate::results::Profile::Full
+        }
+    }
+
     /// Whether scenario `name` runs.
     pub fn runs(&self, name: &str) -> bool {
         self.only.is_empty()
@@ -183,5 +267,27 @@ impl Knobs {
         }
         anyhow::ensure!(self.rounds >= 1, "BENCH_ROUNDS must be at least 1");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn knobs(args: &[&str]) -> Knobs {
+        let matches = <Knobs as clap::CommandFactory>::command().get_matches_from(args);
+        Knobs::from_matches(&matches)
+    }
+
+    #[test]
+    fn the_quick_profile_shrinks_only_the_knobs_left_at_their_default() {
+        let full = knobs(&["bench"]);
+        assert_eq!((full.duration, full.rounds, full.quick), (5, 3, false));
+        let quick = knobs(&["bench", "--quick", "--duration", "7"]);
+        assert_eq!(quick.profile(), crate::results::Profile::Quick);
+        assert_eq!(quick.duration, 7, "set explicitly: kept");
+        assert_eq!(quick.rounds, 1);
+        assert_eq!(quick.scale_tenants, 100_000);
+        assert_eq!(quick.rollover_settle, 0);
     }
 }

@@ -7,7 +7,9 @@
 //! | [`loadgen`] | loadgen's JSON summary, typed |
 //! | [`world`] | the main run's processes (Redis, region-nodes, Tansu, aggregator), its config, Redis and metrics readings |
 //! | [`scenario`] | one module per scenario, each returning a typed result |
-//! | [`report`] | BENCHMARKS.md from `bench/BENCHMARKS.md.j2`, the machine, the charts |
+//! | [`results`] | the results file: every run it holds, which run measured which section, recorded sections |
+//! | [`target`] | a figure against its bound: the summary's met / not met |
+//! | [`report`] | BENCHMARKS.md from the results file and `bench/BENCHMARKS.md.j2`, the machine, the charts |
 //! | [`chart`] | SVG line charts of named series (plotters) |
 //! | [`topic`] | what a Kafka topic carried between two sets of offsets |
 //!
@@ -18,20 +20,22 @@ mod chart;
 mod knobs;
 mod loadgen;
 mod report;
+mod results;
 mod run;
 mod scenario;
+mod target;
 mod topic;
 mod world;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
-use clap::Parser;
 
 use crate::knobs::{Knobs, KAFKA_SIDE};
 use crate::report::{Machine, Results};
+use crate::results::{Provenance, RunKind, RunRecord};
 use crate::run::Run;
 use crate::scenario::{
     accuracy, baseline, ceiling, cluster, crossings, envoy, fast_path, kafka, latency, leases,
@@ -40,7 +44,7 @@ use crate::scenario::{
 use crate::world::{start_node, Region};
 
 fn main() -> ExitCode {
-    let knobs = Knobs::parse();
+    let knobs = Knobs::from_env();
     match main_sync(knobs) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -84,17 +88,23 @@ fn preflight(k: &Knobs) -> anyhow::Result<()> {
 
 fn main_sync(knobs: Knobs) -> anyhow::Result<()> {
     knobs.validate()?;
+    if knobs.render {
+        let results = read_results(&knobs.results)?;
+        write_markdown(&results, &knobs.out)?;
+        eprintln!(
+            "bench: {} rendered from {}",
+            knobs.out.display(),
+            knobs.results.display()
+        );
+        return Ok(());
+    }
     if let Some(dir) = &knobs.report_from {
-        let path = dir.join("results").join("bench.json");
-        let text =
-            std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
-        let mut results: Results =
-            serde_json::from_str(&text).with_context(|| format!("parse {}", path.display()))?;
-        write_report(&mut results, &knobs.out)?;
+        let mut results = read_results(&dir.join("results").join("bench.json"))?;
+        let written = publish(&mut results, &knobs)?;
         eprintln!(
             "bench: report from {} written to {}",
             dir.display(),
-            knobs.out.display()
+            written.display()
         );
         return Ok(());
     }
@@ -154,14 +164,36 @@ impl Drop for TmpGuard {
 /// rollover).
 async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
     let run = Arc::new(Run::new(tmp.clone(), testkit::bin_path("loadgen"))?);
-    let run_date = report::utc(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_secs(),
-        false,
-    ) + " UTC";
-    let load_start = testkit::load_average();
-    let mut r = Results::new(run_date, k.clone(), Machine::describe(), load_start);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let run_date = report::utc(now, false) + " UTC";
+    let label = if k.only.is_empty() {
+        "all".to_string()
+    } else {
+        k.only.join("-")
+    };
+    let quick = if k.quick { "-quick" } else { "" };
+    let record = RunRecord {
+        id: format!(
+            "{}-{label}{quick}",
+            report::utc(now, false).replace([' ', ':'], "-")
+        ),
+        kind: Some(if k.only.is_empty() {
+            RunKind::Full
+        } else {
+            RunKind::Partial
+        }),
+        profile: k.profile(),
+        started: Some(run_date),
+        invocation: invocation(),
+        only: k.only.clone(),
+        machine: Some(Machine::describe()),
+        load_before: Some(testkit::load_average()),
+        knobs: Some(k.clone()),
+        ..Default::default()
+    };
+    let mut r = Results::new(record);
     let kafka_side = KAFKA_SIDE.iter().any(|s| k.runs(s));
     if k.runs("ceiling") || kafka_side {
         run.say(&format!("starting redis-servers (in {})", tmp.display()));
@@ -194,8 +226,12 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
             if k.runs("latency") {
                 r.latency = Some(latency::run(&run, &k, c.node.throughput_rps, &solo, &eu).await?);
             }
+            r.peer = peer.map(|mut p| {
+                p.region_node = Some(c.node.clone());
+                (p.connections, p.tenants, p.duration) = (c.connections, c.tenants, c.duration);
+                p
+            });
             r.ceiling = Some(c);
-            r.peer = peer;
         }
 
         if kafka_side {
@@ -208,7 +244,9 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
             scenario::drained(&eu.conn, "the dirty set of runs 1-2 to drain", 120).await;
             if k.runs("fast_path") {
                 let redis_path = r.ceiling.as_ref().map(|c| c.node.throughput_rps);
-                r.fast_path = Some(fast_path::run(&run, &k, &node, redis_path).await?);
+                let mut f = fast_path::run(&run, &k, &node, redis_path).await?;
+                f.redis_path = r.ceiling.as_ref().map(|c| c.node.clone());
+                r.fast_path = Some(f);
             }
             if k.runs("kafka") {
                 r.kafka = Some(kafka::run(&run, &node, &eu.conn).await?);
@@ -237,12 +275,12 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
             if k.runs("scale") {
                 r.scale = Some(scale::run(&run, &k, &node, &agg, &eu.conn).await?);
             }
-            r.config = std::fs::read_to_string(&cfg).ok();
+            r.provenance.runs[0].config = std::fs::read_to_string(&cfg).ok();
             drop(node);
             drop(agg);
             drop(tansu);
         } else {
-            r.config = std::fs::read_to_string(&cfg).ok();
+            r.provenance.runs[0].config = std::fs::read_to_string(&cfg).ok();
         }
         drop((eu, us, ap));
     }
@@ -324,30 +362,230 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
         }
     }
 
-    run.say(&format!("writing {}", k.out.display()));
     run.mark_load("end".into());
-    r.loads = run.loads();
-    r.elapsed_s = run.started.elapsed().as_secs();
-    r.commands = run.commands();
+    {
+        let rec = &mut r.provenance.runs[0];
+        rec.loads = run.loads();
+        rec.load_after = Some(testkit::load_average());
+        rec.elapsed_s = Some(run.started.elapsed().as_secs());
+        rec.commands = Some(run.commands());
+    }
+    let id = r.provenance.runs[0].id.clone();
+    r.attribute_to(&id);
     run.save("bench", &r)?;
-    write_report(&mut r, &k.out)?;
+    let written = publish(&mut r, &k)?;
     run.save("bench", &r)?;
-    run.say(&format!("done in {}s: {}", r.elapsed_s, k.out.display()));
+    run.say(&format!(
+        "done in {}s: {}",
+        run.started.elapsed().as_secs(),
+        written.display()
+    ));
     Ok(keep)
 }
 
-/// Charts into `benchmarks/` beside `out`, then `out` itself (written to a
-/// temporary file first, so a failed render leaves the old one).
-fn write_report(r: &mut Results, out: &std::path::Path) -> anyhow::Result<()> {
-    let dir = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
-    r.charts.clear();
-    report::charts(r, &dir.join("benchmarks"))?;
+/// How this run was started, as a user would type it: the `BENCH_*` and
+/// `ROLLOVER_*` variables set, then the arguments (`--bin-dir`, which
+/// `scripts/bench` adds, left out).
+fn invocation() -> String {
+    let mut words: Vec<String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("BENCH_") || k.starts_with("ROLLOVER_"))
+        .map(|(k, v)| format!("{k}={}", run::shell_quote(&v)))
+        .collect();
+    words.sort();
+    words.push("scripts/bench".into());
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "--bin-dir" {
+            args.next();
+        } else if !a.starts_with("--bin-dir=") {
+            words.push(run::shell_quote(&a));
+        }
+    }
+    words.join(" ")
+}
+
+/// Reads a results file (a full run's, or a kept run's `bench.json`).
+fn read_results(path: &Path) -> anyhow::Result<Results> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parse {}", path.display()))
+}
+
+/// Writes `value` as pretty JSON, through a temporary file so that a
+/// failed write leaves the old file.
+fn write_json(path: &Path, value: &Results) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    }
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(value)? + "\n")
+        .with_context(|| format!("write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("rename to {}", path.display()))
+}
+
+/// Where a run's results go, and the report with them: a full run (every
+/// scenario, full profile) replaces the results file and BENCHMARKS.md,
+/// keeping the sections recorded outside the runner (still marked with
+/// their own runs); any other run writes `runs/ID.json` and `runs/ID.md`
+/// beside the results file and touches nothing else. Returns the Markdown
+/// file written.
+fn publish(r: &mut Results, k: &Knobs) -> anyhow::Result<PathBuf> {
+    let full = matches!(r.provenance.runs.as_slice(),
+        [one] if one.kind == Some(RunKind::Full) && one.profile == results::Profile::Full);
+    if full {
+        if let Ok(old) = read_results(&k.results) {
+            carry_recorded(&mut r.provenance, &old.provenance);
+        }
+        let dir = k
+            .out
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        r.charts.clear();
+        report::charts(r, &dir.join("benchmarks"))?;
+        write_json(&k.results, r)?;
+        write_markdown(r, &k.out)?;
+        Ok(k.out.clone())
+    } else {
+        let dir = k.results.parent().unwrap_or(Path::new(".")).join("runs");
+        let id = r
+            .provenance
+            .runs
+            .first()
+            .map_or("run".to_string(), |run| run.id.clone());
+        // No charts: they would replace the full run's.
+        r.charts.clear();
+        write_json(&dir.join(format!("{id}.json")), r)?;
+        let md = dir.join(format!("{id}.md"));
+        write_markdown(r, &md)?;
+        Ok(md)
+    }
+}
+
+/// The sections recorded outside the runner, and the runs they name,
+/// carried from the previous results file into a full run's: the runner
+/// cannot measure them again, and dropping them would lose their figures.
+fn carry_recorded(into: &mut Provenance, old: &Provenance) {
+    let named: std::collections::BTreeSet<&str> = old
+        .recorded
+        .iter()
+        .map(|r| r.source.run.as_str())
+        .chain(old.recorded_rows.iter().map(|r| r.source.run.as_str()))
+        .collect();
+    for run in &old.runs {
+        if named.contains(run.id.as_str()) && into.run(&run.id).is_none() {
+            into.runs.push(run.clone());
+        }
+    }
+    into.recorded = old.recorded.clone();
+    into.recorded_rows = old.recorded_rows.clone();
+}
+
+/// `out` rendered from `r` (written to a temporary file first, so a failed
+/// render leaves the old one).
+fn write_markdown(r: &Results, out: &Path) -> anyhow::Result<()> {
     let md = report::render(r)?;
     let tmp = out.with_extension("md.tmp");
     std::fs::write(&tmp, md).with_context(|| format!("write {}", tmp.display()))?;
     std::fs::rename(&tmp, out).with_context(|| format!("rename to {}", out.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::results::{Profile, Recorded, Source};
+
+    fn knobs(dir: &Path, only: &[&str]) -> Knobs {
+        let mut args = vec!["bench".to_string()];
+        if !only.is_empty() {
+            args.extend(["--only".to_string(), only.join(",")]);
+        }
+        let mut k = <Knobs as clap::Parser>::parse_from(args);
+        k.out = dir.join("BENCHMARKS.md");
+        k.results = dir.join("benchmarks").join("results.json");
+        k
+    }
+
+    fn run_of(id: &str, k: &Knobs) -> Results {
+        let mut r = Results::new(RunRecord {
+            id: id.into(),
+            kind: Some(if k.only.is_empty() {
+                RunKind::Full
+            } else {
+                RunKind::Partial
+            }),
+            profile: k.profile(),
+            started: Some("2026-11-27 16:00 UTC".into()),
+            elapsed_s: Some(60),
+            only: k.only.clone(),
+            machine: Some(Machine::default()),
+            ..Default::default()
+        });
+        r.attribute_to(id);
+        r
+    }
+
+    #[test]
+    fn a_partial_run_writes_its_own_files_and_leaves_benchmarks_md_alone() {
+        let dir = testkit::tempfile::tempdir().unwrap();
+        let k = knobs(dir.path(), &["leases"]);
+        let mut r = run_of("2026-11-27-16-00-leases", &k);
+        let written = publish(&mut r, &k).unwrap();
+        let runs = dir.path().join("benchmarks").join("runs");
+        assert_eq!(written, runs.join("2026-11-27-16-00-leases.md"));
+        assert!(runs.join("2026-11-27-16-00-leases.json").exists());
+        assert!(!k.out.exists() && !k.results.exists());
+    }
+
+    #[test]
+    fn a_quick_run_of_everything_is_a_partial_one_too() {
+        let dir = testkit::tempfile::tempdir().unwrap();
+        let mut k = knobs(dir.path(), &[]);
+        k.quick = true;
+        assert_eq!(k.profile(), Profile::Quick);
+        let mut r = run_of("2026-11-27-16-00-all-quick", &k);
+        publish(&mut r, &k).unwrap();
+        assert!(!k.out.exists() && !k.results.exists());
+        let md = std::fs::read_to_string(
+            dir.path()
+                .join("benchmarks/runs/2026-11-27-16-00-all-quick.md"),
+        )
+        .unwrap();
+        assert!(md.contains("the quick profile"), "{md}");
+        assert!(md.contains("(budget ≤ 900 s: met)"), "{md}");
+    }
+
+    #[test]
+    fn a_full_run_rewrites_both_files_and_keeps_the_recorded_sections() {
+        let dir = testkit::tempfile::tempdir().unwrap();
+        let k = knobs(dir.path(), &[]);
+        let mut old = run_of("old-partial", &knobs(dir.path(), &["envoy"]));
+        old.provenance.runs.push(RunRecord {
+            id: "by-hand".into(),
+            kind: Some(RunKind::Manual),
+            ..Default::default()
+        });
+        old.provenance.recorded.push(Recorded {
+            slot: "view".into(),
+            source: Source {
+                run: "by-hand".into(),
+                note: None,
+            },
+            body: "A table measured by hand.".into(),
+        });
+        write_json(&k.results, &old).unwrap();
+        let mut r = run_of("2026-11-27-16-00-all", &k);
+        publish(&mut r, &k).unwrap();
+        let new: Results = read_results(&k.results).unwrap();
+        let ids: Vec<&str> = new.provenance.runs.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["2026-11-27-16-00-all", "by-hand"]);
+        let md = std::fs::read_to_string(&k.out).unwrap();
+        assert!(
+            md.contains("Figures from one run of `scripts/bench`"),
+            "{md}"
+        );
+        assert!(md.contains("A table measured by hand."), "{md}");
+        assert!(md.contains("from run `by-hand`"), "{md}");
+        assert_eq!(md, report::render(&new).unwrap());
+    }
 }

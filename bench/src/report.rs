@@ -11,8 +11,8 @@ use minijinja::{Environment, UndefinedBehavior};
 use serde::{Deserialize, Serialize};
 
 use crate::chart::{line_chart, Chart, Series};
-use crate::knobs::Knobs;
 use crate::loadgen::Summary;
+use crate::results::{Provenance, RunRecord, Source, SCHEMA};
 use crate::scenario::{
     accuracy::Accuracy, ceiling::Ceiling, crossings::Crossings, fast_path::FastPath, kafka::Kafka,
     latency::Latency, peer::Peer, rollover::Rollover, saturation::Saturation, scale::Scale,
@@ -21,17 +21,16 @@ use crate::scenario::{
 /// The template, compiled in (scripts/bench rebuilds the runner first).
 pub const TEMPLATE: &str = include_str!("../BENCHMARKS.md.j2");
 
-/// Everything a run measured, as written to `$TMP/results/bench.json` and
-/// rendered into BENCHMARKS.md. A scenario that did not run is `None`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// Everything the report shows, as written to the results file
+/// (`benchmarks/results.json` for a full run, `benchmarks/runs/…json` for
+/// a partial one) and rendered into BENCHMARKS.md. A scenario that did not
+/// run is `None`; [`Provenance`] says which run measured each one.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Results {
-    pub run_date: String,
-    pub elapsed_s: u64,
-    pub knobs: Knobs,
-    pub machine: Machine,
-    pub load_start: String,
-    /// (scenario, 1-min load average as it started), then ("end", …).
-    pub loads: Vec<(String, String)>,
+    /// [`crate::results::SCHEMA`] when written.
+    pub schema: u32,
+    #[serde(flatten)]
+    pub provenance: Provenance,
     pub ceiling: Option<Ceiling>,
     pub latency: Option<Latency>,
     #[serde(default)]
@@ -53,43 +52,60 @@ pub struct Results {
     pub baseline: Option<crate::scenario::baseline::BaselineBench>,
     #[serde(default)]
     pub envoy: Option<crate::scenario::envoy::EnvoyBench>,
-    pub commands: Vec<String>,
-    /// The main run's configuration file.
-    pub config: Option<String>,
     /// Charts written beside the report (name → relative path).
     #[serde(default)]
     pub charts: std::collections::BTreeMap<String, String>,
 }
 
 impl Results {
-    /// A run that has measured nothing yet.
-    pub fn new(run_date: String, knobs: Knobs, machine: Machine, load_start: String) -> Results {
+    /// A run that has measured nothing yet: one [`RunRecord`], which every
+    /// section the run fills in will name.
+    pub fn new(run: RunRecord) -> Results {
         Results {
-            run_date,
-            elapsed_s: 0,
-            knobs,
-            machine,
-            load_start,
-            loads: Vec::new(),
-            ceiling: None,
-            latency: None,
-            saturation: None,
-            fast_path: None,
-            kafka: None,
-            accuracy: None,
-            crossings: None,
-            scale: None,
-            regions20: None,
-            rollover: None,
-            rollover_error: None,
-            peer: None,
-            cluster: None,
-            leases: None,
-            baseline: None,
-            envoy: None,
-            commands: Vec::new(),
-            config: None,
-            charts: Default::default(),
+            schema: SCHEMA,
+            provenance: Provenance {
+                runs: vec![run],
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// The names of the scenarios this file holds figures of.
+    pub fn present(&self) -> Vec<&'static str> {
+        let has = [
+            ("ceiling", self.ceiling.is_some()),
+            ("latency", self.latency.is_some()),
+            ("saturation", self.saturation.is_some()),
+            ("fast_path", self.fast_path.is_some()),
+            ("kafka", self.kafka.is_some()),
+            ("accuracy", self.accuracy.is_some()),
+            ("crossings", self.crossings.is_some()),
+            ("scale", self.scale.is_some()),
+            ("regions20", self.regions20.is_some()),
+            (
+                "rollover",
+                self.rollover.is_some() || self.rollover_error.is_some(),
+            ),
+            ("peer", self.peer.is_some()),
+            ("cluster", self.cluster.is_some()),
+            ("leases", self.leases.is_some()),
+            ("baseline", self.baseline.is_some()),
+            ("envoy", self.envoy.is_some()),
+        ];
+        has.iter().filter(|(_, h)| *h).map(|(n, _)| *n).collect()
+    }
+
+    /// Every section that holds figures names run `id` (a run just made).
+    pub fn attribute_to(&mut self, id: &str) {
+        for name in self.present() {
+            self.provenance.sources.insert(
+                name.to_string(),
+                Source {
+                    run: id.to_string(),
+                    note: None,
+                },
+            );
         }
     }
 }
@@ -252,12 +268,89 @@ pub fn environment() -> Environment<'static> {
     env
 }
 
-/// Renders the report.
+/// A section's source as the template sees it: the run itself, and the
+/// note.
+#[derive(Serialize)]
+struct SectionSource<'a> {
+    run: &'a RunRecord,
+    note: &'a Option<String>,
+}
+
+fn section_source<'a>(p: &'a Provenance, s: &'a Source) -> Option<SectionSource<'a>> {
+    Some(SectionSource {
+        run: p.run(&s.run)?,
+        note: &s.note,
+    })
+}
+
+/// Renders the report: the results, plus what the generator computes from
+/// them (every target's verdict, each section's run).
 pub fn render(results: &Results) -> anyhow::Result<String> {
+    if results.schema != SCHEMA {
+        return Err(crate::results::ProvenanceError::Schema {
+            found: results.schema,
+        }
+        .into());
+    }
+    results.provenance.check()?;
+    let p = &results.provenance;
+    let src = |s| section_source(p, s);
+    let sources: std::collections::BTreeMap<&str, SectionSource> = p
+        .sources
+        .iter()
+        .filter_map(|(name, s)| Some((name.as_str(), src(s)?)))
+        .collect();
+    let recorded: Vec<_> = p
+        .recorded
+        .iter()
+        .filter_map(|r| {
+            Some(minijinja::context! {
+                slot => r.slot,
+                body => r.body,
+                source => Value::from_serialize(src(&r.source)?),
+            })
+        })
+        .collect();
+    let recorded_rows: Vec<_> = p
+        .recorded_rows
+        .iter()
+        .filter_map(|r| {
+            let judged = r.target.clone().map(crate::target::Judged::from);
+            let figure = r.figure().map(num).unwrap_or_else(|| "n/a".into());
+            Some(minijinja::context! {
+                section => r.section,
+                what => r.what,
+                result => r.result.replace("{}", &figure),
+                target => Value::from_serialize(&judged),
+                target_text => r.target_text,
+                source => Value::from_serialize(src(&r.source)?),
+            })
+        })
+        .collect();
+    // The run that measured every typed section, when there is one: runs
+    // of hand measurements carried along with their recorded sections do
+    // not make a full run's report a merge.
+    let bench_runs: Vec<&RunRecord> = p
+        .runs
+        .iter()
+        .filter(|r| r.kind != Some(crate::results::RunKind::Manual))
+        .collect();
+    let only_run = match bench_runs.as_slice() {
+        [one] => Some(*one),
+        _ => None,
+    };
     let env = environment();
     let tmpl = env.get_template("BENCHMARKS.md")?;
-    tmpl.render(Value::from_serialize(results))
-        .context("rendering bench/BENCHMARKS.md.j2")
+    let ctx = minijinja::context! {
+        t => Value::from_serialize(crate::target::of(results)),
+        src => Value::from_serialize(&sources),
+        recorded_slots => p.recorded.iter().map(|r| r.slot.as_str()).collect::<Vec<_>>(),
+        recorded => recorded,
+        recorded_rows => recorded_rows,
+        only_run => Value::from_serialize(only_run),
+        ..Value::from_serialize(results)
+    };
+    tmpl.render(ctx).context("rendering bench/BENCHMARKS.md.j2")
 }
 
 /// Writes the charts into `dir` (`benchmarks/` beside the report) and
@@ -368,28 +461,94 @@ mod tests {
         assert_eq!(utc_iso(1_795_305_600), "2026-11-22T00:00:00Z");
     }
 
+    /// A run of `only` that has measured nothing yet.
+    fn run_of(only: &[&str]) -> Results {
+        let mut args = vec!["bench"];
+        if !only.is_empty() {
+            args.push("--only");
+        }
+        let joined = only.join(",");
+        if !only.is_empty() {
+            args.push(&joined);
+        }
+        let knobs = <crate::knobs::Knobs as clap::Parser>::parse_from(args);
+        Results::new(RunRecord {
+            id: "r".into(),
+            kind: Some(if only.is_empty() {
+                crate::results::RunKind::Full
+            } else {
+                crate::results::RunKind::Partial
+            }),
+            started: Some("2026-11-21 15:25 UTC".into()),
+            only: knobs.only.clone(),
+            machine: Some(Machine::default()),
+            load_before: Some("1 1 1".into()),
+            knobs: Some(knobs),
+            ..Default::default()
+        })
+    }
+
+    /// The committed BENCHMARKS.md is exactly what the generator makes from
+    /// the committed results file: a hand edit of either, or a template
+    /// change without `scripts/bench --render`, fails here, in the test
+    /// command, not in a reader's hands.
+    #[test]
+    fn the_committed_benchmarks_md_is_the_generators_output() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let read = |name: &str| {
+            std::fs::read_to_string(root.join(name)).unwrap_or_else(|e| panic!("read {name}: {e}"))
+        };
+        let results: Results = serde_json::from_str(&read("benchmarks/results.json"))
+            .expect("benchmarks/results.json parses as the runner's results");
+        let rendered = render(&results).expect("benchmarks/results.json renders");
+        let committed = read("BENCHMARKS.md");
+        if rendered != committed {
+            let line = rendered
+                .lines()
+                .zip(committed.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or_else(|| rendered.lines().count().min(committed.lines().count()));
+            panic!(
+                "BENCHMARKS.md is not the generator's output from benchmarks/results.json \
+                 (first difference at line {}: generated {:?}, committed {:?}); \
+                 run `scripts/bench --render`",
+                line + 1,
+                rendered.lines().nth(line).unwrap_or("<end>"),
+                committed.lines().nth(line).unwrap_or("<end>"),
+            );
+        }
+    }
+
+    /// Every section of a results file names a run it lists, so that no
+    /// figure is printed without its date and machine.
+    #[test]
+    fn a_section_naming_an_unlisted_run_is_refused() {
+        let mut results = run_of(&["envoy"]);
+        results.provenance.sources.insert(
+            "envoy".into(),
+            Source {
+                run: "elsewhere".into(),
+                note: None,
+            },
+        );
+        let err = render(&results).unwrap_err();
+        assert!(err.to_string().contains("elsewhere"), "{err}");
+    }
+
     #[test]
     fn the_template_renders_an_empty_run() {
-        let results = Results::new(
-            "2026-11-21 15:25 UTC".into(),
-            <Knobs as clap::Parser>::parse_from(["bench"]),
-            Machine::default(),
-            "1 1 1".into(),
-        );
+        let results = run_of(&[]);
         let md = render(&results).unwrap();
         assert!(md.starts_with("# Benchmarks\n"));
-        assert!(md.contains("## Hot path: profile and changes"));
+        assert!(md.contains("## Commands"), "{md}");
+        // No recorded section: no heading left empty.
+        assert!(!md.contains("## Hot path"), "{md}");
     }
 
     #[test]
     fn the_regions20_section_renders_its_targets() {
         use crate::scenario::regions20::{Reading, Regions20};
-        let mut results = Results::new(
-            "2026-11-26 04:00 UTC".into(),
-            <Knobs as clap::Parser>::parse_from(["bench", "--only", "regions20"]),
-            Machine::default(),
-            "1 1 1".into(),
-        );
+        let mut results = run_of(&["regions20"]);
         let reading = |node_mib: u64, agg_mib: u64, at_s: u64| Reading {
             at_s,
             node_rss_kib: node_mib * 1024,
@@ -424,13 +583,61 @@ mod tests {
     }
 
     #[test]
-    fn the_envoy_section_renders_its_rows_and_target() {
-        let mut results = Results::new(
-            "2026-11-21 15:25 UTC".into(),
-            <Knobs as clap::Parser>::parse_from(["bench", "--only", "envoy"]),
-            Machine::default(),
-            "1 1 1".into(),
+    fn the_latency_section_renders_every_level_and_the_inside_figures() {
+        use crate::loadgen::Percentiles;
+        use crate::scenario::latency::{BucketQuantiles, Latency, Level, ServerSide};
+        let mut results = run_of(&["latency"]);
+        let summary = |rps: f64, p50: f64, p99: f64| Summary {
+            throughput_rps: rps,
+            latency_us: Some(Percentiles {
+                p50,
+                p99,
+                p99_9: p99 * 2.0,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let server = ServerSide {
+            decision: BucketQuantiles {
+                count: 1000,
+                p50_ms: Some(0.1),
+                p99_ms: Some(1.0),
+                p99_9_ms: None,
+            },
+            redis_call: BucketQuantiles {
+                count: 400,
+                p50_ms: Some(0.5),
+                p99_ms: Some(2.5),
+                p99_9_ms: Some(5.0),
+            },
+        };
+        let level = |fraction: f64| Level {
+            fraction,
+            rate: (20000.0 * fraction) as u64,
+            check: summary(20000.0 * fraction, 400.0, 3000.0),
+            evalsha: summary(20000.0 * fraction, 200.0, 1000.0),
+            server: Some(server.clone()),
+        };
+        results.latency = Some(Latency {
+            rate: 10000,
+            check: summary(10000.0, 400.0, 3000.0),
+            evalsha: summary(10000.0, 200.0, 1000.0),
+            server: Some(server.clone()),
+            levels: crate::scenario::latency::LEVELS.map(level).to_vec(),
+            ..Default::default()
+        });
+        let md = render(&results).unwrap();
+        assert!(
+            md.contains("| 75 % | 15000 | 0.4 / 3 / 6 | 0.2 / 1 / 2 | 0.1 / 1 | 0.5 / 2.5 |"),
+            "{md}"
         );
+        assert!(md.contains("| a decision | 1000 | 0.1 | 1 | n/a |"), "{md}");
+        assert!(md.contains("**≤ 1 ms** vs ≤ 2.5 ms | — (reported;"), "{md}");
+    }
+
+    #[test]
+    fn the_envoy_section_renders_its_rows_and_target() {
+        let mut results = run_of(&["envoy"]);
         let row = |rps: f64, node: Option<f64>| crate::scenario::envoy::Row {
             rps,
             p50_ms: 1.5,
@@ -460,7 +667,7 @@ mod tests {
         assert!(md.contains("| Envoy + RLS over gRPC | 12000 | 1.50 | 4.00 | 30.0 | 30.0 | 40.0 |"));
         assert!(md.contains("| Envoy, no filter (ceiling) | 30000 |"));
         assert!(
-            md.contains("**0.83×** (30.0 vs 36.0 µs) | ≤ 1.0× | met |"),
+            md.contains("**0.83×** (30.0 vs 36.0 µs) | ≤ 1× | met |"),
             "{md}"
         );
     }

@@ -92,6 +92,49 @@ impl Run {
         self.record(line);
     }
 
+    /// Records a process just spawned through testkit: its argv as testkit
+    /// spawned it (the header testkit writes at the top of the process's
+    /// log), the environment it was given beyond the runner's own
+    /// (`/proc/PID/environ`), and its working directory when not the
+    /// runner's. So the list is what ran, not what a hand-written line says
+    /// ran (those had drifted: region-node's `--admin-listen` was missing).
+    /// A trailing `&`: a background server.
+    pub fn record_spawned(&self, proc: &Proc) {
+        let argv = harness_argv(&proc.log());
+        match spawned_line(proc.pid(), argv) {
+            Some(line) => self.record(line + " &"),
+            None => self.record(format!(
+                "# pid {} exited before its command line was read",
+                proc.pid()
+            )),
+        }
+    }
+
+    /// [`Run::record_spawned`] for a process testkit does not hand out
+    /// (a cluster's nodes): its argv from `/proc/PID/cmdline`, which
+    /// redis-server overwrites with its title; then the title is recorded
+    /// as a comment, not as a command.
+    pub fn record_spawned_pid(&self, pid: u32) {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let words: Vec<&[u8]> = cmdline
+            .split(|b| *b == 0)
+            .filter(|w| !w.is_empty())
+            .collect();
+        if let [title] = words.as_slice() {
+            if title.contains(&b' ') {
+                let title = String::from_utf8_lossy(title);
+                self.record(format!("# pid {pid}, which retitled itself: {title}"));
+                return;
+            }
+        }
+        match spawned_line(pid, None) {
+            Some(line) => self.record(line + " &"),
+            None => self.record(format!(
+                "# pid {pid} exited before its command line was read"
+            )),
+        }
+    }
+
     pub fn commands(&self) -> Vec<String> {
         self.commands.lock().unwrap().clone()
     }
@@ -204,6 +247,97 @@ pub fn version_of(program: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
+/// The argv of the last `===== harness: starting LABEL: "PROGRAM" ["ARG", …]`
+/// line of a testkit log (Rust's `Debug` of each string), `None` without
+/// one.
+fn harness_argv(log: &str) -> Option<Vec<String>> {
+    let line = log
+        .lines()
+        .rfind(|l| l.starts_with("===== harness: starting "))?;
+    let rest = &line[line.find('"')?..];
+    let mut words = Vec::new();
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        if c != '"' {
+            continue;
+        }
+        let mut word = String::new();
+        loop {
+            match chars.next()? {
+                '"' => break,
+                '\\' => match chars.next()? {
+                    'n' => word.push('\n'),
+                    't' => word.push('\t'),
+                    'r' => word.push('\r'),
+                    '0' => word.push('\0'),
+                    'u' => {
+                        let hex: String =
+                            chars.by_ref().skip(1).take_while(|c| *c != '}').collect();
+                        word.push(char::from_u32(u32::from_str_radix(&hex, 16).ok()?)?);
+                    }
+                    other => word.push(other),
+                },
+                other => word.push(other),
+            }
+        }
+        words.push(word);
+    }
+    (!words.is_empty()).then_some(words)
+}
+
+/// `[cd DIR;] [env K=V…] PROGRAM ARGS…` of a running process: `argv`, or
+/// its `/proc/PID/cmdline` (`None` once it is gone).
+fn spawned_line(pid: u32, argv: Option<Vec<String>>) -> Option<String> {
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    let split = |bytes: Vec<u8>| -> Vec<String> {
+        bytes
+            .split(|b| *b == 0)
+            .filter(|w| !w.is_empty())
+            .map(|w| String::from_utf8_lossy(w).into_owned())
+            .collect()
+    };
+    let argv = match argv {
+        Some(a) => a,
+        None => split(std::fs::read(proc_dir.join("cmdline")).ok()?),
+    };
+    if argv.is_empty() {
+        return None;
+    }
+    let own: std::collections::BTreeMap<String, String> = std::env::vars().collect();
+    let mut env: Vec<String> = split(std::fs::read(proc_dir.join("environ")).unwrap_or_default())
+        .into_iter()
+        .filter(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            own.get(k).map(String::as_str) != Some(v)
+        })
+        .collect();
+    env.sort();
+    let mut line = String::new();
+    if let (Ok(cwd), Ok(here)) = (
+        std::fs::read_link(proc_dir.join("cwd")),
+        std::env::current_dir(),
+    ) {
+        if cwd != here {
+            line.push_str(&format!("cd {}; ", shell_quote(&cwd.display().to_string())));
+        }
+    }
+    if !env.is_empty() {
+        line.push_str("env ");
+        for kv in &env {
+            line.push_str(&shell_quote(kv));
+            line.push(' ');
+        }
+    }
+    line.push_str(
+        &argv
+            .iter()
+            .map(|a| shell_quote(a))
+            .collect::<Vec<_>>()
+            .join(" "),
+    );
+    Some(line)
+}
+
 /// One argument quoted for a POSIX shell, only when it needs it.
 pub fn shell_quote(arg: &str) -> String {
     let plain = !arg.is_empty()
@@ -234,4 +368,21 @@ pub fn secs(since: Instant) -> u64 {
 /// Nearest-integer formatting as `printf %g` would for short values.
 pub fn g(x: f64) -> String {
     crate::report::num(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_argv_is_read_from_the_last_harness_header() {
+        let log = "===== harness: starting redis: \"redis-server\" [\"--port\", \"1\"]\n\
+                   some output\n\
+                   ===== harness: starting redis: \"redis-server\" [\"--save\", \"\", \"--dir\", \"/tmp/a \\\"b\\\"\"]\n";
+        assert_eq!(
+            harness_argv(log).unwrap(),
+            ["redis-server", "--save", "", "--dir", "/tmp/a \"b\""]
+        );
+        assert_eq!(harness_argv("no header"), None);
+    }
 }

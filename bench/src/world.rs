@@ -174,11 +174,7 @@ pub struct Region {
 impl Region {
     pub async fn start(run: &Run) -> anyhow::Result<Region> {
         let redis = Redis::start();
-        run.record(format!(
-            "redis-server --port {} --bind 127.0.0.1 --protected-mode no --save '' --appendonly no --dir {} &",
-            redis.port(),
-            redis.dir().display()
-        ));
+        run.record_spawned(&redis.proc);
         let conn = RedisConn::open(&redis.url()).await?;
         Ok(Region { redis, conn })
     }
@@ -241,13 +237,7 @@ pub async fn start_node(
     let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn"), BENCH_OPEN_SCOPES];
     all.extend_from_slice(env);
     let node = RegionNode::start_with_env(config, region, node_id, &all).await;
-    let envs: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
-    run.record(format!(
-        "env {envs}RUST_LOG=warn {} --config {} --region {region} --node-id {node_id} --listen 127.0.0.1:{} &",
-        testkit::bin_path("region-node").display(),
-        config.display(),
-        node.port()
-    ));
+    run.record_spawned(&node.proc);
     if ready != "/healthz" {
         wait_ok(
             &node.http,
@@ -265,12 +255,7 @@ pub async fn start_aggregator(run: &Run, config: &Path, env: &[(&str, &str)]) ->
     let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn")];
     all.extend_from_slice(env);
     let agg = Aggregator::start_with_env(config, &all).await;
-    run.record(format!(
-        "RUST_LOG=warn {} --config {} --listen 127.0.0.1:{} &",
-        testkit::bin_path("aggregator").display(),
-        config.display(),
-        agg.port()
-    ));
+    run.record_spawned(&agg.proc);
     wait_ok(
         &agg.http,
         "the aggregator ready on /readyz",
@@ -284,11 +269,7 @@ pub async fn start_aggregator(run: &Run, config: &Path, env: &[(&str, &str)]) ->
 /// A Tansu broker (recorded) with the two compacted topics of 8 partitions.
 pub async fn start_tansu(run: &Run) -> Tansu {
     let tansu = Tansu::start();
-    run.record(format!(
-        "cd $TANSU_DIR; RUST_LOG=warn {} broker --kafka-cluster-id tierlimit-test --listener-url tcp://{b} --advertised-listener-url tcp://{b} --storage-engine sqlite://tansu.db &",
-        testkit::tansu_bin().display(),
-        b = tansu.brokers()
-    ));
+    run.record_spawned(&tansu.proc);
     run.record(format!(
         "# topics tierlimit.deltas and tierlimit.global created on {} with 8 partitions, cleanup.policy=compact",
         tansu.brokers()

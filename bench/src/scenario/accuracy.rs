@@ -15,6 +15,7 @@ use crate::run::{strings, Run};
 use crate::world::metric;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Accuracy {
     pub limit: u64,
     pub rate: u64,
@@ -29,6 +30,7 @@ pub struct Accuracy {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct DeltaAge {
     pub deltas: u64,
     /// Mean publish → merge age of the deltas merged during the run, ms
@@ -37,6 +39,7 @@ pub struct DeltaAge {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ViewGap {
     pub max_view_gap: u64,
     pub max_view_gap_s: f64,

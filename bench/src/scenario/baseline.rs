@@ -33,6 +33,7 @@ use crate::world::{solo_config, start_node, RedisConn};
 pub const DEFAULT_REV: &str = "fa857dc";
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct BaselineBench {
     /// The old code's commit, as given and as resolved.
     pub rev: String,
@@ -128,11 +129,8 @@ async fn start_old(run: &Run, bin: &Path, config: &Path) -> anyhow::Result<(test
         port_arg.as_ref(),
     ];
     let mut proc = testkit::Proc::spawn(bin, args, &[("RUST_LOG", "warn")]);
-    run.record(format!(
-        "RUST_LOG=warn {} --config {} --region eu --node-id eu-1 --listen {port_arg} &   # the baseline",
-        bin.display(),
-        config.display()
-    ));
+    run.record("# the baseline region-node:");
+    run.record_spawned(&proc);
     let http = reqwest::Client::new();
     let started = Instant::now();
     loop {
@@ -174,6 +172,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
     ];
     let mut conns = Vec::new();
     for r in &redis {
+        run.record_spawned(&r.proc);
         conns.push(RedisConn::open(&r.url()).await?);
     }
     let write = |name: &str, toml: String| -> anyhow::Result<PathBuf> {

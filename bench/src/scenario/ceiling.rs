@@ -25,6 +25,7 @@ pub const WARMUP: u64 = 1;
 /// A run of the script alone: calls per second and latency (ms, as text
 /// with three decimals, as redis-benchmark printed them when it ran these).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct RbRun {
     pub rps: f64,
     pub p50_ms: String,
@@ -43,6 +44,7 @@ impl RbRun {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Ceiling {
     pub connections: u64,
     pub tenants: u64,

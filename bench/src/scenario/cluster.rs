@@ -25,6 +25,7 @@ use crate::world::{solo_config, start_node};
 
 /// One throughput round.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Round {
     pub summary: Summary,
     pub node_cpu_us: f64,
@@ -33,6 +34,7 @@ pub struct Round {
 
 /// A failover under load.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Failover {
     pub kind: String,
     /// Kill → first decision answered by Redis again, ms.
@@ -43,6 +45,7 @@ pub struct Failover {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ClusterBench {
     pub rounds: u64,
     pub duration: u64,
@@ -121,6 +124,11 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<ClusterBench> {
     let cluster = tokio::task::block_in_place(|| RedisCluster::start(3, 0));
     let cfg_s = write(dir.path(), "standalone", &config(&standalone.url()))?;
     let cfg_c = write(dir.path(), "cluster", &config(&cluster.cluster_url()))?;
+    run.record("# scenario 8: a standalone redis-server and a 3-master cluster".to_string());
+    run.record_spawned(&standalone.proc);
+    for pid in cluster.pids() {
+        run.record_spawned_pid(pid);
+    }
     run.record(format!("# scenario 8: {}", cfg_c.display()));
     let node_s = start_node(run, &cfg_s, "eu", "eu-1", "/healthz", &[]).await;
     let node_c = start_node(run, &cfg_c, "eu", "eu-1", "/healthz", &[]).await;
@@ -157,6 +165,10 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<ClusterBench> {
 
     // Failovers under a steady 200 req/s on one tenant.
     let mut c = tokio::task::block_in_place(|| RedisCluster::start(3, 1));
+    run.record("# scenario 8: the failover cluster (3 masters, 1 replica each)".to_string());
+    for pid in c.pids() {
+        run.record_spawned_pid(pid);
+    }
     let cfg = write(dir.path(), "failover-cluster", &config(&c.cluster_url()))?;
     let node = start_node(run, &cfg, "eu", "eu-1", "/healthz", &[("RUST_LOG", LOG)]).await;
     let slot = keys::bucket_slot(keys::bucket_of("hot"));
@@ -173,6 +185,11 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<ClusterBench> {
     );
     drop(node);
     let mut g = tokio::task::block_in_place(SentinelGroup::start);
+    // testkit does not expose the group's processes: named, not recorded.
+    run.record(
+        "# scenario 8: a Sentinel group started by testkit::SentinelGroup (1 master, 1 replica, 3 sentinels; their command lines not recorded)"
+            .to_string(),
+    );
     let cfg = write(dir.path(), "failover-sentinel", &config(&g.sentinel_url()))?;
     let node = start_node(run, &cfg, "eu", "eu-1", "/healthz", &[("RUST_LOG", LOG)]).await;
     r.failovers.push(

@@ -15,6 +15,7 @@ pub const PHASE: f64 = 1.5;
 pub const WIDTH: u64 = 4;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Crossings {
     pub tenants: u64,
     pub limit: u64,

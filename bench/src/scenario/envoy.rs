@@ -41,6 +41,7 @@ const DOMAIN: &str = "bench";
 
 /// One throughput round of one row.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Round {
     pub summary: Summary,
     /// Requests answered in the whole round, warm-up included.
@@ -54,6 +55,7 @@ pub struct Round {
 
 /// Medians of one row's rounds.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Row {
     pub rounds: Vec<Round>,
     pub rps: f64,
@@ -71,6 +73,7 @@ pub struct Row {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct EnvoyBench {
     pub envoy_version: String,
     pub rounds: u64,
@@ -210,10 +213,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<EnvoyBench> {
     ));
     let dir = testkit::temp_dir();
     let redis = testkit::Redis::start();
-    run.record(format!(
-        "redis-server --port {} --bind 127.0.0.1 --protected-mode no --save '' --appendonly no &",
-        redis.port()
-    ));
+    run.record_spawned(&redis.proc);
     let conn = RedisConn::open(&redis.url()).await?;
     let cfg = write(dir.path(), &config(&redis.url()));
     run.record(format!("# scenario 10: {}", cfg.display()));
@@ -240,12 +240,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<EnvoyBench> {
         ("without the filter", &plain),
         ("with the filter", &limited),
     ] {
-        run.record(format!(
-            "{} -c {}/envoy-{}.yaml --disable-hot-restart --concurrency 1 --log-level warn &   # {what}",
-            testkit::envoy_bin().display(),
-            dir.path().display(),
-            e.port()
-        ));
+        run.record(format!("# Envoy {what}:"));
+        run.record_spawned(&e.proc);
     }
 
     let gateway = |e: &Envoy| {

@@ -14,12 +14,17 @@ use crate::run::{strings, Run};
 use crate::scenario::ceiling::WARMUP;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct FastPath {
     pub connections: u64,
     pub duration: u64,
     pub run: Summary,
     /// This run's throughput ÷ scenario 1's region-node (Redis path).
     pub ratio: Option<f64>,
+    /// Scenario 1's region-node median round of the same run (the Redis
+    /// path the ratio divides by).
+    #[serde(default)]
+    pub redis_path: Option<Summary>,
 }
 
 pub async fn run(
@@ -88,6 +93,7 @@ pub async fn run(
         duration: k.duration,
         ratio: redis_path_rps.map(|n| r.throughput_rps / n),
         run: r,
+        redis_path: None,
     };
     run.save("s3_fast_path", &f)?;
     Ok(f)

@@ -10,6 +10,7 @@ use crate::run::{strings, Run};
 use crate::world::{metric, RedisConn};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Kafka {
     /// `tierlimit_deltas_produced_total` before and after.
     pub before: f64,

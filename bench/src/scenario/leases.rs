@@ -22,6 +22,7 @@ pub const LEASE_MAX: u64 = 256;
 
 /// One throughput round.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Round {
     pub summary: Summary,
     pub node_cpu_us: f64,
@@ -32,6 +33,7 @@ pub struct Round {
 
 /// Medians of one variant's rounds.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Variant {
     pub rounds: Vec<Round>,
     pub rps: f64,
@@ -43,6 +45,7 @@ pub struct Variant {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct LeaseBench {
     pub rounds: u64,
     pub duration: u64,
@@ -128,6 +131,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
     ));
     let dir = testkit::temp_dir();
     let (redis_off, redis_on) = (testkit::Redis::start(), testkit::Redis::start());
+    run.record_spawned(&redis_off.proc);
+    run.record_spawned(&redis_on.proc);
     let (conn_off, conn_on) = (
         RedisConn::open(&redis_off.url()).await?,
         RedisConn::open(&redis_on.url()).await?,

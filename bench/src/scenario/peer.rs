@@ -13,11 +13,24 @@ use crate::run::{strings, Run};
 use crate::scenario::ceiling::median_index;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Peer {
     pub version: String,
     /// The median round.
     pub run: Summary,
     pub rounds: Vec<f64>,
+    /// Scenario 1's region-node median round of the same run, which these
+    /// rounds alternate with: the comparison never mixes two runs, even in
+    /// a results file whose §1 comes from another run.
+    #[serde(default)]
+    pub region_node: Option<Summary>,
+    /// The load both were driven with.
+    #[serde(default)]
+    pub connections: u64,
+    #[serde(default)]
+    pub tenants: u64,
+    #[serde(default)]
+    pub duration: u64,
 }
 
 impl Peer {
@@ -28,6 +41,10 @@ impl Peer {
             version,
             run,
             rounds,
+            region_node: None,
+            connections: 0,
+            tenants: 0,
+            duration: 0,
         }
     }
 }
@@ -69,12 +86,7 @@ pub async fn start(run: &Run) -> Throttlecrab {
         |port| Cmd::new(&bin).args(args(port)).log_file(&log),
         testkit::start::accepts,
     );
-    run.record_cmd(
-        "",
-        std::path::Path::new("throttlecrab-server"),
-        &args(port),
-        true,
-    );
+    run.record_spawned(&proc);
     let http = testkit::http_client();
     crate::world::wait_ok(
         &http,

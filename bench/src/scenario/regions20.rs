@@ -71,6 +71,7 @@ pub fn parts(near: u64, far: u64) -> (u64, u64) {
 
 /// One reading of both processes.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Reading {
     pub at_s: u64,
     pub node_rss_kib: u64,
@@ -115,6 +116,7 @@ pub struct DeltaRun {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Regions20 {
     pub tenants: u64,
     pub near: u64,
@@ -255,11 +257,7 @@ max_per_day = 100000000
 /// follower that keeps up reads every record anyway, compacted or not.
 async fn start_tansu(run: &Run) -> testkit::Tansu {
     let tansu = testkit::Tansu::start();
-    run.record(format!(
-        "cd $TANSU_DIR; RUST_LOG=warn {} broker --kafka-cluster-id tierlimit-test --listener-url tcp://{b} --advertised-listener-url tcp://{b} --storage-engine sqlite://tansu.db &",
-        testkit::tansu_bin().display(),
-        b = tansu.brokers()
-    ));
+    run.record_spawned(&tansu.proc);
     run.record(format!(
         "# topics tierlimit.deltas and tierlimit.global created on {} with {PARTITIONS} partitions, the broker's default cleanup",
         tansu.brokers()

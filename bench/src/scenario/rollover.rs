@@ -93,6 +93,7 @@ const RETENTION_DAYS: u64 = 2;
 const REGION_WINDOW_S: u64 = 60;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Rollover {
     pub run_started: String,
     pub elapsed_s: u64,
@@ -116,6 +117,7 @@ pub struct Rollover {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Phase {
     pub load_s: u64,
     pub pipeline_s: u64,
@@ -128,6 +130,7 @@ pub struct Phase {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct KeyCounts {
     pub node_window: u64,
     pub region_window: u64,
@@ -136,6 +139,7 @@ pub struct KeyCounts {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Snapshot {
     pub fake_unix: u64,
     pub fake_utc: String,
@@ -175,6 +179,7 @@ pub struct Snapshot {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Growth {
     pub redis_used_memory: i64,
     pub redis_bytes_per_tenant: i64,
@@ -210,6 +215,7 @@ impl Growth {
 
 /// Warnings and errors of the faked processes, grouped by message.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Finding {
     pub log: String,
     pub count: u64,
@@ -617,12 +623,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Rollover> {
         },
         ping,
     );
-    let envs: String = fake.iter().map(|(key, v)| format!("{key}={v} ")).collect();
-    run.record(format!(
-        "env LD_PRELOAD={preload} {envs}redis-server --port {port} --bind 127.0.0.1 --protected-mode no --save '' --appendonly no --dir {} --logfile {} &",
-        redis_dir.display(),
-        redis_log.display()
-    ));
+    run.record_spawned(&redis);
     let conn = RedisConn::open(&format!("redis://127.0.0.1:{port}/")).await?;
 
     // libfaketime on redis-server: its TIME must read real time + OFFSET,
@@ -708,19 +709,8 @@ plan = "bench"
         Duration::from_secs(60),
     )
     .await;
-    let envs: String = env.iter().map(|(a, b)| format!("{a}={b} ")).collect();
-    run.record(format!(
-        "env {envs}{} --config {} --listen 127.0.0.1:{} &",
-        testkit::bin_path("aggregator").display(),
-        cfg.display(),
-        agg.port()
-    ));
-    run.record(format!(
-        "env {envs}{} --config {} --region eu --node-id eu-1 --listen 127.0.0.1:{} &",
-        testkit::bin_path("region-node").display(),
-        cfg.display(),
-        node.port()
-    ));
+    run.record_spawned(&agg.proc);
+    run.record_spawned(&node.proc);
 
     // libfaketime on region-node and the aggregator, and the delta's day
     // end to end: one check for tenant "probe" must land on the fake day in

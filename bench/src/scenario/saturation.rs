@@ -26,6 +26,7 @@ pub const OPEN_CONNECTIONS: u64 = 800;
 
 /// One open-loop run against a fresh node.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Phase {
     pub label: String,
     pub max_in_flight: u64,
@@ -44,9 +45,12 @@ pub struct Phase {
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Saturation {
-    /// Closed loop, `connections` callers: the saturated rate.
+    /// Closed loop, `probe_connections` callers: the saturated rate.
     pub probe: Summary,
+    #[serde(default)]
+    pub probe_connections: u64,
     pub saturated_rps: f64,
     /// 1.5 × saturated.
     pub rate: u64,
@@ -196,6 +200,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Saturation> {
     .await?;
     let s = Saturation {
         probe,
+        probe_connections: k.connections,
         saturated_rps,
         rate,
         seconds,

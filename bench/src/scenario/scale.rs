@@ -19,10 +19,14 @@ pub const POPULATE_BOUND_S: u64 = 240;
 pub const PIPELINE_BOUND_S: u64 = 420;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Scale {
     /// Tenants really charged (the populate run is bounded at 240 s).
     pub tenants: u64,
     pub asked: u64,
+    /// The populate run's connections.
+    #[serde(default)]
+    pub connections: u64,
     pub populate_s: u64,
     pub pipeline_s: u64,
     pub redis_used_before: u64,
@@ -135,6 +139,7 @@ pub async fn run(
     let s = Scale {
         tenants: populated,
         asked: k.scale_tenants,
+        connections: k.connections,
         populate_s,
         pipeline_s,
         redis_used_before,

@@ -1,0 +1,293 @@
+//! Targets: a figure, a bound and the comparison between them, so that a
+//! summary row's "met" is computed by the generator from the figure it
+//! prints, never written by hand next to it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::report::num;
+
+/// How the figure must compare with the bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    #[default]
+    AtMost,
+    AtLeast,
+    Equal,
+}
+
+impl Op {
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Op::AtMost => "≤",
+            Op::AtLeast => "≥",
+            Op::Equal => "=",
+        }
+    }
+}
+
+/// The outcome of a [`Target`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Met,
+    Missed,
+    /// The figure is absent: the run did not measure it.
+    NotMeasured,
+}
+
+/// One target of a summary row.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Target {
+    pub name: String,
+    /// `None`: not measured.
+    pub figure: Option<f64>,
+    pub op: Op,
+    pub bound: f64,
+    /// Printed after the bound (`" ms"`, `"×"`, `" %"`).
+    pub unit: String,
+}
+
+impl Target {
+    pub fn new(name: &str, figure: Option<f64>, op: Op, bound: f64, unit: &str) -> Target {
+        Target {
+            name: name.into(),
+            figure,
+            op,
+            bound,
+            unit: unit.into(),
+        }
+    }
+
+    /// The figure as measured against the bound, unrounded: a figure
+    /// printed as 0.50× may still miss ≤ 0.5×, and then the row says so.
+    pub fn verdict(&self) -> Verdict {
+        let Some(x) = self.figure.filter(|x| x.is_finite()) else {
+            return Verdict::NotMeasured;
+        };
+        let ok = match self.op {
+            Op::AtMost => x <= self.bound,
+            Op::AtLeast => x >= self.bound,
+            Op::Equal => x == self.bound,
+        };
+        if ok {
+            Verdict::Met
+        } else {
+            Verdict::Missed
+        }
+    }
+
+    /// `≤ 0.5 ms`.
+    pub fn bound_text(&self) -> String {
+        format!("{} {}{}", self.op.symbol(), num(self.bound), self.unit)
+    }
+}
+
+/// A target as the template sees it: with its verdict and bound text.
+#[derive(Debug, Clone, Serialize)]
+pub struct Judged {
+    #[serde(flatten)]
+    pub target: Target,
+    pub verdict: Verdict,
+    pub bound_text: String,
+}
+
+impl From<Target> for Judged {
+    fn from(target: Target) -> Judged {
+        Judged {
+            verdict: target.verdict(),
+            bound_text: target.bound_text(),
+            target,
+        }
+    }
+}
+
+/// The full run's wall-time budget on 2 cores, s (`scripts/bench`'s header
+/// states it): one hour, so that the run can be made once per round on the
+/// round's final code.
+pub const FULL_BUDGET_S: f64 = 3600.0;
+/// The quick profile's: a fresh clone checks the pipeline in a quarter of an
+/// hour.
+pub const QUICK_BUDGET_S: f64 = 900.0;
+
+/// Every target the summary shows, keyed by the name the template uses,
+/// from the scenarios' typed results. A scenario that did not run gives no
+/// target (its row is not printed).
+pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judged> {
+    let mut t: Vec<Target> = Vec::new();
+    if let Some(c) = &r.ceiling {
+        t.push(Target::new(
+            "ceiling_ratio",
+            Some(c.node.throughput_rps / c.rb_plain.rps),
+            Op::AtLeast,
+            1.0,
+            "×",
+        ));
+    }
+    if let Some(s) = &r.saturation {
+        t.push(Target::new(
+            "saturation_fail_mode",
+            Some(s.admission.fail_mode as f64),
+            Op::Equal,
+            0.0,
+            "",
+        ));
+    }
+    if let Some(k) = &r.kafka {
+        t.push(Target::new(
+            "kafka_decisions_per_msg",
+            Some(k.decisions_per_msg),
+            Op::AtLeast,
+            1000.0,
+            " decisions per message",
+        ));
+    }
+    // Section 5's bound on the time to deny: two flushes (250 ms) and the
+    // broadcast's tick, as DESIGN.md derives it.
+    let deny_ms = 2.0 * 250.0 + 200.0;
+    if let Some(a) = &r.accuracy {
+        let acc = a.run.accuracy.as_ref();
+        t.push(Target::new(
+            "accuracy_overshoot",
+            acc.map(|x| x.overshoot_pct),
+            Op::AtMost,
+            1.0,
+            " %",
+        ));
+        t.push(Target::new(
+            "accuracy_deny",
+            acc.and_then(|x| x.ms_from_crossing_to_all_denying),
+            Op::AtMost,
+            deny_ms,
+            " ms",
+        ));
+    }
+    if let Some(x) = &r.crossings {
+        t.push(Target::new(
+            "crossings_deny_p99",
+            x.run
+                .accuracy
+                .as_ref()
+                .and_then(|a| a.per_tenant.crossing_to_all_denying_ms.p99),
+            Op::AtMost,
+            deny_ms,
+            " ms",
+        ));
+    }
+    if let Some(roll) = &r.rollover {
+        let across = roll
+            .growth
+            .get("b - a (across the rollover)")
+            .and_then(|g| g.as_ref());
+        t.push(Target::new(
+            "rollover_flat",
+            across.map(|g| g.redis_bytes_per_tenant as f64),
+            Op::AtMost,
+            0.0,
+            " B",
+        ));
+    }
+    if let Some(r20) = &r.regions20 {
+        t.push(Target::new(
+            "r20_node_rss_far",
+            Some(r20.after_far.node_rss_kib as f64 / 1024.0),
+            Op::AtMost,
+            64.0,
+            " MiB",
+        ));
+        t.push(Target::new(
+            "r20_agg_b_per_part",
+            Some(r20.agg_b_per_part_near),
+            Op::AtMost,
+            150.0,
+            " B",
+        ));
+    }
+    if let Some(b) = &r.baseline {
+        t.push(Target::new(
+            "baseline_cpu_leases",
+            Some(b.cpu_ratio_leases),
+            Op::AtMost,
+            0.5,
+            "×",
+        ));
+        t.push(Target::new(
+            "baseline_rps_leases",
+            Some(b.rps_ratio_leases),
+            Op::AtLeast,
+            1.5,
+            "×",
+        ));
+        t.push(Target::new(
+            "baseline_cpu",
+            Some(b.cpu_ratio),
+            Op::AtMost,
+            0.5,
+            "×",
+        ));
+        t.push(Target::new(
+            "baseline_rps",
+            Some(b.rps_ratio),
+            Op::AtLeast,
+            1.5,
+            "×",
+        ));
+    }
+    if let Some(e) = &r.envoy {
+        t.push(Target::new(
+            "envoy_cpu_ratio",
+            Some(e.node_cpu_ratio),
+            Op::AtMost,
+            1.0,
+            "×",
+        ));
+    }
+    let bench_runs: Vec<_> = r
+        .provenance
+        .runs
+        .iter()
+        .filter(|run| run.kind != Some(crate::results::RunKind::Manual))
+        .collect();
+    if let [run] = bench_runs.as_slice() {
+        if run.only.is_empty() && run.kind != Some(crate::results::RunKind::Manual) {
+            let budget = match run.profile {
+                crate::results::Profile::Full => FULL_BUDGET_S,
+                crate::results::Profile::Quick => QUICK_BUDGET_S,
+            };
+            t.push(Target::new(
+                "wall_time",
+                run.elapsed_s.map(|s| s as f64),
+                Op::AtMost,
+                budget,
+                " s",
+            ));
+        }
+    }
+    t.into_iter()
+        .map(|t| (t.name.clone(), Judged::from(t)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_verdict_follows_the_unrounded_figure() {
+        let t = |x: Option<f64>, op| Target::new("t", x, op, 0.5, "×").verdict();
+        assert_eq!(t(Some(0.5), Op::AtMost), Verdict::Met);
+        assert_eq!(t(Some(0.503), Op::AtMost), Verdict::Missed);
+        assert_eq!(t(Some(0.503), Op::AtLeast), Verdict::Met);
+        assert_eq!(t(None, Op::AtLeast), Verdict::NotMeasured);
+        assert_eq!(t(Some(f64::NAN), Op::AtLeast), Verdict::NotMeasured);
+        assert_eq!(
+            Target::new("t", Some(0.0), Op::Equal, 0.0, "").verdict(),
+            Verdict::Met
+        );
+        assert_eq!(
+            Target::new("t", None, Op::AtMost, 700.0, " ms").bound_text(),
+            "≤ 700 ms"
+        );
+    }
+}
