@@ -148,7 +148,11 @@ fn broadcasts() {
     let mut month = update();
     month.period = tierlimit_shared::period::PeriodKind::Month.at(1_700_000_000_000);
     month.limits_version = 3;
-    write("broadcast", "ok-update-month.bin", &signer.encode(&[month])[0]);
+    write(
+        "broadcast",
+        "ok-update-month.bin",
+        &signer.encode(&[month])[0],
+    );
     let hb = Heartbeat {
         partition: 3,
         deltas_offset: 1_234_567,

@@ -69,8 +69,7 @@ pub fn delta(data: &[u8]) -> bool {
     // configured; with the other region's key it never does.
     let region = actor_region(&d.actor);
     for (r, secret) in [("eu", fixture::EU_SECRET), ("us", fixture::US_SECRET)] {
-        let signer =
-            DeltaSigner::with_key(version, Some((&format!("{r}-1"), secret.as_slice())));
+        let signer = DeltaSigner::with_key(version, Some((&format!("{r}-1"), secret.as_slice())));
         let record = signer.encode(&d);
         let got = signed.decode(&record);
         if r == region {
@@ -131,7 +130,13 @@ pub fn broadcast(data: &[u8]) -> bool {
         for i in [2, 0, 1] {
             let got = fresh.decode(&records[i]).expect("a signed record verifies");
             // The fixture's signer writes the configured version (v3).
-            assert_eq!(got, GlobalUpdate { v: got.v, ..batch[i].clone() });
+            assert_eq!(
+                got,
+                GlobalUpdate {
+                    v: got.v,
+                    ..batch[i].clone()
+                }
+            );
         }
         let first = codec::decode_global(&records[0]).expect("a signed record decodes");
         let forged = codec::seal(body(&other), &first.auth);

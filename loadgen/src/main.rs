@@ -232,6 +232,10 @@ struct ScriptArgs {
     region_burst: Option<u64>,
     #[arg(long, default_value_t = 1_000_000_000_000)]
     global_limit: u64,
+    /// Global tiers of other periods beside the day's, each `KIND:LIMIT`
+    /// (`hour:1000000000,month:1000000000`): issue 33's cost of periods.
+    #[arg(long, value_delimiter = ',')]
+    global_periods: Vec<String>,
     /// PN-counter TTL: (retention_days + 1) days.
     #[arg(long, default_value_t = 3 * 86_400)]
     ttl_s: u64,
@@ -241,6 +245,22 @@ struct ScriptArgs {
 
 impl ScriptArgs {
     fn call(&self) -> ScriptCall {
+        let mut call = self.base_call();
+        call.periods = self
+            .global_periods
+            .iter()
+            .filter_map(|p| {
+                let (kind, limit) = p.split_once(':')?;
+                Some((
+                    tierlimit_shared::period::PeriodKind::parse(kind)?,
+                    limit.parse().ok()?,
+                ))
+            })
+            .collect();
+        call
+    }
+
+    fn base_call(&self) -> ScriptCall {
         ScriptCall::new(
             self.node_id.clone(),
             TierArgs {
@@ -890,6 +910,7 @@ mod tests {
             region_window_ms: 60_000,
             region_burst: None,
             global_limit: 100_000,
+            global_periods: Vec::new(),
             ttl_s: 259_200,
             script_cost: 1,
         }

@@ -220,6 +220,8 @@ pub struct ScriptCall {
     node: Option<Limit>,
     region: Option<Limit>,
     pub global_limit: u64,
+    /// Global tiers of other periods (hour, week, month) and their limits.
+    pub periods: Vec<(tierlimit_shared::period::PeriodKind, u64)>,
     pub cost: u64,
     /// TTL of the PN counter: (retention_days + 1) days.
     pub ttl_s: u64,
@@ -239,6 +241,7 @@ impl ScriptCall {
             node: node.limit(),
             region: region.limit(),
             global_limit,
+            periods: Vec::new(),
             cost,
             ttl_s,
         }
@@ -285,7 +288,22 @@ impl ScriptCall {
                 limit: self.global_limit,
                 ..GlobalArgs::default()
             }),
-            periods: Vec::new(),
+            // Each period as of now (the caller's clock: Redis' on this
+            // machine).
+            periods: self
+                .periods
+                .iter()
+                .map(|&(kind, limit)| script::PeriodArgs {
+                    period: kind.at(SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64)),
+                    limit,
+                    broadcast_total: 0,
+                    own_cap: None,
+                    own_parts: Vec::new(),
+                    urgent_at: None,
+                })
+                .collect(),
             epoch_candidate: "00000000b3c4a001",
             day,
             now_ms: 0,

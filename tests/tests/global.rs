@@ -498,6 +498,18 @@ plan = "m"
             .is_some_and(|m| m["total"].as_u64() == Some(allowed - 3))
     })
     .await;
+    // A restarted aggregator rebuilds the month from the topic (from the
+    // previous month's start: retention.rs), exactly.
+    drop(agg);
+    let agg = Aggregator::start(&_w.cfg).await;
+    agg_ready(&agg).await;
+    wait_until("the rebuilt month total", DEADLINE, || async {
+        let v = harness::try_json(&agg.http, &agg.url("/v1/global/mo")).await;
+        v.as_ref()
+            .and_then(month)
+            .is_some_and(|m| m["total"].as_u64() == Some(allowed - 3))
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -379,7 +379,8 @@ async fn v1_and_v2_producers_side_by_side_merge_into_one_total() {
     // already writes signed v2.
     let unsigned = [("TIERLIMIT__WIRE__ACCEPT_UNSIGNED", "true")];
     let v1: &[(&'static str, &'static str)] = &[("TIERLIMIT__WIRE__VERSION", "1")];
-    let w = World::start(&unsigned, [v1, v1, &[]]).await;
+    let v2: &[(&'static str, &'static str)] = &[("TIERLIMIT__WIRE__VERSION", "2")];
+    let w = World::start(&unsigned, [v1, v1, v2]).await;
     allow(&w.eu, "m", 7).await;
     allow(&w.us, "m", 4).await;
     wait_totals(&w, "m", 11).await;
