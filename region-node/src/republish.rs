@@ -147,7 +147,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
     let Some(region) = config.regions.get(&settings.region).cloned() else {
         bail!("--region {:?} is not configured", settings.region);
     };
-    let signer = DeltaSigner::new(&config, &settings.region)
+    let signer = DeltaSigner::new(config, &settings.region)
         .map_err(|e| anyhow::anyhow!("wire keys: {e}"))?;
     let metrics = Arc::new(Metrics::new());
     let store = RedisStore::new(

@@ -818,13 +818,11 @@ async fn script_matches_the_model_with_several_global_tiers() {
                 .collect();
             // A refund by handle names the charge's periods: for a closed
             // one the script reports what is left of it (nothing moves).
-            if op != Op::Refund || call.refund.is_none() {
-                if reply.periods_remaining != expected {
-                    mismatches.push(format!(
-                        "{what}: periods remaining {:?}, model {expected:?}",
-                        reply.periods_remaining
-                    ));
-                }
+            if (op != Op::Refund || call.refund.is_none()) && reply.periods_remaining != expected {
+                mismatches.push(format!(
+                    "{what}: periods remaining {:?}, model {expected:?}",
+                    reply.periods_remaining
+                ));
             }
             if reply.own_p - reply.own_n != own(&model, today) {
                 mismatches.push(format!(
