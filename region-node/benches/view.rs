@@ -5,6 +5,10 @@
 //! sharded view and for the single-lock map it replaced (kept here as the
 //! baseline, so both are measured in one run).
 //!
+//! A third writer drops a *populated* day (yesterday, 100 000 entries) once
+//! while the reads run, as the follower does at midnight (issue 36, item
+//! 5): the reads' tail and the drop's own time are what it shows.
+//!
 //! Run: `cargo bench -p region-node --bench view` (release). Prints a
 //! Markdown table. In-process, no I/O: what it measures is lock waiting and
 //! the work done under the locks.
@@ -110,10 +114,30 @@ fn percentile(sorted: &[u64], q: f64) -> u64 {
     sorted[((sorted.len() - 1) as f64 * q) as usize]
 }
 
-/// Read latencies (ns) of `READS` reads, with a writer or without.
-fn measure<V: Read>(view: Arc<V>, busy_writer: bool) -> (Vec<u64>, u64) {
+/// What writes while the reads run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Writer {
+    Idle,
+    /// 50 000 updates/s and a prune every 200 ms (nothing to drop).
+    Busy,
+    /// One prune that drops yesterday, populated, 100 ms into the reads.
+    DropDay,
+}
+
+/// Read latencies (ns) of `READS` reads, with a writer or without; the
+/// updates applied (or, for [`Writer::DropDay`], the drop's µs).
+fn measure<V: Read>(view: Arc<V>, writer: Writer) -> (Vec<u64>, u64) {
     let stop = Arc::new(AtomicBool::new(false));
-    let writer = busy_writer.then(|| {
+    let dropper = (writer == Writer::DropDay).then(|| {
+        let view = Arc::clone(&view);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let t0 = Instant::now();
+            view.prune(DAY);
+            t0.elapsed().as_micros() as u64
+        })
+    });
+    let writer = (writer == Writer::Busy).then(|| {
         let (view, stop) = (Arc::clone(&view), Arc::clone(&stop));
         std::thread::spawn(move || {
             let start = Instant::now();
@@ -146,39 +170,49 @@ fn measure<V: Read>(view: Arc<V>, busy_writer: bool) -> (Vec<u64>, u64) {
         lat.push(t0.elapsed().as_nanos() as u64);
     }
     stop.store(true, Ordering::Relaxed);
-    let applied = writer.map_or(0, |w| w.join().unwrap());
+    let applied =
+        writer.map_or(0, |w| w.join().unwrap()) + dropper.map_or(0, |d| d.join().unwrap());
     std::hint::black_box(sink);
     lat.sort_unstable();
     (lat, applied)
 }
 
-fn fill<V: Read>(v: &V) {
+fn fill<V: Read>(v: &V, yesterday_too: bool) {
     for t in 0..TENANTS {
         v.write(&update(t, 1));
+        if yesterday_too {
+            let mut u = update(t, 1);
+            u.period = tierlimit_shared::period::Period::day(DAY - 1);
+            v.write(&u);
+        }
     }
 }
 
 fn main() {
-    println!("| view | writer | reads | updates applied | p50 ns | p99 ns | p99.9 ns | max µs |");
+    println!("| view | writer | reads | updates applied (drop: its µs) | p50 ns | p99 ns | p99.9 ns | max µs |");
     println!("|---|---|---|---|---|---|---|---|");
     let mut p99 = HashMap::new();
     for (name, sharded) in [("sharded (now)", true), ("single lock (before)", false)] {
-        for busy in [false, true] {
+        for mode in [Writer::Idle, Writer::Busy, Writer::DropDay] {
+            let yesterday = mode == Writer::DropDay;
             let (lat, applied) = if sharded {
                 let v = Arc::new(View::new());
-                fill(v.as_ref());
-                measure(v, busy)
+                fill(v.as_ref(), yesterday);
+                measure(v, mode)
             } else {
                 let v = Arc::new(SingleLock::default());
-                fill(v.as_ref());
-                measure(v, busy)
+                fill(v.as_ref(), yesterday);
+                measure(v, mode)
             };
-            let writer = if busy {
-                "50 k updates/s + prune every 200 ms"
-            } else {
-                "idle"
+            let writer = match mode {
+                Writer::Idle => "idle",
+                Writer::Busy => "50 k updates/s + prune every 200 ms",
+                Writer::DropDay => "drops yesterday (100 k entries) once",
             };
-            p99.insert((sharded, busy), percentile(&lat, 0.99));
+            let busy = mode == Writer::Busy;
+            if mode != Writer::DropDay {
+                p99.insert((sharded, busy), percentile(&lat, 0.99));
+            }
             println!(
                 "| {name} | {writer} | {} | {applied} | {} | {} | {} | {:.0} |",
                 lat.len(),
