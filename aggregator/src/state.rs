@@ -27,15 +27,7 @@ use crate::merge::{Applied, Carried, Counter, Merged, TenantPeriod};
 /// `policy.global_periods` entry. Only the fallback for a counter no delta
 /// carried a limit for (v2 writers, see [`crate::merge::Carried`]).
 pub fn configured_limit(config: &Loaded, tenant: &str, kind: PeriodKind) -> Option<u64> {
-    let policy = config.policy(tenant)?;
-    match kind {
-        PeriodKind::Day => policy.global,
-        kind => policy
-            .global_periods
-            .iter()
-            .find(|t| t.kind == kind)
-            .map(|t| t.limit),
-    }
+    config.policy(tenant)?.global_limit(kind)
 }
 
 /// The limit `counter` of `key` is judged under: the one its deltas

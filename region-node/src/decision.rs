@@ -1064,14 +1064,7 @@ impl Decider {
         // aggregator's count needs the raise as much as the limit does).
         let global = self.view.with(tenant, today, |e| {
             let e = e?;
-            let own_parts: Vec<(String, u64, u64)> = e
-                .parts
-                .iter()
-                .filter_map(|(actor, (p, n))| {
-                    let (region, epoch) = actor.split_once('/')?;
-                    (region == self.region).then(|| (epoch.to_string(), *p, *n))
-                })
-                .collect();
+            let own_parts = self.own_parts(e);
             (policy.global.is_some() || !own_parts.is_empty()).then(|| (e.total(), own_parts))
         });
         match (policy.global, global) {
@@ -1111,6 +1104,17 @@ impl Decider {
         }
     }
 
+    /// This region's actors in a broadcast entry: (epoch, P, N).
+    fn own_parts(&self, e: &crate::view::Entry) -> Vec<(String, u64, u64)> {
+        e.parts
+            .iter()
+            .filter_map(|(actor, (p, n))| {
+                let (region, epoch) = actor.split_once('/')?;
+                (region == self.region).then(|| (epoch.to_string(), *p, *n))
+            })
+            .collect()
+    }
+
     /// The global tiers of other periods (hour, week, month) of a call at
     /// `at` (Redis' clock as this node estimates it, or a charge's time for
     /// a refund by handle), each from the broadcast view of its period, as
@@ -1131,17 +1135,7 @@ impl Decider {
                 let (total, own_parts) = self
                     .view
                     .with_period(tenant, period, |e| {
-                        e.map(|e| {
-                            let own: Vec<(String, u64, u64)> = e
-                                .parts
-                                .iter()
-                                .filter_map(|(actor, (p, n))| {
-                                    let (region, epoch) = actor.split_once('/')?;
-                                    (region == self.region).then(|| (epoch.to_string(), *p, *n))
-                                })
-                                .collect();
-                            (e.total(), own)
-                        })
+                        e.map(|e| (e.total(), self.own_parts(e)))
                     })
                     .unwrap_or_default();
                 let own = crate::view::net_sum(own_parts.iter().map(|(_, p, n)| (*p, *n)));

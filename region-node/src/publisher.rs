@@ -348,7 +348,7 @@ impl Publisher {
             let mut delta = Delta::of(&tenant, d, actor, p, n, now).from_node(&self.node_id);
             delta.limit = cfg
                 .policy(&tenant)
-                .and_then(|policy| enforced_limit(&policy, d.kind));
+                .and_then(|policy| policy.global_limit(d.kind));
             pending.push(Pending {
                 bucket,
                 tenant: tenant.clone(),
@@ -589,19 +589,6 @@ impl Publisher {
                 "new region epoch: Redis lost this tenant's counter; counting under a new actor"
             );
         }
-    }
-}
-
-/// The global limit `policy` enforces for periods of `kind`, if it has a
-/// tier of that kind.
-pub fn enforced_limit(policy: &tierlimit_shared::config::Policy, kind: PeriodKind) -> Option<u64> {
-    match kind {
-        PeriodKind::Day => policy.global,
-        kind => policy
-            .global_periods
-            .iter()
-            .find(|t| t.kind == kind)
-            .map(|t| t.limit),
     }
 }
 

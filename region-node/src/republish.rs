@@ -247,9 +247,9 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
                             now_ms(),
                         )
                         .from_node(node);
-                        delta.limit = loaded.policy(tenant).and_then(|policy| {
-                            crate::publisher::enforced_limit(&policy, c.period.kind)
-                        });
+                        delta.limit = loaded
+                            .policy(tenant)
+                            .and_then(|policy| policy.global_limit(c.period.kind));
                         out.send(delta).await;
                     }
                 }

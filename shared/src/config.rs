@@ -878,6 +878,22 @@ pub struct Policy {
     pub lease_max: Option<u64>,
 }
 
+impl Policy {
+    /// The global limit of this policy's tier of `kind`: the day's
+    /// [`Policy::global`], another kind's [`Policy::global_periods`] entry;
+    /// `None` without such a tier.
+    pub fn global_limit(&self, kind: PeriodKind) -> Option<u64> {
+        match kind {
+            PeriodKind::Day => self.global,
+            kind => self
+                .global_periods
+                .iter()
+                .find(|t| t.kind == kind)
+                .map(|t| t.limit),
+        }
+    }
+}
+
 /// A validated configuration with policies resolved per tenant.
 #[derive(Debug)]
 pub struct Loaded {
