@@ -74,7 +74,9 @@ pub use crate::proc::{Cmd, Proc, ProcGroup, LOG_TAIL_LINES};
 pub use crate::procfs::{cpu_ticks, load_average, rss_kib};
 pub use crate::redis_cluster::RedisCluster;
 pub use crate::redis_sentinel::SentinelGroup;
-pub use crate::redis_server::{faketime_env, query, Redis};
+pub use crate::redis_server::{
+    faketime_env, faketime_env_for_librdkafka, query, redis_faketime_env, Redis,
+};
 pub use crate::scrape::{
     get_json, get_text, metric_sample, metric_value, scrape_metric, try_json, try_text,
 };

@@ -42,18 +42,11 @@ impl Redis {
     /// preloaded first: malloc and friends are glibc's here.
     pub fn start_with_clock_offset(offset_s: i64) -> Redis {
         let dir = temp_dir();
-        let malloc = [
-            "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
-            "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
-        ]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-        .expect("glibc's libc_malloc_debug.so.0 (glibc >= 2.34)");
         let (proc, port) = spawn_on_free_port(
             "redis-server",
             |port| {
                 let mut cmd = server_cmd(port, dir.path());
-                for (k, v) in faketime_env(offset_s, &[malloc]) {
+                for (k, v) in redis_faketime_env(offset_s) {
                     cmd = cmd.env(k, v);
                 }
                 cmd.spawn()
@@ -171,6 +164,84 @@ pub fn faketime_env(offset_s: i64, preload_first: &[&str]) -> Vec<(String, Strin
         ("FAKETIME".into(), format!("{offset_s:+}s")),
         ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
     ]
+}
+
+/// [`faketime_env`] for a process that uses librdkafka (region-node, the
+/// aggregator), `offset_s` ahead. librdkafka waits with C11
+/// `cnd_timedwait` on an absolute `CLOCK_REALTIME` deadline it computes
+/// from `gettimeofday`, which libfaketime fakes; glibc's `cnd_timedwait`
+/// goes to its internal `pthread_cond_timedwait`, which libfaketime cannot
+/// intercept, so the kernel waits for a deadline `offset_s` too late:
+/// every timed wait of librdkafka becomes a wait for a signal. Observed:
+/// nodes stuck at start in `rd_kafka_metadata` waiting for a broker state
+/// change whose timeout never came (2 runs of 4, cluster of 6 nodes, offset
+/// +3.3 days). A small preloaded shim ([`cnd_timedwait_shim`]) moves each
+/// `cnd_timedwait` deadline back to the kernel's clock.
+pub fn faketime_env_for_librdkafka(offset_s: i64) -> Vec<(String, String)> {
+    let shim = cnd_timedwait_shim();
+    faketime_env(offset_s, &[shim.to_str().expect("a UTF-8 temp path")])
+}
+
+/// Builds (once per process, with `cc`) the shim of
+/// [`faketime_env_for_librdkafka`]: `cnd_timedwait` taking a deadline in
+/// the faked clock (read through libfaketime) and waiting until the same
+/// instant in the kernel's (read by a raw system call).
+pub fn cnd_timedwait_shim() -> &'static Path {
+    static SHIM: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    SHIM.get_or_init(|| {
+        const SOURCE: &str = r#"
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <sys/syscall.h>
+#include <threads.h>
+#include <time.h>
+#include <unistd.h>
+
+int cnd_timedwait(cnd_t *restrict c, mtx_t *restrict m, const struct timespec *restrict at) {
+    static int (*next)(cnd_t *, mtx_t *, const struct timespec *);
+    if (!next)
+        next = dlsym(RTLD_NEXT, "cnd_timedwait");
+    struct timespec fake, real;
+    clock_gettime(CLOCK_REALTIME, &fake);
+    syscall(SYS_clock_gettime, CLOCK_REALTIME, &real);
+    long long skew = (long long)(fake.tv_sec - real.tv_sec) * 1000000000LL + (fake.tv_nsec - real.tv_nsec);
+    long long t = (long long)at->tv_sec * 1000000000LL + at->tv_nsec - skew;
+    struct timespec adj = { t / 1000000000LL, t % 1000000000LL };
+    return next(c, m, &adj);
+}
+"#;
+        let dir = std::env::temp_dir().join(format!("tierlimit-cnd-shim-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("the shim's directory");
+        let (src, lib) = (dir.join("cnd_shim.c"), dir.join("cnd_shim.so"));
+        std::fs::write(&src, SOURCE).expect("the shim's source");
+        let out = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&lib)
+            .arg(&src)
+            .arg("-ldl")
+            .output()
+            .expect("cc (to build the cnd_timedwait shim)");
+        assert!(
+            out.status.success(),
+            "building the cnd_timedwait shim: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        lib
+    })
+}
+
+/// [`faketime_env`] for a `redis-server`: Debian's links jemalloc, which
+/// deadlocks against libfaketime at start (libfaketime issues #130 and
+/// #327), so glibc's `libc_malloc_debug.so.0` is preloaded first.
+pub fn redis_faketime_env(offset_s: i64) -> Vec<(String, String)> {
+    let malloc = [
+        "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+        "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
+    .expect("glibc's libc_malloc_debug.so.0 (glibc >= 2.34)");
+    faketime_env(offset_s, &[malloc])
 }
 
 /// `$REDIS_SERVER_BIN`, or `redis-server` from `PATH`.

@@ -96,6 +96,11 @@ pub struct Spec {
     /// previous release's, [`testkit::previous_release::dir`], in an upgrade
     /// test); `None`: this tree's binaries ([`bin_path`]).
     pub bin_dir: Option<PathBuf>,
+    /// Seconds every clock of the deployment that decides anything runs
+    /// ahead of the real one (each region's `redis-server`, every node, the
+    /// aggregator), under libfaketime ([`testkit::faketime_env`]); 0: the
+    /// real clock. Tansu and the test process keep the real clock.
+    pub clock_offset_s: i64,
 }
 
 /// The deployment. Fields drop in order: processes first, then the network.
@@ -118,6 +123,8 @@ pub struct Cluster {
     /// ([`Spec::bin_dir`]); an upgrade test sets it to `None` before it
     /// restarts each process as this tree's release.
     pub bin_dir: Option<PathBuf>,
+    /// [`Spec::clock_offset_s`], in ms.
+    pub clock_offset_ms: i64,
     _serial: tokio::sync::MutexGuard<'static, ()>,
 }
 
@@ -201,14 +208,14 @@ policy = "deny"
         for r in REGIONS {
             let rdir = dir.path().join(format!("redis-{r}"));
             std::fs::create_dir_all(&rdir).unwrap();
-            let p = testkit::redis_server::server_args(
+            let cmd = testkit::redis_server::server_args(
                 topo.cmd(r, testkit::redis_server::redis_server_bin()),
                 REDIS_PORT,
                 "0.0.0.0",
                 &rdir,
             )
-            .log_file(dir.path().join(format!("redis-{r}.log")))
-            .spawn();
+            .log_file(dir.path().join(format!("redis-{r}.log")));
+            let p = faked_clock(cmd, spec.clock_offset_s, true).spawn();
             redis.push((r.to_string(), p));
         }
         let mut cluster = Cluster {
@@ -230,6 +237,7 @@ policy = "deny"
                 .unwrap(),
             env: spec.env.clone(),
             bin_dir: spec.bin_dir.clone(),
+            clock_offset_ms: spec.clock_offset_s * 1000,
             _serial: serial,
         };
         let b = brokers.clone();
@@ -294,6 +302,7 @@ policy = "deny"
             .args(["--listen", &listen, "--admin-listen", &admin])
             .env("RUST_LOG", "info")
             .log_file(self.dir.path().join("aggregator.log"));
+        let cmd = faked_clock(cmd, self.clock_offset_ms / 1000, false);
         self.env.iter().fold(cmd, |c, (k, v)| c.env(k, v))
     }
 
@@ -323,6 +332,7 @@ policy = "deny"
                     .path()
                     .join(format!("node-{region}-{}.log", NODE_IDS[i])),
             );
+        let cmd = faked_clock(cmd, self.clock_offset_ms / 1000, false);
         self.env.iter().fold(cmd, |c, (k, v)| c.env(k, v))
     }
 
@@ -591,6 +601,122 @@ policy = "deny"
         Some((e?, p.unwrap_or(0), n.unwrap_or(0)))
     }
 
+    /// The deployment's clock (the real one plus [`Cluster::clock_offset_ms`]),
+    /// in µs since the epoch.
+    pub fn clock_now_us(&self) -> u64 {
+        crate::history::now_us().saturating_add_signed(self.clock_offset_ms * 1000)
+    }
+
+    /// `region`'s Redis clock (`TIME`), in ms since the epoch.
+    pub async fn redis_time_ms(&self, region: &str) -> Option<u64> {
+        let mut con = redis_con(&self.redis_url(region)).await?;
+        let (s, us): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.ok()?;
+        Some(s * 1000 + us / 1000)
+    }
+
+    /// `(p, n)` of `tenant`'s PN counter of `period` in `region`'s Redis
+    /// (the current epoch's), `None` when the region holds no counter.
+    pub async fn redis_period_counter(
+        &self,
+        region: &str,
+        tenant: &str,
+        period: tierlimit_shared::period::Period,
+    ) -> Option<(u64, u64)> {
+        let mut con = redis_con(&self.redis_url(region)).await?;
+        let g = tierlimit_shared::keys::period_prefix(period);
+        let (p, n): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(tierlimit_shared::keys::tenant_hash(tenant))
+            .arg(format!("{g}p"))
+            .arg(format!("{g}n"))
+            .query_async(&mut con)
+            .await
+            .ok()?;
+        Some((p?, n.unwrap_or(0)))
+    }
+
+    /// The last total the aggregator broadcast for each period of `tenant`
+    /// (by [`Period::label`](tierlimit_shared::period::Period::label)), read
+    /// from the start of the global topic to its end. Unlike
+    /// `GET /v1/global/{tenant}`, which shows the current period of each
+    /// kind (and yesterday), this reaches a closed period too.
+    pub async fn broadcast_totals(&self, tenant: &str) -> std::collections::BTreeMap<String, u64> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        use rdkafka::{Message, Offset, TopicPartitionList};
+        let brokers = self.topo.host("core").addr(KAFKA_PORT);
+        let tenant = tenant.to_string();
+        tokio::task::spawn_blocking(move || {
+            let reader: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("group.id", "partitions-broadcast-reader")
+                .set("enable.partition.eof", "true")
+                .create()
+                .expect("a Kafka reader");
+            let mut tpl = TopicPartitionList::new();
+            for p in 0..PARTITIONS {
+                tpl.add_partition_offset(GLOBAL, p, Offset::Beginning)
+                    .unwrap();
+            }
+            reader.assign(&tpl).unwrap();
+            let mut last = std::collections::BTreeMap::new();
+            let mut eof = std::collections::HashSet::new();
+            let start = Instant::now();
+            while eof.len() < PARTITIONS as usize {
+                assert!(start.elapsed() < DEADLINE, "reading {GLOBAL} back");
+                match reader.poll(Duration::from_millis(100)) {
+                    Some(Ok(m)) => {
+                        // Heartbeats and other kinds do not decode as updates.
+                        let Some(u) = m.payload().and_then(|b| {
+                            tierlimit_shared::wire::codec::decode_global(b)
+                                .ok()
+                                .map(|f| f.message)
+                        }) else {
+                            continue;
+                        };
+                        if u.tenant == tenant {
+                            // One key per (tenant, period): one partition,
+                            // in order; the last is the newest.
+                            last.insert(u.period.label(), u.total);
+                        }
+                    }
+                    Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                        eof.insert(p);
+                    }
+                    _ => {}
+                }
+            }
+            last
+        })
+        .await
+        .expect("the Kafka reader")
+    }
+
+    /// The units the aggregator holds in each of `periods`, over every
+    /// tenant, from its dashboard's "Counters per period" table (`None`
+    /// for a period it does not list, or no answer).
+    pub async fn aggregator_period_units(
+        &self,
+        periods: &[tierlimit_shared::period::Period],
+    ) -> Vec<Option<u64>> {
+        let page = try_text(&self.http, &self.agg_admin_url("/"))
+            .await
+            .unwrap_or_default();
+        periods
+            .iter()
+            .map(|p| {
+                let row = page
+                    .split(&format!("data-period=\"{}\"", p.label()))
+                    .nth(1)?;
+                let row = &row[..row.find("</tr>")?];
+                let cell = row.rsplit("<td class=\"n\">").next()?;
+                let units: String = cell[..cell.find("</td>")?]
+                    .chars()
+                    .filter(char::is_ascii_digit)
+                    .collect();
+                units.parse().ok()
+            })
+            .collect()
+    }
+
     /// Σ over regions of today's P − N in Redis: what the regions charged
     /// (current epochs only).
     pub async fn redis_truth(&self, tenant: &str) -> u64 {
@@ -695,6 +821,21 @@ async fn ping(url: &str) -> bool {
         .query_async::<String>(&mut c)
         .await
         .is_ok()
+}
+
+/// `cmd` under libfaketime `offset_s` seconds ahead: a `redis-server` if
+/// `redis` ([`testkit::redis_faketime_env`]), else a process using
+/// librdkafka ([`testkit::faketime_env_for_librdkafka`]); unchanged for 0.
+fn faked_clock(cmd: crate::Cmd, offset_s: i64, redis: bool) -> crate::Cmd {
+    if offset_s == 0 {
+        return cmd;
+    }
+    let env = if redis {
+        testkit::redis_faketime_env(offset_s)
+    } else {
+        testkit::faketime_env_for_librdkafka(offset_s)
+    };
+    env.into_iter().fold(cmd, |c, (k, v)| c.env(k, v))
 }
 
 /// A process of the deployment, accepting the harness key

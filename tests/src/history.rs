@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
+use tierlimit_shared::period::{Period, PeriodKind};
 
 /// Microseconds since the Unix epoch on this machine's clock, which every
 /// server of the test (each region's Redis included) shares.
@@ -53,6 +54,8 @@ pub struct TierInfo {
     pub remaining: u64,
     pub reset_ms: u64,
     pub window_ms: u64,
+    /// A global tier's period kind (`day`, `hour`, `week`, `month`).
+    pub period: Option<String>,
 }
 
 /// One client operation.
@@ -255,6 +258,7 @@ fn parse_tiers(body: &Value) -> Vec<TierInfo> {
                     remaining: t["remaining"].as_u64().unwrap_or(0),
                     reset_ms: t["reset_ms"].as_u64().unwrap_or(0),
                     window_ms: t["window_ms"].as_u64().unwrap_or(0),
+                    period: t["period"].as_str().map(str::to_string),
                 })
                 .collect()
         })
@@ -680,6 +684,72 @@ pub fn overshoot(
 }
 
 // ---------------------------------------------------------------------------
+// Check 2 and 3 per calendar period
+// ---------------------------------------------------------------------------
+
+/// The period of `kind` whose global tier decided `e`, from its reply: that
+/// tier reports `reset_ms` until its period's end, in the clock that
+/// decided, which runs `offset_ms` ahead of this machine's. The decision
+/// came between the request and its answer, so `start + offset + reset`
+/// lies within the time bracket before the period's end, hence in the
+/// period (a bracket is far shorter than any period). `Err` when the reply
+/// names no such tier, or one whose length is not its period's.
+pub fn period_of(e: &Event, kind: PeriodKind, offset_ms: i64) -> Result<Period, String> {
+    let t = e
+        .tiers
+        .iter()
+        .find(|t| t.tier == "global" && t.period.as_deref() == Some(kind.name()))
+        .ok_or_else(|| format!("no global {} tier in the reply", kind.name()))?;
+    let end_est = (e.start_us / 1000).saturating_add_signed(offset_ms) + t.reset_ms;
+    let p = kind.at(end_est.saturating_sub(1));
+    if p.len_ms() != t.window_ms {
+        return Err(format!(
+            "the {} tier's window_ms {} is not the length of {} ({} ms)",
+            kind.name(),
+            t.window_ms,
+            p.human(),
+            p.len_ms()
+        ));
+    }
+    Ok(p)
+}
+
+/// The operations of `tenant` that belong to `period`: each answered
+/// operation by the period its reply names ([`period_of`]), the others
+/// (no answer, 503, a denial without tiers) wherever their time bracket, in
+/// the deciding clock (`offset_ms` ahead), overlaps `period`, since they
+/// may have been decided anywhere in it. Second: operations whose effect
+/// cannot be placed (an allowed check or a refund whose reply names no
+/// period of that kind), each with why.
+pub fn events_in_period(
+    events: &[Event],
+    tenant: &str,
+    period: Period,
+    offset_ms: i64,
+) -> (Vec<Event>, Vec<String>) {
+    let mut inside = Vec::new();
+    let mut unplaced = Vec::new();
+    for e in events.iter().filter(|e| e.tenant == tenant) {
+        match period_of(e, period.kind, offset_ms) {
+            Ok(p) => {
+                if p == period {
+                    inside.push(e.clone());
+                }
+            }
+            Err(why) if e.allowed() => unplaced.push(format!("{why}: {e:?}")),
+            Err(_) => {
+                let at = |us: u64| (us / 1000).saturating_add_signed(offset_ms);
+                let (from, to) = (at(e.start_us), at(e.end_us));
+                if (from as i64) < period.end_ms() && (to as i64) >= period.start_ms() {
+                    inside.push(e.clone());
+                }
+            }
+        }
+    }
+    (inside, unplaced)
+}
+
+// ---------------------------------------------------------------------------
 // How far behind a node's view of the global count was
 // ---------------------------------------------------------------------------
 
@@ -915,6 +985,7 @@ mod tests {
                 remaining: 0,
                 reset_ms,
                 window_ms: 1000,
+                period: None,
             }];
             e
         };
@@ -1032,6 +1103,59 @@ mod tests {
                 .len(),
             2
         );
+    }
+
+    #[test]
+    fn an_answer_belongs_to_the_period_its_reply_names() {
+        // The deciding clock runs 1000 s ahead; November 2026 ends at
+        // `end` in it. A decision 300 ms before the end (bracket 10 ms)
+        // and one 200 ms after it.
+        let offset_ms = 1_000_000;
+        let nov = PeriodKind::Month.at(1_795_000_000_000);
+        let end = nov.end_ms() as u64;
+        let month = |at_ms: u64, period: Period| TierInfo {
+            tier: "global".into(),
+            limit: 300,
+            remaining: 1,
+            reset_ms: period.end_ms() as u64 - at_ms,
+            window_ms: period.len_ms(),
+            period: Some("month".into()),
+        };
+        let decided = |at_ms: u64, period: Period| {
+            let mut e = ev(
+                "eu",
+                at_ms - offset_ms as u64 - 5,
+                Outcome::Ok {
+                    mode: "redis".into(),
+                },
+            );
+            e.end_us += 9_000;
+            e.tiers = vec![month(at_ms, period)];
+            e
+        };
+        let before = decided(end - 300, nov);
+        let after = decided(end + 200, nov.next());
+        assert_eq!(period_of(&before, PeriodKind::Month, offset_ms), Ok(nov));
+        assert_eq!(
+            period_of(&after, PeriodKind::Month, offset_ms),
+            Ok(nov.next())
+        );
+        assert!(period_of(&before, PeriodKind::Day, offset_ms).is_err());
+        // A reply whose window is not its period's length is not placed.
+        let mut wrong = before.clone();
+        wrong.tiers[0].window_ms += 1;
+        assert!(period_of(&wrong, PeriodKind::Month, offset_ms).is_err());
+        // Without an answer: wherever the bracket overlaps.
+        let mut lost = ev(
+            "eu",
+            end - offset_ms as u64 - 1,
+            Outcome::Unknown("reset".into()),
+        );
+        lost.end_us += 5_000;
+        let h = vec![before, after, lost, wrong];
+        let (old, unplaced) = events_in_period(&h, "g", nov, offset_ms);
+        let (new, _) = events_in_period(&h, "g", nov.next(), offset_ms);
+        assert_eq!((old.len(), new.len(), unplaced.len()), (2, 2, 1));
     }
 
     #[test]

@@ -75,6 +75,8 @@ impl Cluster {
             .map(|n| (n.name(), n.admin.clone(), n.base.clone()))
             .collect();
         let http = self.http.clone();
+        // The nodes stamp their publications with their own (maybe faked) clock.
+        let offset_us = self.clock_offset_ms * 1000;
         let (s2, samples2) = (stop.clone(), samples.clone());
         // The views every 100 ms, one task per node: a view changes at
         // every broadcast, faster than the metrics sampler goes round.
@@ -117,7 +119,7 @@ impl Cluster {
                     let mut s = samples2.lock().unwrap();
                     for m in WATCHED {
                         let value = if m == "publish_lag_seconds" {
-                            publish_lag(&text, t)
+                            publish_lag(&text, t.saturating_add_signed(offset_us))
                         } else {
                             metric_value(&text, m)
                         };

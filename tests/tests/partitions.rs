@@ -37,8 +37,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use harness::cluster::{
-    Cluster, Spec, BROADCAST_INTERVAL_MS, DELTAS, FLUSH_INTERVAL_MS, FOLLOWER_FETCH_WAIT_MS,
-    NODE_IDS, REGIONS,
+    wait, Cluster, Spec, BROADCAST_INTERVAL_MS, DEADLINE, DELTAS, FLUSH_INTERVAL_MS,
+    FOLLOWER_FETCH_WAIT_MS, NODE_IDS, REGIONS,
 };
 use harness::history::{self, now_us, Op, Outcome};
 use harness::load::{publish_lag, Load, Sampler, Samples, VIEW_TOTAL};
@@ -263,8 +263,7 @@ impl Scenario {
         env: &[(&str, &str)],
         view_of: Option<&str>,
     ) -> Scenario {
-        let t0 = Instant::now();
-        let c = Cluster::start(Spec {
+        let spec = Spec {
             plans: plans(),
             node_extra: node_extra.into(),
             kafka_extra: String::new(),
@@ -273,8 +272,20 @@ impl Scenario {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             bin_dir: None,
-        })
-        .await;
+            clock_offset_s: 0,
+        };
+        Self::launch(name, traffic, spec, view_of).await
+    }
+
+    /// Starts the cluster of `spec` and `traffic` on every node.
+    async fn launch(
+        name: &'static str,
+        traffic: &[(&'static str, f64, u32)],
+        spec: Spec,
+        view_of: Option<&str>,
+    ) -> Scenario {
+        let t0 = Instant::now();
+        let c = Cluster::start(spec).await;
         println!(
             "== {name}: cluster ready in {:.1}s (topology slot {})",
             t0.elapsed().as_secs_f64(),
@@ -385,7 +396,7 @@ impl Scenario {
                 let (age, lag) = match self.c.node_metrics_text(node).await {
                     Some(text) => (
                         metric_value(&text, "tierlimit_view_age_seconds"),
-                        publish_lag(&text, now_us()),
+                        publish_lag(&text, self.c.clock_now_us()),
                     ),
                     None => (f64::INFINITY, f64::INFINITY),
                 };
@@ -1553,6 +1564,348 @@ async fn timed_out_redis_calls_are_not_applied_after_the_heal() {
 /// on both ways, transparently (same address and port); processes started
 /// in a namespace are the program itself (`ip netns exec` execs in place,
 /// so `PR_SET_PDEATHSIG` and the pid are the program's).
+/// Issue 33's month limit of the partition suite: `m` may allow
+/// [`M_LIMIT`] a calendar month (and far more a day); `mt` has a large
+/// month limit and a refund after every 10th allowed check.
+const M_LIMIT: u64 = 300;
+const MONTH_PLANS: &str = r#"
+[plans.month]
+global = { day = 100000000, month = 300 }
+[plans.month_big]
+global = { day = 100000000, month = 100000000 }
+[tenants.m]
+plan = "month"
+[tenants.mt]
+plan = "month_big"
+"#;
+/// The deployment's month ends this long after its clock offset is
+/// computed: the cluster starts in that time (1 to 12 s on 2 cores).
+const MONTH_END_IN: Duration = Duration::from_secs(26);
+/// Traffic starts this long before the month's end, in Redis' clock: at
+/// 4 × 12 checks a second `m` reaches its month limit in the old month.
+const TRAFFIC_BEFORE_END: Duration = Duration::from_secs(11);
+/// The least old-month traffic for the test to mean something: if the
+/// cluster came up later than this before the month's end, it fails.
+const LEAST_BEFORE_END: Duration = Duration::from_secs(8);
+/// `eu` is cut from the core from this long before the month's end...
+const CUT_BEFORE_END: Duration = Duration::from_secs(5);
+/// ...to this long after it.
+const CUT_AFTER_END: Duration = Duration::from_secs(5);
+
+/// A partition spanning a calendar month's end (issue 33). Every clock that
+/// decides (each region's Redis, whose `TIME` places a decision in its
+/// period; the nodes; the aggregator) runs under libfaketime, offset so
+/// that the month ends about [`MONTH_END_IN`] after the test starts; Tansu
+/// and the test keep the real clock. `eu` and `us` drive `m` (month limit
+/// [`M_LIMIT`]) and `mt` (refunds) from 11 s before the end; `eu` is cut
+/// from the broker and the aggregator from 5 s before to 5 s after it,
+/// then healed. From the clients' record, each answer placed in its month
+/// by the period its reply names (`tiers[].period`, `reset_ms`):
+///
+/// 1. in each month `m` reached its limit, and its overshoot is within the
+///    design's bound (others' traffic within the staleness of each
+///    region's view: `history::overshoot`, on that month's operations);
+/// 2. each month's count is exact once healed: allowed − refunded of that
+///    month equals what the regions charged in it (their Redis' counters of
+///    that month, plus what nodes charged in `local` mode), or, for an
+///    answer that did not say what was charged, that lies within the
+///    record's range; and the aggregator holds exactly the regions' count
+///    of each month: its last broadcast of it (`m`), its dashboard's units
+///    of the period (the closed month is not in `GET /v1/global/{tenant}`,
+///    which lists the current month only), its current month in
+///    `periods`, and its `yesterday` and `today` (the day tier, whose days
+///    the month's end also splits: each day's count is its month's);
+/// 3. the cut showed in eu's metrics; no process panicked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_cut_from_kafka_across_a_month_end() {
+    use tierlimit_shared::period::{Period, PeriodKind};
+    let name = "region_cut_from_kafka_across_a_month_end";
+    let real_ms = now_us() / 1000;
+    // The month that ends at least MONTH_END_IN from now (the next one if
+    // the real month ends sooner), and the whole seconds that put its end
+    // MONTH_END_IN ahead.
+    let lead_ms = MONTH_END_IN.as_millis() as u64;
+    let end_ms = PeriodKind::Month.at(real_ms + lead_ms).end_ms();
+    let offset_s = (end_ms - (real_ms + lead_ms) as i64).div_euclid(1000);
+    let offset_ms = offset_s * 1000;
+    let old_month = PeriodKind::Month.at(end_ms as u64 - 1);
+    let new_month = old_month.next();
+    let (old_day, new_day) = (
+        Period::day((end_ms / 86_400_000) as u32 - 1),
+        Period::day((end_ms / 86_400_000) as u32),
+    );
+    println!(
+        "== {name}: clocks {offset_s:+} s: {} ends in {:.1}s",
+        old_month.human(),
+        (end_ms - offset_ms) as f64 / 1000.0 - real_ms as f64 / 1000.0
+    );
+    let spec = Spec {
+        plans: format!("{}{MONTH_PLANS}", plans()),
+        node_extra: String::new(),
+        kafka_extra: String::new(),
+        env: Vec::new(),
+        bin_dir: None,
+        clock_offset_s: offset_s,
+    };
+    let mut s = Scenario::launch(name, &[], spec, None).await;
+    let end = end_ms as u64;
+    let redis_ms = async |s: &Scenario| s.c.redis_time_ms("eu").await.unwrap_or(0);
+    // The faked clocks are the deployment's: Redis' agrees with the offset.
+    let skew = redis_ms(&s).await as i64 - (now_us() / 1000) as i64 - offset_ms;
+    assert!(
+        skew.abs() < 2000,
+        "eu's Redis clock is {skew} ms off the offset {offset_s} s: libfaketime did not take"
+    );
+    let until = async |s: &Scenario, what: &str, at_ms: u64| {
+        wait(what, DEADLINE, async || redis_ms(s).await >= at_ms).await
+    };
+    let left = end.saturating_sub(redis_ms(&s).await);
+    assert!(
+        left >= LEAST_BEFORE_END.as_millis() as u64,
+        "the cluster was ready only {left} ms before the month's end (at least {LEAST_BEFORE_END:?} of traffic is needed before it): raise MONTH_END_IN"
+    );
+    let before = |d: Duration| end - d.as_millis() as u64;
+    until(
+        &s,
+        "11 s before the month's end",
+        before(TRAFFIC_BEFORE_END),
+    )
+    .await;
+    let regions = ["eu", "us"];
+    s.loads.push(s.c.load("m", &regions, 12.0, 0));
+    s.loads.push(s.c.load("mt", &regions, 5.0, 10));
+    s.tenants = vec!["m", "mt"];
+    until(&s, "5 s before the month's end", before(CUT_BEFORE_END)).await;
+    s.begin("eu cut from core (broker + aggregator) across the month's end");
+    s.c.topo.partition("eu", "core");
+    let eu = region_nodes("eu");
+    s.expect_cut_from_kafka(&eu, secs(CUT_BEFORE_END + CUT_AFTER_END) - 2.0);
+    until(
+        &s,
+        "5 s after the month's end",
+        end + CUT_AFTER_END.as_millis() as u64,
+    )
+    .await;
+    s.c.topo.heal();
+    s.end();
+    s.expect_recovery(&eu).await;
+    s.hold(AFTER).await;
+    for l in std::mem::take(&mut s.loads) {
+        l.stop().await;
+    }
+    s.c.log("traffic stopped");
+    let ev = s.c.history.events();
+    println!("history: {} operations", ev.len());
+    let samples = s.sampler.take().expect("sampler").stop().await;
+    let st: BTreeMap<&str, Duration> = regions
+        .iter()
+        .map(|r| (*r, s.staleness(&samples, r)))
+        .collect();
+
+    let mut wants = BTreeMap::new();
+    for tenant in ["m", "mt"] {
+        // 2. Each month's and each day's count, from the record.
+        let mut want = BTreeMap::new();
+        for period in [old_month, new_month, old_day, new_day] {
+            let (evs, unplaced) = history::events_in_period(&ev, tenant, period, offset_ms);
+            if !unplaced.is_empty() {
+                s.fail(format!(
+                    "{tenant}: {} operations not placed in a {}, e.g. {}",
+                    unplaced.len(),
+                    period.kind.name(),
+                    unplaced[0]
+                ));
+            }
+            print!(
+                "{} {}: {}",
+                period.human(),
+                period.kind.name(),
+                history::summary(&evs, tenant)
+            );
+            let g = history::global_expectation(&evs, tenant, STORE_TIMEOUT);
+            // What the regions charged in the period: their Redis' counters
+            // plus what nodes charged in `local` mode (answered from the
+            // plan's fail mode when a Redis call outlasted the store timeout
+            // on a loaded machine; those answers are certain, and counted
+            // by the node's own actor, not in Redis). The record's count
+            // exactly, or, when an answer did not say what was charged
+            // (a local or 503 answer after a store timeout, no answer),
+            // within its range. The aggregator must hold exactly this.
+            let mut truth = 0;
+            for r in REGIONS {
+                if let Some((p, n)) = s.c.redis_period_counter(r, tenant, period).await {
+                    truth += p - n;
+                }
+            }
+            let local: i64 = evs
+                .iter()
+                .filter(|e| e.mode() == Some("local") && e.allowed())
+                .map(|e| match e.op {
+                    Op::Check => e.cost as i64,
+                    Op::Refund => -(e.refunded.unwrap_or(e.cost) as i64),
+                })
+                .sum();
+            let truth = (truth as i64 + local) as u64;
+            let (lo, hi) = g.range();
+            println!(
+                "{tenant} in {}: {g:?}; the regions' Redis and local actors {truth} (local {local})",
+                period.human()
+            );
+            if (g.is_exact() && truth != g.net()) || !(lo..=hi).contains(&truth) {
+                s.fail(format!(
+                    "{tenant} in {}: the regions count {truth} (Redis + local {local}), the record {} (accepted {lo}..={hi}): {g:?}",
+                    period.human(),
+                    g.net()
+                ));
+            }
+            if g.counted == 0 {
+                s.fail(format!("{tenant}: nothing allowed in {}", period.human()));
+            }
+            want.insert(period, truth);
+            // 1. The month tier's overshoot, month by month.
+            if tenant == "m" && period.kind == PeriodKind::Month {
+                let o = history::overshoot(&evs, tenant, M_LIMIT, |r| {
+                    st.get(r).copied().unwrap_or(PIPELINE)
+                });
+                print!("{} {}", period.human(), o.describe());
+                println!(
+                    "OVERSHOOT {name} {}: allowed {} of {} (overshoot {}), bound {}",
+                    period.human(),
+                    o.allowed,
+                    o.limit,
+                    o.overshoot,
+                    o.bound
+                );
+                if o.allowed < M_LIMIT {
+                    s.fail(format!(
+                        "m: only {} allowed in {}: the month limit {M_LIMIT} was never reached",
+                        o.allowed,
+                        period.human()
+                    ));
+                }
+                if !o.within_bound() {
+                    s.fail(format!(
+                        "m in {}: overshoot {} exceeds the design's bound {}",
+                        period.human(),
+                        o.overshoot,
+                        o.bound
+                    ));
+                }
+            }
+        }
+        // The whole month's units fall on its last day, the new month's on
+        // its first: each day's count is its month's.
+        for (m, d) in [(old_month, old_day), (new_month, new_day)] {
+            if want[&m] != want[&d] {
+                s.fail(format!(
+                    "{tenant}: the regions count {} units in {} but {} in its day {}",
+                    want[&m],
+                    m.human(),
+                    want[&d],
+                    d.human()
+                ));
+            }
+        }
+        wants.insert(tenant, want);
+    }
+
+    // The aggregator, once healed and drained: per tenant, its current
+    // month (`periods`), `yesterday` and `today`; the closed month by the
+    // last broadcast of it (only a tenant near its limit is broadcast: `m`)
+    // and by the dashboard's units per period, which hold every tenant's
+    // counter of the period (only `m` and `mt` have month tiers).
+    let agg = |v: &serde_json::Value| {
+        let month = v["periods"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["kind"] == "month"))
+            .filter(|p| p["period"] == new_month.label())
+            .and_then(|p| p["total"].as_u64());
+        let day = |d: &serde_json::Value, want: Period| {
+            (d["day"].as_u64() == Some(want.index as u64))
+                .then(|| d["total"].as_u64())
+                .flatten()
+        };
+        (
+            month,
+            day(&v["yesterday"], old_day),
+            day(&v["today"], new_day),
+        )
+    };
+    let sum = |p: Period| wants.values().map(|w| w[&p]).sum::<u64>();
+    let start = Instant::now();
+    let mut seen = String::new();
+    let converged = loop {
+        let mut ok = true;
+        seen.clear();
+        for (tenant, w) in &wants {
+            let v = s.c.aggregator_view(tenant).await;
+            let got = agg(&v);
+            ok &= v["caught_up"] == true
+                && got == (Some(w[&new_month]), Some(w[&old_day]), Some(w[&new_day]));
+            seen += &format!("{tenant}: (current month, yesterday, today) {got:?}; ");
+        }
+        let b = s.c.broadcast_totals("m").await;
+        ok &= b.get(&old_month.label()) == Some(&wants["m"][&old_month])
+            && b.get(&new_month.label()) == Some(&wants["m"][&new_month]);
+        seen += &format!("m's last broadcasts {b:?}; ");
+        let units = s.c.aggregator_period_units(&[old_month, new_month]).await;
+        ok &= units == vec![Some(sum(old_month)), Some(sum(new_month))];
+        seen += &format!("the dashboard's units of the two months {units:?}");
+        if ok || start.elapsed() > Duration::from_secs(20) {
+            break ok;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let record: Vec<String> = wants
+        .iter()
+        .map(|(t, w)| {
+            format!(
+                "{t}: {} {}, {} {}",
+                old_month.human(),
+                w[&old_month],
+                new_month.human(),
+                w[&new_month]
+            )
+        })
+        .collect();
+    if converged {
+        s.c.log(&format!(
+            "the aggregator holds the regions' counts exactly ({}): {seen}",
+            record.join("; ")
+        ));
+    } else {
+        s.fail(format!(
+            "the aggregator does not hold the regions' counts ({}) 20 s after the heal: {seen}",
+            record.join("; ")
+        ));
+    }
+
+    // 3. The cut showed; no panics.
+    for p in s.c.panics() {
+        s.fail(format!("panic: {p}"));
+    }
+    s.check_metrics(&samples);
+    println!(
+        "== {name}: {} in {:.1}s",
+        if s.failures.is_empty() {
+            "ok"
+        } else {
+            "FAILED"
+        },
+        s.t0.elapsed().as_secs_f64()
+    );
+    if !s.failures.is_empty() {
+        s.c.keep_logs = true;
+        let Scenario { c, failures, .. } = s;
+        drop(c);
+        panic!(
+            "{name}: {} failed checks:\n  {}",
+            failures.len(),
+            failures.join("\n  ")
+        );
+    }
+}
+
 #[test]
 fn topology_self_test() {
     use std::io::{Read, Write};
