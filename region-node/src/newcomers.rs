@@ -334,6 +334,41 @@ fn parse(v: Value) -> Option<(i64, u64)> {
 mod tests {
     use super::*;
 
+    /// Issue 36, item 5: the memory a node spends remembering a full day of
+    /// newcomers at the default `max_per_day` (100 000), which README
+    /// quotes (~1.6 MB): the tables' allocation, computed from each shard's
+    /// capacity as std's (hashbrown's) layout gives it — a power-of-two
+    /// number of buckets, each an 8-byte hash and a control byte, plus a
+    /// group of control bytes.
+    #[test]
+    fn a_full_day_of_100_000_newcomers_costs_a_node_under_two_megabytes() {
+        const DAY: u32 = 20_000;
+        const CAP: u64 = 100_000;
+        let seen = Seen::new();
+        for i in 0..CAP {
+            seen.insert(&format!("invented-{i}"), DAY, CAP);
+        }
+        // The cap holds: one more is not remembered.
+        assert_eq!(seen.insert("one-more", DAY, CAP), CAP);
+        assert!(!seen.contains("one-more", DAY));
+        assert!(seen.contains("invented-77", DAY));
+        let bytes: usize = seen
+            .shards
+            .iter()
+            .map(|s| {
+                let cap = s.read().unwrap().tenants.capacity();
+                let buckets = (cap * 8).div_ceil(7).next_power_of_two();
+                buckets * (8 + 1) + 16
+            })
+            .sum();
+        println!(
+            "{CAP} newcomers: {bytes} B in the set's tables, {:.1} B each",
+            bytes as f64 / CAP as f64
+        );
+        assert!(bytes >= 9 * CAP as usize, "{bytes}");
+        assert!(bytes <= 2_000_000, "{bytes} B for {CAP} newcomers");
+    }
+
     #[test]
     fn the_next_day_starts_at_midnight_utc() {
         // Day 1 starts at 86 400 s; one second before it, 1 000 ms remain.
