@@ -41,23 +41,44 @@ impl Rng {
     }
 }
 
-#[tokio::test]
-async fn script_matches_the_model() {
+/// What every family starts from: a redis-server with the script on a fake
+/// clock (loaded once: FLUSHDB between scenarios keeps the script cache),
+/// the number of scenarios (`LUA_MODEL_SCENARIOS`, else the family's
+/// default) and the family's own stream of the seed (`LUA_MODEL_SEED`),
+/// both printed so a failure can be replayed.
+struct Family {
+    _redis: Redis,
+    con: redis::aio::MultiplexedConnection,
+    sha: String,
+    scenarios: u64,
+    rng: Rng,
+}
+
+async fn family(default_scenarios: u64, stream: u64) -> Family {
     let redis = Redis::start();
     let mut con = redis.client().await;
-    // Loaded once: FLUSHDB between scenarios keeps the script cache.
     let sha = harness::lua::load_with_fake_clock(&mut con).await;
-
-    let seed: u64 = std::env::var("LUA_MODEL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x9E37_79B9_7F4A_7C15);
-    let scenarios: u64 = std::env::var("LUA_MODEL_SCENARIOS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(400);
+    let seed = env_u64("LUA_MODEL_SEED", 0x9E37_79B9_7F4A_7C15);
+    let scenarios = env_u64("LUA_MODEL_SCENARIOS", default_scenarios);
     println!("seed {seed}, {scenarios} scenarios (LUA_MODEL_SEED / LUA_MODEL_SCENARIOS)");
-    let mut rng = Rng(seed);
+    Family {
+        _redis: redis,
+        con,
+        sha,
+        scenarios,
+        rng: Rng(seed ^ stream),
+    }
+}
+
+#[tokio::test]
+async fn script_matches_the_model() {
+    let Family {
+        _redis,
+        mut con,
+        sha,
+        scenarios,
+        mut rng,
+    } = family(400, 0).await;
     let mut ops = 0u64;
     let mut by_handle_refunds = 0u64;
     let mut mismatches = Vec::new();
@@ -291,17 +312,16 @@ impl DayCounts {
 /// in, and nothing to the global count of D+1.
 #[tokio::test]
 async fn script_matches_the_model_across_days() {
-    let redis = Redis::start();
-    let mut con = redis.client().await;
-    let sha = harness::lua::load_with_fake_clock(&mut con).await;
-
-    let seed = env_u64("LUA_MODEL_SEED", 0x9E37_79B9_7F4A_7C15);
     // Fewer than the family above by default (each operation may be two
-    // calls, and the suite's time is shared): a few seconds.
-    let scenarios = env_u64("LUA_MODEL_SCENARIOS", 150);
-    println!("seed {seed}, {scenarios} scenarios (LUA_MODEL_SEED / LUA_MODEL_SCENARIOS)");
-    // Another stream than `script_matches_the_model`'s from the same seed.
-    let mut rng = Rng(seed ^ 0xD1B5_4A32_D192_ED03);
+    // calls, and the suite's time is shared): a few seconds. Another
+    // stream than `script_matches_the_model`'s from the same seed.
+    let Family {
+        _redis,
+        mut con,
+        sha,
+        scenarios,
+        mut rng,
+    } = family(150, 0xD1B5_4A32_D192_ED03).await;
     let (mut ops, mut midnights, mut other_day_checks, mut other_day_rest) =
         (0u64, 0u64, 0u64, 0u64);
     let (mut global_denials, mut cross_day_handles) = (0u64, 0u64);
@@ -625,13 +645,13 @@ async fn script_matches_the_model_across_days() {
 async fn script_matches_the_model_with_several_global_tiers() {
     use std::collections::HashMap;
     use tierlimit_shared::period::{days_from_civil, Period, PeriodKind};
-    let redis = Redis::start();
-    let mut con = redis.client().await;
-    let sha = harness::lua::load_with_fake_clock(&mut con).await;
-    let seed = env_u64("LUA_MODEL_SEED", 0x9E37_79B9_7F4A_7C15);
-    let scenarios = env_u64("LUA_MODEL_SCENARIOS", 150);
-    println!("seed {seed}, {scenarios} scenarios (LUA_MODEL_SEED / LUA_MODEL_SCENARIOS)");
-    let mut rng = Rng(seed ^ 0x5851_F42D_4C95_7F2D);
+    let Family {
+        _redis,
+        mut con,
+        sha,
+        scenarios,
+        mut rng,
+    } = family(150, 0x5851_F42D_4C95_7F2D).await;
     // Instants just before an hour, a day, a week and a month end.
     let starts: Vec<u64> = [
         (2028, 2, 28),
