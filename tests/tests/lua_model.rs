@@ -41,18 +41,13 @@ impl Rng {
     }
 }
 
-/// What every family starts from: a redis-server with the script on a fake
-/// clock (loaded once: FLUSHDB between scenarios keeps the script cache),
-/// the number of scenarios (`LUA_MODEL_SCENARIOS`, else the family's
-/// default) and the family's own stream of the seed (`LUA_MODEL_SEED`),
-/// both printed so a failure can be replayed.
-struct Family {
-    _redis: Redis,
-    con: redis::aio::MultiplexedConnection,
-    sha: String,
-    scenarios: u64,
-    rng: Rng,
-}
+/// What every family starts from: a redis-server (kept alive by the
+/// caller), a connection to it with the script loaded on a fake clock
+/// (once: FLUSHDB between scenarios keeps the script cache), its SHA, the
+/// number of scenarios (`LUA_MODEL_SCENARIOS`, else the family's default)
+/// and the family's own stream of the seed (`LUA_MODEL_SEED`), both
+/// printed so a failure can be replayed.
+type Family = (Redis, redis::aio::MultiplexedConnection, String, u64, Rng);
 
 async fn family(default_scenarios: u64, stream: u64) -> Family {
     let redis = Redis::start();
@@ -61,24 +56,12 @@ async fn family(default_scenarios: u64, stream: u64) -> Family {
     let seed = env_u64("LUA_MODEL_SEED", 0x9E37_79B9_7F4A_7C15);
     let scenarios = env_u64("LUA_MODEL_SCENARIOS", default_scenarios);
     println!("seed {seed}, {scenarios} scenarios (LUA_MODEL_SEED / LUA_MODEL_SCENARIOS)");
-    Family {
-        _redis: redis,
-        con,
-        sha,
-        scenarios,
-        rng: Rng(seed ^ stream),
-    }
+    (redis, con, sha, scenarios, Rng(seed ^ stream))
 }
 
 #[tokio::test]
 async fn script_matches_the_model() {
-    let Family {
-        _redis,
-        mut con,
-        sha,
-        scenarios,
-        mut rng,
-    } = family(400, 0).await;
+    let (_redis, mut con, sha, scenarios, mut rng) = family(400, 0).await;
     let mut ops = 0u64;
     let mut by_handle_refunds = 0u64;
     let mut mismatches = Vec::new();
@@ -315,13 +298,7 @@ async fn script_matches_the_model_across_days() {
     // Fewer than the family above by default (each operation may be two
     // calls, and the suite's time is shared): a few seconds. Another
     // stream than `script_matches_the_model`'s from the same seed.
-    let Family {
-        _redis,
-        mut con,
-        sha,
-        scenarios,
-        mut rng,
-    } = family(150, 0xD1B5_4A32_D192_ED03).await;
+    let (_redis, mut con, sha, scenarios, mut rng) = family(150, 0xD1B5_4A32_D192_ED03).await;
     let (mut ops, mut midnights, mut other_day_checks, mut other_day_rest) =
         (0u64, 0u64, 0u64, 0u64);
     let (mut global_denials, mut cross_day_handles) = (0u64, 0u64);
@@ -645,13 +622,7 @@ async fn script_matches_the_model_across_days() {
 async fn script_matches_the_model_with_several_global_tiers() {
     use std::collections::HashMap;
     use tierlimit_shared::period::{days_from_civil, Period, PeriodKind};
-    let Family {
-        _redis,
-        mut con,
-        sha,
-        scenarios,
-        mut rng,
-    } = family(150, 0x5851_F42D_4C95_7F2D).await;
+    let (_redis, mut con, sha, scenarios, mut rng) = family(150, 0x5851_F42D_4C95_7F2D).await;
     // Instants just before an hour, a day, a week and a month end.
     let starts: Vec<u64> = [
         (2028, 2, 28),
