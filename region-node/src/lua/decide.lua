@@ -198,7 +198,7 @@ end
 -- another one does nothing and answers -3, as for the day; a refund gives
 -- nothing back to a period that has ended: a closed period never changes).
 local XPRE, XSTART, XEND, XLIM, XBT, XCAP, XURG, XNP, XPARTS, XFIRST = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
-local XOPEN, XP, XN, XNREAD, XEPOCH, XNEW, XREM, XOK, XMP, XMN, XCHANGED, XOTH = 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22
+local XOPEN, XP, XN, XNREAD, XEPOCH, XNEW, XREM, XCHANGED, XOTH = 11, 12, 13, 14, 15, 16, 17, 18, 19
 local xs = {}
 local first_epoch = 6 + K + E
 if op == 'refund' then first_epoch = first_epoch + 2 end
@@ -214,7 +214,7 @@ for j = 1, E do
   if not open and op == 'check' then return { -3, now_ms } end
   fields[nf + 1] = prefix .. 'e'; fields[nf + 2] = prefix .. 'p'
   fields[nf + 3] = prefix .. 'n'; fields[nf + 4] = prefix .. 'd'
-  xs[j] = { prefix, s0, e0, lim, bt, cap, urg, np, parts, nf, open, 0, 0, 0, false, false, -1, true, 0, 0, false, 0 }
+  xs[j] = { prefix, s0, e0, lim, bt, cap, urg, np, parts, nf, open, 0, 0, 0, false, false, -1, false, 0 }
   nf = nf + 4
 end
 -- The epochs of the other periods' actors come first, then the day's.
@@ -413,7 +413,7 @@ for j = 1, E do
   if mp > xp or mn > xn then
     xp = math.max(xp, mp); xn = math.max(xn, mn); x[XCHANGED] = true
   end
-  x[XP] = xp; x[XN] = xn; x[XMP] = mp; x[XMN] = mn
+  x[XP] = xp; x[XN] = xn
   if x[XLIM] > 0 then
     local others = x[XBT] - (mp - mn)
     if others < 0 then others = 0 end
@@ -424,7 +424,6 @@ for j = 1, E do
     if rem < 0 then rem = 0 end
     x[XREM] = rem
     if op == 'check' and gcost > rem then
-      x[XOK] = false
       if x_denied == 0 then x_denied = j end
       local r = x[XEND] - now_ms
       if r > x_retry then x_retry = r end

@@ -335,7 +335,7 @@ pub fn heartbeat_body(version: u8, h: &Heartbeat) -> Vec<u8> {
 
 /// Decodes a heartbeat (the signature is checked by the caller).
 pub fn decode_heartbeat(bytes: &[u8]) -> Result<Frame<'_, Heartbeat>, DecodeError> {
-    let (message, signed, auth) = frame::<Heartbeat>(bytes, Kind::Heartbeat)?.1;
+    let (message, signed, auth) = frame::<Heartbeat>(bytes, Kind::Heartbeat)?;
     Ok(Frame {
         message,
         signed,
@@ -369,26 +369,25 @@ fn frame_of<'a, B2: Deserialize<'a>, B3: Deserialize<'a>>(
     let version = bytes.first().copied();
     let (body, signed, auth) = match version {
         Some(V3) => {
-            let (_, (b, signed, auth)) = frame::<B3>(bytes, kind)?;
+            let (b, signed, auth) = frame::<B3>(bytes, kind)?;
             (Either::V3(b), signed, auth)
         }
         _ => {
-            let (_, (b, signed, auth)) = frame::<B2>(bytes, kind)?;
+            let (b, signed, auth) = frame::<B2>(bytes, kind)?;
             (Either::V2(b), signed, auth)
         }
     };
     Ok((body, signed, auth))
 }
 
-/// Splits a v2 or v3 record of `kind` into its version byte and its body
-/// (decoded as `B`), signed bytes and authentication.
-#[allow(clippy::type_complexity)]
+/// Splits a v2 or v3 record of `kind` into its body (decoded as `B`),
+/// signed bytes and authentication.
 fn frame<'a, B: Deserialize<'a>>(
     bytes: &'a [u8],
     kind: Kind,
-) -> Result<(u8, (B, &'a [u8], Auth)), DecodeError> {
+) -> Result<(B, &'a [u8], Auth), DecodeError> {
     match bytes {
-        [v @ (V2 | V3), k, rest @ ..] if *k == kind as u8 => {
+        [V2 | V3, k, rest @ ..] if *k == kind as u8 => {
             let (body, after_body) = postcard::take_from_bytes::<B>(rest).map_err(binary)?;
             let signed = &bytes[..bytes.len() - after_body.len()];
             let (auth, trailing) = postcard::take_from_bytes::<Auth>(after_body).map_err(binary)?;
@@ -398,7 +397,7 @@ fn frame<'a, B: Deserialize<'a>>(
                     trailing.len()
                 )));
             }
-            Ok((*v, (body, signed, auth)))
+            Ok((body, signed, auth))
         }
         [V2 | V3, k, ..] => Err(DecodeError::Field(format!(
             "record kind {k} where {} was expected",
