@@ -47,7 +47,7 @@ use rdkafka::types::RDKafkaRespErr;
 use tierlimit_shared::config::{AggregatorSettings, KafkaConfig};
 use tierlimit_shared::messages::{now_ms, DecodeError};
 use tierlimit_shared::retention;
-use tierlimit_shared::wire::Reject;
+use tierlimit_shared::wire::{DeltaRecord, Reject};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -303,7 +303,7 @@ impl DeltaConsumer {
     fn handle(&self, msg: &BorrowedMessage<'_>) {
         let (partition, offset) = (msg.partition(), msg.offset());
         let decoded = match (msg.payload(), self.state.delta_verifier()) {
-            (Some(bytes), Ok(verifier)) => verifier.decode(bytes),
+            (Some(bytes), Ok(verifier)) => verifier.decode_any(bytes),
             (None, _) => Err(Reject::Corrupt(DecodeError::Field(
                 "empty payload (tombstone)".into(),
             ))),
@@ -312,7 +312,10 @@ impl DeltaConsumer {
             )))),
         };
         match decoded {
-            Ok(delta) => self.state.on_delta(partition, offset, &delta),
+            Ok(DeltaRecord::Delta(delta)) => self.state.on_delta(partition, offset, &delta),
+            Ok(DeltaRecord::Status(status)) => {
+                self.state.on_node_status(partition, offset, &status)
+            }
             Err(reject) => {
                 self.state.on_rejected(partition, offset, &reject);
                 // Logged once per reason and interval; the metric counts all.

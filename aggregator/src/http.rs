@@ -45,7 +45,8 @@ type AppState = Arc<State>;
 pub fn router(state: Arc<State>, http: &HttpSettings) -> Router {
     let api = Router::new()
         .route("/v1/global/{tenant}", get(tenant_view))
-        .route("/v1/over-limit", get(over_limit));
+        .route("/v1/over-limit", get(over_limit))
+        .route("/v1/limits/status", get(limits_status));
     let api = tierlimit_shared::auth::require_auth(
         api,
         tierlimit_shared::auth::Authn {
@@ -286,6 +287,75 @@ pub struct OverLimitView {
     /// of their tiers in its current period (today for the day's), ordered
     /// by tenant id then tier (hour, day, week, month).
     pub tenants: Vec<OverLimitTenant>,
+}
+
+/// `?version=V` of `/v1/limits/status`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StatusQuery {
+    version: Option<u64>,
+}
+
+/// Has limits version V (default: the newest this aggregator applied)
+/// reached every region-node heard from recently? Which ones lag?
+/// (`nodes.rs`). Needs `read`; 404 `limits-from-file` when tenants come
+/// from the file.
+async fn limits_status(
+    AxumState(state): AxumState<AppState>,
+    Extension(who): Extension<Principal>,
+    query: Result<axum::extract::Query<StatusQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    if let Err(e) = who.require(Scope::Read, None) {
+        return refuse(&state, e.into());
+    }
+    let axum::extract::Query(query) = match query {
+        Ok(q) => q,
+        Err(e) => {
+            return refuse(
+                &state,
+                Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "bad-query",
+                    "Invalid query",
+                    format!("{e} (expected ?version=<integer>)"),
+                ),
+            )
+        }
+    };
+    let config = state.live().load();
+    let Some(table) = config.limits() else {
+        return refuse(
+            &state,
+            Problem::new(
+                StatusCode::NOT_FOUND,
+                "limits-from-file",
+                "Limits come from the configuration file",
+                "limits.source is \"file\": no limits topic is followed, so there is no version to report",
+            ),
+        );
+    };
+    let mut report = state.nodes.report(
+        query.version,
+        config.config.limits.lag_alert_after,
+        now_ms(),
+    );
+    report.newest = report.newest.max(table.applied_version());
+    Json(serde_json::json!({
+        "version": report.version,
+        "newest": report.newest,
+        "reached": report.reached,
+        "aggregator": {
+            "applied_version": table.applied_version(),
+            "ready": table.is_ready(),
+            "tenants": table.len(),
+            "pending_tenants": table.pending(),
+        },
+        "nodes": report.nodes,
+        "behind": report.behind,
+        "lagging": report.lagging,
+        "gone": report.gone,
+    }))
+    .into_response()
 }
 
 /// A key limited to some tenants sees only those.

@@ -29,8 +29,10 @@ pub mod dashboard;
 pub mod http;
 pub mod kafka;
 pub mod limits;
+pub mod limits_cli;
 pub mod merge;
 pub mod metrics;
+pub mod nodes;
 pub mod progress;
 pub mod state;
 
@@ -78,6 +80,10 @@ pub enum Error {
     /// Keys missing or unusable for the wire format in force.
     #[error("wire keys: {0}")]
     Wire(String),
+    /// A limits file or record that does not validate, or the topic
+    /// refused a write.
+    #[error("limits: {0}")]
+    Limits(String),
 }
 
 /// Where the aggregator listens: the API (`listen`) and the admin
@@ -110,7 +116,14 @@ pub async fn run_until(
     listen: Listen,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let loaded = Config::load(config_path)?;
+    let mut loaded = Config::load(config_path)?;
+    // With limits on the topic: one table for the process's life.
+    let limits_table = (loaded.config.limits.source
+        == tierlimit_shared::config::LimitsSource::Topic)
+        .then(|| Arc::new(tierlimit_shared::limits::LimitsTable::new()));
+    if let Some(table) = &limits_table {
+        loaded.attach_limits(Arc::clone(table));
+    }
     let kafka = loaded.config.kafka.clone();
     let settings = loaded.config.aggregator.clone();
     let http_settings = loaded.config.http.clone();
@@ -172,6 +185,18 @@ pub async fn run_until(
         stop_consumer.clone(),
     ));
     let broadcast_task = tokio::spawn(broadcaster.run(stop.clone()));
+    let limits_task = limits_table.map(|table| {
+        tokio::spawn(tierlimit_shared::limits::follow::run(
+            state.live().load().config.clone(),
+            format!("aggregator-{}", settings.group_id),
+            Arc::clone(&table),
+            Default::default(),
+            Arc::new(nodes::AggregatorHooks {
+                state: state.clone(),
+                table,
+            }),
+        ))
+    });
     let housekeeping_task = tokio::spawn(housekeeping(state.clone(), stop.clone()));
 
     tracing::info!(addr = %local, admin = %listen.admin, tls = tls.is_some(), "HTTP listening");
@@ -198,6 +223,9 @@ pub async fn run_until(
     stop_consumer.cancel();
     let _ = consumer_task.await;
     let _ = housekeeping_task.await;
+    if let Some(t) = limits_task {
+        t.abort();
+    }
     tracing::info!("aggregator stopped");
     served.map_err(Error::Http)
 }

@@ -70,9 +70,45 @@ enum Command {
         #[arg(long, env = "TIERLIMIT_NO_COMPACT")]
         no_compact: bool,
     },
-    /// Prints a new Ed25519 key pair for signing broadcasts (see `[wire]`
-    /// in regions.example.toml).
+    /// Prints a new Ed25519 key pair for signing broadcasts or limits
+    /// records (see `[wire]` in regions.example.toml).
     Keygen,
+    /// Writes tenants and plans to the limits topic (`limits.source =
+    /// "topic"`), signed with `wire.limits_private_key`.
+    #[command(subcommand)]
+    Limits(LimitsCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum LimitsCommand {
+    /// Publishes every `[plans]` and `[tenants]` table of a TOML file (a
+    /// whole configuration file or only those tables), plans first, each
+    /// checked as the configuration loader checks it.
+    Import {
+        /// Configuration file (TOML): Kafka and the limits key.
+        #[arg(long, env = "TIERLIMIT_CONFIG")]
+        config: PathBuf,
+        /// The TOML file holding `[plans]` and `[tenants]`.
+        #[arg(long)]
+        file: PathBuf,
+        /// Recorded as each record's writer.
+        #[arg(long, default_value = "import")]
+        writer: String,
+        /// Print what would be written; write nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Deletes a tenant or a plan (a signed deletion record).
+    Delete {
+        #[arg(long, env = "TIERLIMIT_CONFIG")]
+        config: PathBuf,
+        #[arg(long, conflicts_with = "plan", required_unless_present = "plan")]
+        tenant: Option<String>,
+        #[arg(long)]
+        plan: Option<String>,
+        #[arg(long, default_value = "cli")]
+        writer: String,
+    },
 }
 
 fn init_logging(json: bool) {
@@ -126,6 +162,22 @@ fn main() -> ExitCode {
                     })
             }
             Some(Command::Keygen) => unreachable!("handled before the runtime starts"),
+            Some(Command::Limits(LimitsCommand::Import {
+                config,
+                file,
+                writer,
+                dry_run,
+            })) => aggregator::limits_cli::import(&config, &file, &writer, dry_run)
+                .await
+                .map(|summary| println!("{summary}")),
+            Some(Command::Limits(LimitsCommand::Delete {
+                config,
+                tenant,
+                plan,
+                writer,
+            })) => aggregator::limits_cli::delete(&config, tenant, plan, &writer)
+                .await
+                .map(|summary| println!("{summary}")),
             None => {
                 let config = cli
                     .config

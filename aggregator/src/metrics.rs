@@ -28,6 +28,11 @@ pub struct Metrics {
     /// Records refused by the wire layer, by `Reject::reason`.
     pub deltas_rejected: IntCounterVec,
     pub heartbeats_produced: IntCounter,
+    /// Limits from the topic (`limits.source = "topic"`).
+    pub limits: tierlimit_shared::limits::metrics::LimitsMetrics,
+    /// Region-nodes by limits state (`nodes.rs`): current, behind, lagging,
+    /// gone.
+    pub limits_nodes: IntGaugeVec,
     /// Deltas found on a partition other than `partition_of(tenant)`: the
     /// producers' `kafka.partitions` does not match the topic's.
     pub misrouted: IntCounter,
@@ -221,7 +226,24 @@ impl Metrics {
             "Configuration reloads on SIGHUP, by result.",
             &["result"],
         );
+        let limits = tierlimit_shared::limits::metrics::LimitsMetrics::register(&registry, PREFIX);
+        let limits_nodes = IntGaugeVec::new(
+            Opts::new(
+                name("limits_nodes"),
+                "Region-nodes by the limits version they applied: current (the newest this aggregator applied), behind (below it, for less than limits.lag_alert_after), lagging (longer: alert), gone (no status for 60 s).",
+            ),
+            &["state"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(limits_nodes.clone()))
+            .expect("unique metric");
+        for s in ["current", "behind", "lagging", "gone"] {
+            limits_nodes.with_label_values(&[s]);
+        }
         Metrics {
+            limits,
+            limits_nodes,
             registry,
             deltas_consumed,
             rebuild_records,

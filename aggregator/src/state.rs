@@ -74,6 +74,8 @@ pub struct State {
     /// rotates them).
     delta_verifier: PerConfig<DeltaVerifier>,
     broadcast_signer: PerConfig<BroadcastSigner>,
+    /// The limits version each region-node reported (`nodes.rs`).
+    pub nodes: crate::nodes::Nodes,
 }
 
 impl State {
@@ -100,6 +102,7 @@ impl State {
             limits_version: AtomicU64::new(0),
             delta_verifier: PerConfig::new(DeltaVerifier::new),
             broadcast_signer: PerConfig::new(BroadcastSigner::new),
+            nodes: crate::nodes::Nodes::default(),
         })
     }
 
@@ -323,6 +326,18 @@ impl State {
         self.on_skipped(partition, offset);
     }
 
+    /// A region-node's status read at (`partition`, `offset`): remembered,
+    /// and the offset is done with like any record that merges nothing.
+    pub fn on_node_status(
+        &self,
+        partition: i32,
+        offset: i64,
+        status: &tierlimit_shared::wire::NodeStatus,
+    ) {
+        self.nodes.heard(status, now_ms());
+        self.on_skipped(partition, offset);
+    }
+
     /// Merges a delta read at (`partition`, `offset`).
     pub fn on_delta(&self, partition: i32, offset: i64, delta: &Delta) {
         let m = &self.metrics;
@@ -461,6 +476,19 @@ impl State {
     pub fn housekeeping(&self) {
         let now = now_ms();
         let config = self.live.load();
+        if let Some(table) = config.limits() {
+            self.metrics.limits.observe(table);
+            let report = self
+                .nodes
+                .report(None, config.config.limits.lag_alert_after, now);
+            for state in ["current", "behind", "lagging", "gone"] {
+                let n = report.nodes.iter().filter(|n| n.state == state).count();
+                self.metrics
+                    .limits_nodes
+                    .with_label_values(&[state])
+                    .set(n as i64);
+            }
+        }
         let mut core = self.lock();
         core.merged
             .set_retention(config.config.aggregator.retention_days);

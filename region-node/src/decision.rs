@@ -222,6 +222,11 @@ pub enum DecideError {
     /// broadcast threshold. Nothing was charged.
     #[error("the broadcast view is not read yet since this node started; nothing was charged, retry shortly")]
     ViewNotReady,
+    /// `limits.source = "topic"` and neither the limits topic nor the
+    /// region's copy of it has been read since the node started: it cannot
+    /// tell a registered tenant from an unknown one. Nothing was charged.
+    #[error("the node has not read the tenants' limits yet (limits topic or the region's copy); nothing was charged, retry shortly")]
+    LimitsNotReady,
 }
 
 /// What [`Decider::check_tiers`] decided.
@@ -367,6 +372,22 @@ impl Decider {
         }
     }
 
+    /// With `limits.source = "topic"`, a decision needs the limits read to
+    /// their end once (from the topic, or the region's copy of it): before
+    /// that a registered tenant would look unknown. Waits up to
+    /// `store_timeout`, then sheds (503, nothing charged), as `await_view`.
+    pub async fn await_limits(&self) -> Result<(), DecideError> {
+        let cfg = self.live.load();
+        let Some(table) = cfg.limits() else {
+            return Ok(());
+        };
+        if table.is_ready() || table.wait_ready(cfg.config.node.store_timeout).await {
+            return Ok(());
+        }
+        self.metrics.limits_shed.inc();
+        Err(DecideError::LimitsNotReady)
+    }
+
     /// An unknown tenant's first sight today passes the newcomer gate;
     /// configured tenants never reach it.
     async fn admit_newcomer(
@@ -404,6 +425,7 @@ impl Decider {
     /// May `tenant` spend `cost` units now? Charges every tier if allowed.
     pub async fn check(&self, req: Request<'_>) -> Result<Decision, DecideError> {
         let started = Instant::now();
+        self.await_limits().await?;
         let (cfg, policy, key) = self.resolve(&req)?;
         let (now, today) = self.clock();
         self.admit_newcomer(&cfg, req.tenant, today, now).await?;
@@ -844,6 +866,23 @@ impl Decider {
     /// day's global count (same day only) and to the windows the lease was
     /// charged in while they are current, never into a later window. Run
     /// by the node every few hundred ms (`lib.rs`).
+    /// A limits record changed `subject`: its leases are given back (within
+    /// `lease::RETURN_EVERY`) and its node-tier reservations forgotten, so
+    /// no unit taken under the old limit is spent under the new one (a
+    /// plan's change reaches every tenant, so all of them).
+    pub fn limits_changed(&self, subject: &tierlimit_shared::limits::Subject) {
+        use tierlimit_shared::limits::Subject;
+        let which = |t: &str| match subject {
+            Subject::Tenant(id) => t == id,
+            Subject::Plan(_) => true,
+        };
+        let mut back = self.leases.withdraw_where(which);
+        self.reserves.forget_where(which);
+        if !back.is_empty() {
+            self.leftovers.lock().expect("leftovers").append(&mut back);
+        }
+    }
+
     pub async fn return_leases(&self) {
         let mut due = self.leases.expire(Instant::now());
         due.append(&mut self.leftovers.lock().expect("leftovers"));

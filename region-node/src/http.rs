@@ -160,6 +160,13 @@ impl From<DecideError> for Problem {
                 e.to_string(),
             )
             .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            DecideError::LimitsNotReady => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "limits-not-ready",
+                "The node has not read the tenants' limits yet",
+                e.to_string(),
+            )
+            .with_header(header::RETRY_AFTER, HeaderValue::from_static("1")),
             DecideError::Unavailable => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
@@ -384,8 +391,24 @@ async fn readyz(State(s): State<Arc<AppState>>) -> Response {
     // take Redis' day; an offset past node.max_clock_offset is for the
     // operator to fix, and is alerted on).
     let clock = s.decider.clock_status();
-    let body = json!({ "redis": store, "broadcast_view_caught_up": view, "clock": clock });
-    let status = if view {
+    // With limits on the topic: read to the end once (or the region's copy
+    // loaded), else every registered tenant would look unknown.
+    let limits = s.live.load().limits().map(|t| {
+        json!({
+            "ready": t.is_ready(),
+            "applied_version": t.applied_version(),
+            "tenants": t.len(),
+            "from_region_copy": s.metrics.limits_from_copy.get() == 1,
+        })
+    });
+    let limits_ready = s.live.load().limits().is_none_or(|t| t.is_ready());
+    let body = json!({
+        "redis": store,
+        "broadcast_view_caught_up": view,
+        "clock": clock,
+        "limits": limits,
+    });
+    let status = if view && limits_ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

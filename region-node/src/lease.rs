@@ -396,6 +396,28 @@ impl Leases {
         (l.units > 0).then(|| (Leftover::of(&k, l), live))
     }
 
+    /// Takes every lease of the tenants `which` picks out of the table, to
+    /// be given back: their limits changed, and units leased under the old
+    /// limit must not be spent under the new one.
+    pub fn withdraw_where(&self, which: impl Fn(&str) -> bool) -> Vec<Leftover> {
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            let mut shard = shard.lock().expect("lease shard");
+            for (k, slot) in shard.iter_mut() {
+                let tenant = k.split_once('|').map_or(k.as_str(), |(t, _)| t);
+                if !which(tenant) {
+                    continue;
+                }
+                if let Some(l) = slot.lease.take() {
+                    if l.units > 0 {
+                        out.push(Leftover::of(k, l));
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// Removes expired leases (returning those with units left) and slots
     /// not seen for a while.
     pub fn expire(&self, now: Instant) -> Vec<Leftover> {

@@ -28,6 +28,8 @@ pub mod follower;
 pub mod http;
 pub mod lease;
 pub mod legacy;
+pub mod limits;
+pub mod limits_copy;
 pub mod local;
 pub mod metrics;
 pub mod newcomers;
@@ -65,8 +67,16 @@ pub struct Settings {
 
 /// Runs a region-node until SIGINT/SIGTERM.
 pub async fn run(settings: Settings) -> anyhow::Result<()> {
-    let loaded = Config::load(&settings.config)
+    let mut loaded = Config::load(&settings.config)
         .with_context(|| format!("loading {}", settings.config.display()))?;
+    // Tenants from the limits topic: one table for the process's life,
+    // read by every configuration it loads.
+    let limits_table = (loaded.config.limits.source
+        == tierlimit_shared::config::LimitsSource::Topic)
+        .then(|| Arc::new(tierlimit_shared::limits::LimitsTable::new()));
+    if let Some(table) = &limits_table {
+        loaded.attach_limits(Arc::clone(table));
+    }
     tierlimit_shared::validate::name("node id", &settings.node_id).context("--node-id")?;
     let Some(region) = loaded.config.regions.get(&settings.region).cloned() else {
         bail!(
@@ -116,6 +126,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         .with_context(|| format!("regions.{}.redis_url", settings.region))?;
     let view = Arc::new(view::View::new());
     let local = Arc::new(local::Local::new(&settings.region, &settings.node_id));
+    let store_for_limits = Arc::clone(&store);
 
     let publisher = publisher::Publisher::new(
         &config,
@@ -155,6 +166,62 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         view,
         live: Arc::clone(&live_for_http),
     });
+    if let Some(table) = &limits_table {
+        // The region's copy first: a node that cannot reach Kafka serves
+        // with the region's last applied limits (after `node.view_wait`,
+        // the same grace the broadcast view gets), and one that can
+        // follows the topic from where the copy ends.
+        let copy = limits_copy::RegionCopy::new(Arc::clone(&store_for_limits));
+        let starts = match copy.load().await {
+            Ok(Some(snapshot)) => {
+                let starts = limits::apply_copy(table, snapshot);
+                let (table, metrics, wait) = (
+                    Arc::clone(table),
+                    Arc::clone(&state.metrics),
+                    config.node.view_wait,
+                );
+                tokio::spawn(async move {
+                    if !table.wait_ready(wait).await {
+                        table.mark_ready();
+                        metrics.limits_from_copy.set(1);
+                        metrics.limits.observe(&table);
+                        tracing::warn!(
+                            version = table.applied_version(),
+                            tenants = table.len(),
+                            "limits topic unreachable: serving the region's copy of the limits"
+                        );
+                    }
+                });
+                starts
+            }
+            Ok(None) => Default::default(),
+            Err(e) => {
+                tracing::warn!(error = %e, "the region's copy of the limits could not be read");
+                Default::default()
+            }
+        };
+        let (copy_tx, copy_rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(limits::write_copy(copy, copy_rx));
+        tokio::spawn(tierlimit_shared::limits::follow::run(
+            config.clone(),
+            format!("{}-{}", settings.region, settings.node_id),
+            Arc::clone(table),
+            starts,
+            Arc::new(limits::NodeHooks {
+                state: Arc::clone(&state),
+                table: Arc::clone(table),
+                copy: copy_tx,
+            }),
+        ));
+        let following = state.metrics.limits.following.clone();
+        tokio::spawn(limits::publish_status(
+            config.clone(),
+            settings.region.clone(),
+            settings.node_id.clone(),
+            Arc::clone(table),
+            move || following.get() == 1,
+        ));
+    }
     {
         // The unused part of expired and replaced leases goes back, and
         // node-tier reservations of ended windows are forgotten.

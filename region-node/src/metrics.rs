@@ -60,6 +60,13 @@ pub struct Metrics {
     /// the start, by outcome (resolved once).
     pub view_waited: IntCounter,
     pub view_shed: IntCounter,
+    /// Limits from the topic (`limits.source = "topic"`).
+    pub limits: tierlimit_shared::limits::metrics::LimitsMetrics,
+    /// Decisions shed before the limits were read (`limits.not_ready`).
+    pub limits_shed: IntCounter,
+    /// 1 while the node serves the region's copy of the limits, not having
+    /// read the topic to its end since it started (Kafka unreachable).
+    pub limits_from_copy: IntGauge,
     pub view_blind: IntCounter,
     pub bad_requests: IntCounterVec,
     pub config_reloads: IntCounterVec,
@@ -140,7 +147,19 @@ impl Metrics {
             )
             .unwrap(),
         );
+        let limits = tierlimit_shared::limits::metrics::LimitsMetrics::register(&r, "tierlimit");
+        let limits_from_copy = reg(
+            &r,
+            IntGauge::new(
+                "tierlimit_limits_from_region_copy",
+                "1 while the node serves the region's copy of the limits (it has not read the limits topic to its end since it started: Kafka unreachable)",
+            )
+            .unwrap(),
+        );
         let m = Metrics {
+            limits_from_copy,
+            limits_shed: limits.not_ready.clone(),
+            limits,
             view_waited: view_not_ready.with_label_values(&["waited"]),
             view_shed: view_not_ready.with_label_values(&["shed"]),
             view_blind: view_not_ready.with_label_values(&["blind"]),

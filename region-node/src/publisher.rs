@@ -349,6 +349,10 @@ impl Publisher {
             delta.limit = cfg
                 .policy(&tenant)
                 .and_then(|policy| policy.global_limit(d.kind));
+            // With limits on the topic, the version the limit was applied
+            // at: an aggregator takes the limit of the highest version any
+            // node reports, so a change wins over what lagging nodes send.
+            delta.limits_version = cfg.limits().map_or(0, |t| t.applied_version());
             pending.push(Pending {
                 bucket,
                 tenant: tenant.clone(),

@@ -276,6 +276,20 @@ impl Reserves {
     /// Forgets reservations whose window is over, one shard at a time; the
     /// removed entries are freed after the shard's lock is released.
     /// Returns the units held in live ones (a gauge).
+    /// Forgets the reservations of the tenants `which` picks (their limits
+    /// changed): the next check reserves under the new limit. Units
+    /// reserved and not spent stay charged to the node tier until its
+    /// window ends, as when a reservation expires: never a unit more.
+    pub fn forget_where(&self, which: impl Fn(&str) -> bool) {
+        for shard in &self.shards {
+            let mut shard = shard.lock().expect("reserve shard");
+            shard.retain(|k, s| {
+                let tenant = k.split_once('|').map_or(k.as_str(), |(t, _)| t);
+                s.charging || !which(tenant)
+            });
+        }
+    }
+
     pub fn expire(&self, now: Instant) -> u64 {
         let mut held = 0;
         for shard in &self.shards {

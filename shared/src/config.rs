@@ -72,9 +72,16 @@ pub struct Config {
     #[serde(default)]
     pub aggregator: AggregatorSettings,
     pub regions: BTreeMap<String, RegionConfig>,
+    /// Required with `limits.source = "file"`; may be empty when every plan
+    /// is on the limits topic.
+    #[serde(default)]
     pub plans: BTreeMap<String, PlanConfig>,
     #[serde(default)]
     pub tenants: BTreeMap<String, TenantConfig>,
+    /// Where tenants (and plans beyond this file's) come from: this file,
+    /// or the limits topic (`crate::limits`).
+    #[serde(default)]
+    pub limits: LimitsSettings,
     #[serde(default)]
     pub unknown_tenants: UnknownTenants,
     /// Envoy's rate limit service: descriptor rules per domain (see
@@ -181,6 +188,10 @@ pub struct KafkaConfig {
     pub deltas_topic: String,
     #[serde(default = "default_global_topic")]
     pub global_topic: String,
+    /// Tenants and plans as records (`limits.source = "topic"`): compacted,
+    /// one partition, so every process applies them in one order.
+    #[serde(default = "default_limits_topic")]
+    pub limits_topic: String,
     /// Partitions of both topics (used when the scripts create them, and to
     /// pick the partition of a tenant: it must match the real topic).
     #[serde(default = "default_partitions")]
@@ -199,11 +210,54 @@ fn default_deltas_topic() -> String {
 fn default_global_topic() -> String {
     "tierlimit.global".into()
 }
+fn default_limits_topic() -> String {
+    "tierlimit.limits".into()
+}
 fn default_partitions() -> i32 {
     8
 }
 fn default_replication() -> i32 {
     1
+}
+
+/// `[limits]`: where tenants and plans come from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsSettings {
+    /// `file` (the default): `[plans]` and `[tenants]` of this file, reloaded
+    /// on SIGHUP. `topic`: tenants are records of `kafka.limits_topic`,
+    /// which every region-node and aggregator follows; plans are this
+    /// file's `[plans]` and the topic's, the topic's winning for a name both
+    /// hold; `[tenants]` must be empty (two sources for one tenant would be
+    /// ambiguous).
+    pub source: LimitsSource,
+    /// How long a node may lag the newest limits version before the
+    /// aggregator reports it lagging (`tierlimit_limits_lagging_nodes`).
+    #[serde(with = "serde_human")]
+    pub lag_alert_after: Duration,
+    /// How often a node writes its applied limits version to the deltas
+    /// topic (`topic` only).
+    #[serde(with = "serde_human")]
+    pub status_interval: Duration,
+}
+
+impl Default for LimitsSettings {
+    fn default() -> Self {
+        LimitsSettings {
+            source: LimitsSource::File,
+            lag_alert_after: Duration::from_secs(30),
+            status_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Where tenants come from (`limits.source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitsSource {
+    #[default]
+    File,
+    Topic,
 }
 
 /// Settings of every region-node process.
@@ -408,6 +462,17 @@ pub struct WireSettings {
     /// `TIERLIMIT__WIRE__BROADCAST_PRIVATE_KEY`, not in a file the nodes
     /// share.
     pub broadcast_private_key: Option<String>,
+    /// Ed25519 public keys of the limits writers by key id: every process
+    /// that follows the limits topic accepts records signed by any of them
+    /// (two during a rotation). Not the broadcast keys: an aggregator's key
+    /// must not be able to write limits.
+    pub limits_public_keys: BTreeMap<String, String>,
+    /// Key id the limits writer signs with (in `limits_public_keys`).
+    pub limits_key: Option<String>,
+    /// The limits writer's Ed25519 private key (base64 of the 32-byte
+    /// seed): only the writer needs it
+    /// (`TIERLIMIT__WIRE__LIMITS_PRIVATE_KEY`).
+    pub limits_private_key: Option<String>,
 }
 
 impl Default for WireSettings {
@@ -419,6 +484,9 @@ impl Default for WireSettings {
             broadcast_public_keys: BTreeMap::new(),
             broadcast_key: None,
             broadcast_private_key: None,
+            limits_public_keys: BTreeMap::new(),
+            limits_key: None,
+            limits_private_key: None,
         }
     }
 }
@@ -898,54 +966,94 @@ impl Policy {
 #[derive(Debug)]
 pub struct Loaded {
     pub config: Config,
-    plans: BTreeMap<String, Policy>,
     tenants: BTreeMap<String, Arc<Policy>>,
     unknown: Option<Arc<Policy>>,
     /// `[rls]`, compiled (descriptor trees, rule ids).
     pub rls: crate::rls::Compiled,
     /// Plans as shared policies, for tenants an RLS domain assigns a plan.
     plan_arcs: BTreeMap<String, Arc<Policy>>,
+    /// With `limits.source = "topic"`: the applied records, shared by every
+    /// configuration this process loads (a reload keeps the table).
+    limits: Option<Arc<crate::limits::LimitsTable>>,
 }
 
 impl Loaded {
     /// The policy of `tenant`, or `None` when unknown tenants are denied.
     pub fn policy(&self, tenant: &str) -> Option<Arc<Policy>> {
-        self.tenants
-            .get(tenant)
-            .cloned()
-            .or_else(|| self.unknown.clone())
+        match &self.limits {
+            Some(table) => table.tenant(tenant).or_else(|| self.unknown()),
+            None => self
+                .tenants
+                .get(tenant)
+                .cloned()
+                .or_else(|| self.unknown.clone()),
+        }
     }
 
-    /// Policies of every configured tenant and of unknown tenants.
+    /// Policies of every tenant the file configures (none with
+    /// `limits.source = "topic"`).
     pub fn policies(&self) -> impl Iterator<Item = (&str, &Arc<Policy>)> {
         self.tenants.iter().map(|(k, v)| (k.as_str(), v))
     }
 
-    /// True when `tenant` is not configured: it runs under
+    /// True when `tenant` is not registered: it runs under
     /// `unknown_tenants` (or is refused) and its first sight of the day
     /// passes the region's newcomer gate.
     pub fn is_unknown(&self, tenant: &str) -> bool {
-        !self.tenants.contains_key(tenant)
+        match &self.limits {
+            Some(table) => !table.contains(tenant),
+            None => !self.tenants.contains_key(tenant),
+        }
     }
 
-    pub fn unknown_policy(&self) -> Option<&Arc<Policy>> {
-        self.unknown.as_ref()
+    /// The unknown-tenant policy (with the topic: its plan as the topic
+    /// defines it, if it does).
+    fn unknown(&self) -> Option<Arc<Policy>> {
+        let file = self.unknown.as_ref()?;
+        match &self.limits {
+            Some(table) => table.plan(&file.plan).or_else(|| Some(Arc::clone(file))),
+            None => Some(Arc::clone(file)),
+        }
     }
 
-    /// The resolved policy of a plan (before any tenant override).
-    pub fn plan_policy(&self, plan: &str) -> Option<&Policy> {
-        self.plans.get(plan)
+    pub fn unknown_policy(&self) -> Option<Arc<Policy>> {
+        self.unknown()
+    }
+
+    /// The resolved policy of a plan (before any tenant override): the
+    /// topic's if it defines one, else the file's.
+    pub fn plan_policy(&self, plan: &str) -> Option<Arc<Policy>> {
+        self.limits
+            .as_ref()
+            .and_then(|t| t.plan(plan))
+            .or_else(|| self.plan_arcs.get(plan).cloned())
     }
 
     /// The policy of `tenant` when an RLS domain names `plan` for tenants
-    /// that `[tenants]` does not list: the tenant's own, else the plan's,
+    /// that are not registered: the tenant's own, else the plan's,
     /// else the unknown-tenant policy.
     pub fn policy_with_plan(&self, tenant: &str, plan: Option<&str>) -> Option<Arc<Policy>> {
-        if let Some(p) = self.tenants.get(tenant) {
-            return Some(Arc::clone(p));
+        let own = match &self.limits {
+            Some(table) => table.tenant(tenant),
+            None => self.tenants.get(tenant).cloned(),
+        };
+        own.or_else(|| plan.and_then(|p| self.plan_policy(p)))
+            .or_else(|| self.unknown())
+    }
+
+    /// The limits table this configuration reads tenants from
+    /// (`limits.source = "topic"`).
+    pub fn limits(&self) -> Option<&Arc<crate::limits::LimitsTable>> {
+        self.limits.as_ref()
+    }
+
+    /// Reads tenants from `table` (with `limits.source = "topic"`; a file
+    /// source keeps its `[tenants]`) and hands it this file's plans.
+    pub fn attach_limits(&mut self, table: Arc<crate::limits::LimitsTable>) {
+        if self.config.limits.source == LimitsSource::Topic {
+            table.set_file_plans(&self.plan_arcs);
+            self.limits = Some(table);
         }
-        plan.and_then(|p| self.plan_arcs.get(p).cloned())
-            .or_else(|| self.unknown.clone())
     }
 
     /// Whether the plan `name` is in shadow mode for the RLS.
@@ -1053,6 +1161,76 @@ fn check_gateway_plans(
     Ok(())
 }
 
+/// A plan resolved into the policy of its tenants without overrides,
+/// checked as a file's `[plans.<name>]` is (errors name `plans.<name>…`).
+/// The limits topic's plans go through the same function.
+pub fn resolve_plan(name: &str, p: &PlanConfig) -> Result<Policy, ConfigError> {
+    validate::name("plan name", name)
+        .map_err(|e| ConfigError::invalid(format!("plans.{name}"), e.to_string()))?;
+    if let Some(g) = &p.global {
+        g.check(&format!("plans.{name}.global"))?;
+    }
+    let policy = Policy {
+        plan: name.to_owned(),
+        node: p.node.as_ref().map(Limit::from_config),
+        region: p.region.as_ref().map(Limit::from_config),
+        global: p.global.as_ref().and_then(|g| g.of(PeriodKind::Day)),
+        global_periods: global_periods(p.global.as_ref(), &[]),
+        on_store_error: p.on_store_error,
+        key_scoped: p.key_scoped,
+        lease_max: p.lease_max,
+    };
+    if p.lease_max.is_some_and(|m| m > 1_000_000) {
+        return Err(ConfigError::invalid(
+            format!("plans.{name}.lease_max"),
+            "must be at most 1000000 (0 turns this plan's leases off)",
+        ));
+    }
+    check_policy(&format!("plans.{name}"), &policy)?;
+    Ok(policy)
+}
+
+/// A tenant's policy: its plan's (`base`) with the tenant's overrides,
+/// checked as a file's `[tenants.<id>]` is (`at` names it). The limits
+/// topic's tenants go through the same function.
+pub fn resolve_tenant(at: &str, t: &TenantConfig, base: &Policy) -> Result<Policy, ConfigError> {
+    let mut policy = base.clone();
+    for (tier, ov, slot) in [
+        ("node", &t.node, &mut policy.node),
+        ("region", &t.region, &mut policy.region),
+    ] {
+        if let Some(ov) = ov {
+            *slot = match slot.as_ref() {
+                Some(l) => Some(l.with_override(ov)),
+                None => Some(full_override(&format!("{at}.{tier}"), ov)?),
+            };
+        }
+    }
+    if let Some(g) = &t.global {
+        g.check(&format!("{at}.global"))?;
+        if let Some(day) = g.of(PeriodKind::Day) {
+            policy.global = Some(day);
+        }
+        policy.global_periods = global_periods(Some(g), &policy.global_periods);
+    }
+    if let Some(m) = t.on_store_error {
+        policy.on_store_error = m;
+    }
+    check_policy(at, &policy)?;
+    Ok(policy)
+}
+
+impl TenantConfig {
+    /// True when the tenant has nothing but its plan: it shares the plan's
+    /// policy (one pointer) instead of a policy of its own.
+    pub fn is_plain(&self) -> bool {
+        self.node.is_none()
+            && self.region.is_none()
+            && self.global.is_none()
+            && self.on_store_error.is_none()
+    }
+}
+
 impl Config {
     /// Reads, overrides from the process environment, parses and validates.
     pub fn load(path: &Path) -> Result<Loaded, ConfigError> {
@@ -1135,37 +1313,24 @@ impl Config {
                 ));
             }
         }
-        if self.plans.is_empty() {
+        let topic = self.limits.source == LimitsSource::Topic;
+        if self.plans.is_empty() && !topic {
             return Err(ConfigError::invalid(
                 "plans",
                 "at least one plan is required",
             ));
         }
+        if topic && !self.tenants.is_empty() {
+            return Err(ConfigError::invalid(
+                "tenants",
+                "with limits.source = \"topic\" tenants are records of the limits topic: \
+                 move them there (`aggregator limits import`) and remove [tenants], or set \
+                 limits.source = \"file\"",
+            ));
+        }
         let mut plans = BTreeMap::new();
         for (name, p) in &self.plans {
-            validate::name("plan name", name)
-                .map_err(|e| ConfigError::invalid(format!("plans.{name}"), e.to_string()))?;
-            if let Some(g) = &p.global {
-                g.check(&format!("plans.{name}.global"))?;
-            }
-            let policy = Policy {
-                plan: name.clone(),
-                node: p.node.as_ref().map(Limit::from_config),
-                region: p.region.as_ref().map(Limit::from_config),
-                global: p.global.as_ref().and_then(|g| g.of(PeriodKind::Day)),
-                global_periods: global_periods(p.global.as_ref(), &[]),
-                on_store_error: p.on_store_error,
-                key_scoped: p.key_scoped,
-                lease_max: p.lease_max,
-            };
-            if p.lease_max.is_some_and(|m| m > 1_000_000) {
-                return Err(ConfigError::invalid(
-                    format!("plans.{name}.lease_max"),
-                    "must be at most 1000000 (0 turns this plan's leases off)",
-                ));
-            }
-            check_policy(&format!("plans.{name}"), &policy)?;
-            plans.insert(name.clone(), policy);
+            plans.insert(name.clone(), resolve_plan(name, p)?);
         }
         let mut tenants = BTreeMap::new();
         for (id, t) in &self.tenants {
@@ -1177,30 +1342,7 @@ impl Config {
                     format!("no plan named {:?} (plans: {})", t.plan, names(&plans)),
                 )
             })?;
-            let mut policy = base.clone();
-            for (tier, ov, slot) in [
-                ("node", &t.node, &mut policy.node),
-                ("region", &t.region, &mut policy.region),
-            ] {
-                if let Some(ov) = ov {
-                    *slot = match slot.as_ref() {
-                        Some(l) => Some(l.with_override(ov)),
-                        None => Some(full_override(&format!("{at}.{tier}"), ov)?),
-                    };
-                }
-            }
-            if let Some(g) = &t.global {
-                g.check(&format!("{at}.global"))?;
-                if let Some(day) = g.of(PeriodKind::Day) {
-                    policy.global = Some(day);
-                }
-                policy.global_periods = global_periods(Some(g), &policy.global_periods);
-            }
-            if let Some(m) = t.on_store_error {
-                policy.on_store_error = m;
-            }
-            check_policy(&at, &policy)?;
-            tenants.insert(id.clone(), Arc::new(policy));
+            tenants.insert(id.clone(), Arc::new(resolve_tenant(&at, t, base)?));
         }
         for (key, v) in [
             (
@@ -1258,11 +1400,11 @@ impl Config {
             .collect();
         Ok(Loaded {
             config: self,
-            plans,
             tenants,
             unknown,
             rls,
             plan_arcs,
+            limits: None,
         })
     }
 
@@ -1274,6 +1416,7 @@ impl Config {
         for (key, topic) in [
             ("kafka.deltas_topic", &k.deltas_topic),
             ("kafka.global_topic", &k.global_topic),
+            ("kafka.limits_topic", &k.limits_topic),
         ] {
             if topic.is_empty()
                 || topic.len() > 249
@@ -1291,6 +1434,12 @@ impl Config {
             return Err(ConfigError::invalid(
                 "kafka.global_topic",
                 "must differ from kafka.deltas_topic",
+            ));
+        }
+        if k.limits_topic == k.deltas_topic || k.limits_topic == k.global_topic {
+            return Err(ConfigError::invalid(
+                "kafka.limits_topic",
+                "must differ from kafka.deltas_topic and kafka.global_topic",
             ));
         }
         if !(1..=10_000).contains(&k.partitions) {
@@ -1439,6 +1588,57 @@ impl Config {
                 ));
             }
         }
+        for (id, public) in &w.limits_public_keys {
+            let key = format!("wire.limits_public_keys.{id}");
+            validate::name("key id", id).map_err(|e| ConfigError::invalid(&key, e.to_string()))?;
+            keys::ed25519_public(public).map_err(|e| ConfigError::invalid(&key, e))?;
+            if w.broadcast_public_keys.values().any(|b| b == public) {
+                return Err(ConfigError::invalid(
+                    &key,
+                    "is a broadcast key: limits need a key of their own, so an aggregator's key cannot write limits",
+                ));
+            }
+        }
+        if let Some(id) = &w.limits_key {
+            if !w.limits_public_keys.contains_key(id) {
+                return Err(ConfigError::invalid(
+                    "wire.limits_key",
+                    format!("no key {id:?} in wire.limits_public_keys"),
+                ));
+            }
+        }
+        if let Some(private) = &w.limits_private_key {
+            let signing = keys::ed25519_private(private)
+                .map_err(|e| ConfigError::invalid("wire.limits_private_key", e))?;
+            let Some(id) = &w.limits_key else {
+                return Err(ConfigError::invalid(
+                    "wire.limits_key",
+                    "required with wire.limits_private_key (the key id it signs as)",
+                ));
+            };
+            let public = keys::ed25519_public(&w.limits_public_keys[id])
+                .map_err(|e| ConfigError::invalid(format!("wire.limits_public_keys.{id}"), e))?;
+            if signing.verifying_key() != public {
+                return Err(ConfigError::invalid(
+                    "wire.limits_private_key",
+                    format!("does not match wire.limits_public_keys.{id}"),
+                ));
+            }
+        }
+        if self.limits.source == LimitsSource::Topic {
+            if w.version < 3 {
+                return Err(ConfigError::invalid(
+                    "limits.source",
+                    "\"topic\" needs wire.version = 3 (limits versions travel in v3 records)",
+                ));
+            }
+            if w.limits_public_keys.is_empty() && !w.accept_unsigned {
+                return Err(ConfigError::invalid(
+                    "wire.limits_public_keys",
+                    "at least one key is required with limits.source = \"topic\": limits records are signed",
+                ));
+            }
+        }
         if !w.accept_unsigned {
             if let Some(region) = self.regions.keys().find(|r| !w.delta_keys.contains_key(*r)) {
                 return Err(ConfigError::invalid(
@@ -1504,6 +1704,19 @@ impl Config {
             range("node.max_staleness", s, ms(100), ms(86_400_000))?;
         }
         range("node.view_wait", n.view_wait, ms(0), ms(3_600_000))?;
+        let l = &self.limits;
+        range(
+            "limits.lag_alert_after",
+            l.lag_alert_after,
+            ms(100),
+            ms(86_400_000),
+        )?;
+        range(
+            "limits.status_interval",
+            l.status_interval,
+            ms(100),
+            ms(60_000),
+        )?;
         range(
             "node.max_clock_offset",
             n.max_clock_offset,

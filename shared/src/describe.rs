@@ -84,7 +84,7 @@ pub fn describe(loaded: &Loaded) -> String {
     for name in c.plans.keys() {
         let _ = writeln!(out, "  plan {name}");
         if let Some(p) = loaded.plan_policy(name) {
-            policy_lines(&mut out, p, nodes);
+            policy_lines(&mut out, &p, nodes);
         }
     }
     out.push_str("tenants:\n");

@@ -92,6 +92,18 @@ pub async fn ensure_topics_retaining(
         }
         topics.push(t);
     }
+    // The limits topic: one partition (one order for every record, so a
+    // version is a watermark) and compaction only: a tenant's record must
+    // stay however old it is.
+    let mut limits = NewTopic::new(
+        &k.limits_topic,
+        1,
+        TopicReplication::Fixed(k.replication_factor),
+    );
+    if compact {
+        limits = limits.set("cleanup.policy", "compact");
+    }
+    topics.push(limits);
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
     let results = admin
         .create_topics(topics.iter(), &opts)

@@ -20,6 +20,7 @@ pub mod duration;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod keys;
+pub mod limits;
 pub mod messages;
 pub mod period;
 #[cfg(feature = "http")]

@@ -22,7 +22,21 @@ pub fn live(loaded: Loaded) -> Live {
 /// Re-reads `path`; on success swaps it in and returns `Ok`, otherwise keeps
 /// the old configuration and returns why.
 pub fn reload(path: &std::path::Path, live: &Live) -> Result<(), ConfigError> {
-    let loaded = Config::load(path)?;
+    let mut loaded = Config::load(path)?;
+    // The limits topic's table outlives any file: the new configuration
+    // reads the same one (and hands it its plans).
+    let current = live.load();
+    if current.config.limits.source != loaded.config.limits.source {
+        return Err(ConfigError::Invalid {
+            key: "limits.source".into(),
+            reason: "changes only with a restart (the process follows the topic or the file \
+                     from its start)"
+                .into(),
+        });
+    }
+    if let Some(table) = current.limits() {
+        loaded.attach_limits(Arc::clone(table));
+    }
     live.store(Arc::new(loaded));
     Ok(())
 }

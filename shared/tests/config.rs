@@ -252,7 +252,7 @@ fn missing_required_fields_are_named() {
         (&["cluster"], "(root)", "missing field `cluster`"),
         (&["kafka"], "(root)", "missing field `kafka`"),
         (&["regions"], "(root)", "missing field `regions`"),
-        (&["plans"], "(root)", "missing field `plans`"),
+        (&["plans"], "plans", "at least one plan is required"),
         (&["kafka", "brokers"], "kafka", "missing field `brokers`"),
         (
             &["regions", "eu-west", "redis_url"],
@@ -1594,4 +1594,129 @@ fn a_gateway_plans_global_tier_must_be_the_aggregators() {
             assert_eq!(l.policy("newcomer").and_then(|p| p.global), Some(g), "{ok}");
         }
     }
+}
+
+/// `limits.source = "topic"`: tenants only from the topic, signed records,
+/// wire v3; each refusal names its key.
+#[test]
+fn limits_from_the_topic_are_refused_when_ambiguous_or_unsigned() {
+    let topic = |t: &mut Table| {
+        set(t, &["limits", "source"], s("topic"));
+        set(
+            t,
+            &["wire", "limits_public_keys"],
+            v(&format!("{{ lim-1 = \"{AGG_2_PUBLIC}\" }}")),
+        );
+    };
+    let mut t = base();
+    topic(&mut t);
+    let l = ok(&t);
+    assert!(
+        l.limits().is_none(),
+        "attached by the process, not the loader"
+    );
+    assert!(l.policy("anyone").is_none());
+
+    // Two sources for one tenant: refused.
+    let mut t = base();
+    topic(&mut t);
+    set(&mut t, &["tenants", "acme"], v("{ plan = \"free\" }"));
+    refused(&t, "tenants", "tenants are records of the limits topic");
+
+    // Unsigned records would be accepted: refused.
+    let mut t = base();
+    set(&mut t, &["limits", "source"], s("topic"));
+    refused(&t, "wire.limits_public_keys", "at least one key");
+
+    // The broadcast key cannot sign limits.
+    let mut t = base();
+    topic(&mut t);
+    set(
+        &mut t,
+        &["wire", "limits_public_keys"],
+        v("{ lim-1 = \"6kpsY+KcUgq+9VB7Ey7F+ZVHdq6+vnuSQh7qaRRG0iw=\" }"),
+    );
+    refused(&t, "wire.limits_public_keys.lim-1", "is a broadcast key");
+
+    // A private key must match its public key, and name it.
+    let mut t = base();
+    topic(&mut t);
+    set(&mut t, &["wire", "limits_private_key"], s(AGG_1_PRIVATE));
+    refused(
+        &t,
+        "wire.limits_key",
+        "required with wire.limits_private_key",
+    );
+    set(&mut t, &["wire", "limits_key"], s("lim-1"));
+    refused(&t, "wire.limits_private_key", "does not match");
+    set(&mut t, &["wire", "limits_private_key"], s(AGG_2_PRIVATE));
+    ok(&t);
+
+    // Versions travel in v3 only.
+    let mut t = base();
+    topic(&mut t);
+    set(&mut t, &["wire", "version"], v("2"));
+    refused(&t, "limits.source", "wire.version = 3");
+
+    // One topic per purpose.
+    let t = with(&["kafka", "limits_topic"], s("tierlimit.deltas"));
+    refused(&t, "kafka.limits_topic", "must differ");
+    let t = with(&["limits", "status_interval"], s("1ms"));
+    refused(&t, "limits.status_interval", "");
+
+    // Plans may all live on the topic.
+    let mut t = without(&["plans"]);
+    topic(&mut t);
+    ok(&t);
+    refused(&without(&["plans"]), "plans", "at least one plan");
+}
+
+/// With the topic, a reload keeps the table and may not switch sources.
+#[test]
+fn a_reload_keeps_the_limits_table_and_refuses_a_source_change() {
+    use std::sync::Arc;
+    use tierlimit_shared::limits::{Body, LimitsRecord, LimitsTable, Subject};
+    let dir = std::env::temp_dir().join(format!("tl-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("c.toml");
+    let mut t = base();
+    set(&mut t, &["limits", "source"], s("topic"));
+    set(
+        &mut t,
+        &["wire", "limits_public_keys"],
+        v(&format!("{{ lim-1 = \"{AGG_2_PUBLIC}\" }}")),
+    );
+    std::fs::write(&path, text(&t)).unwrap();
+    let mut loaded = Config::load(&path).unwrap();
+    let table = Arc::new(LimitsTable::new());
+    loaded.attach_limits(Arc::clone(&table));
+    let live = tierlimit_shared::reload::live(loaded);
+    table
+        .apply(&LimitsRecord {
+            subject: Subject::Tenant("acme".into()),
+            version: 1,
+            writer: "t".into(),
+            ts_ms: 0,
+            body: Body::Tenant(tierlimit_shared::config::TenantConfig {
+                plan: "free".into(),
+                node: None,
+                region: None,
+                global: None,
+                on_store_error: None,
+            }),
+        })
+        .unwrap();
+    assert_eq!(live.load().policy("acme").unwrap().global, Some(1000));
+    // The file's plan changes: the topic's tenant follows it.
+    set(&mut t, &["plans", "free", "global"], v("{ limit = 7 }"));
+    std::fs::write(&path, text(&t)).unwrap();
+    tierlimit_shared::reload::reload(&path, &live).unwrap();
+    assert_eq!(live.load().policy("acme").unwrap().global, Some(7));
+    // Back to the file: refused, the table stays.
+    set(&mut t, &["limits", "source"], s("file"));
+    std::fs::write(&path, text(&t)).unwrap();
+    let e = tierlimit_shared::reload::reload(&path, &live).unwrap_err();
+    assert_eq!(e.key(), Some("limits.source"));
+    assert!(live.load().limits().is_some());
+    std::fs::remove_dir_all(&dir).ok();
 }

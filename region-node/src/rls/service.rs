@@ -230,6 +230,9 @@ impl Service {
             };
         }
 
+        if let Err(e) = decider.await_limits().await {
+            return Err(Status::unavailable(e.to_string()));
+        }
         let mut groups = self.group(&cfg, domain, &mut items);
         let mut error = None;
         for g in &mut groups {
@@ -255,7 +258,9 @@ impl Service {
                 ),
                 e @ DecideError::Newcomer(_) => Status::resource_exhausted(e.to_string()),
                 DecideError::Shed(shed) => Status::unavailable(format!("overloaded: {shed}")),
-                e @ DecideError::ViewNotReady => Status::unavailable(e.to_string()),
+                e @ (DecideError::ViewNotReady | DecideError::LimitsNotReady) => {
+                    Status::unavailable(e.to_string())
+                }
                 other => Status::invalid_argument(other.to_string()),
             });
         }

@@ -31,13 +31,115 @@ pub const MAX_BATCH: usize = 64;
 /// consecutive on a partition, so a few per partition are plenty.
 const VERIFIED_ROOTS: usize = 1024;
 
-/// What the signature covers: a domain tag, the batch size and the root.
-fn signed_message(count: u32, root: &Hash) -> [u8; 59] {
-    let mut m = [0u8; 59];
-    m[..23].copy_from_slice(b"tierlimit/broadcast/v2\0");
-    m[23..27].copy_from_slice(&count.to_le_bytes());
-    m[27..].copy_from_slice(root);
+/// The domain tag of broadcast signatures.
+const BROADCAST_TAG: &[u8] = b"tierlimit/broadcast/v2\0";
+
+/// What the signature covers: a domain tag (so a signature made for one
+/// kind of record never verifies another: broadcasts, limits records), the
+/// batch size and the root.
+fn signed_message(tag: &[u8], count: u32, root: &Hash) -> Vec<u8> {
+    let mut m = Vec::with_capacity(tag.len() + 4 + root.len());
+    m.extend_from_slice(tag);
+    m.extend_from_slice(&count.to_le_bytes());
+    m.extend_from_slice(root);
     m
+}
+
+/// Signs `bodies` in batches of at most [`MAX_BATCH`] under `tag`: each
+/// record is its body and its [`BatchProof`]. `None` writes unsigned
+/// records. Shared by broadcasts and limits records
+/// (`crate::limits::auth`).
+pub(crate) fn seal_batches(
+    tag: &[u8],
+    key: Option<&(String, SigningKey)>,
+    bodies: Vec<Vec<u8>>,
+) -> Vec<Vec<u8>> {
+    let Some((id, key)) = key else {
+        return bodies
+            .into_iter()
+            .map(|b| codec::seal(b, &Auth::None))
+            .collect();
+    };
+    let mut out = Vec::with_capacity(bodies.len());
+    let mut bodies = bodies.into_iter().peekable();
+    while bodies.peek().is_some() {
+        let batch: Vec<Vec<u8>> = bodies.by_ref().take(MAX_BATCH).collect();
+        let leaves: Vec<Hash> = batch.iter().map(|b| merkle::leaf(b)).collect();
+        let (root, paths) = merkle::build(&leaves);
+        let count = batch.len() as u32;
+        let sig = key.sign(&signed_message(tag, count, &root)).to_bytes();
+        let (r, s) = sig.split_at(32);
+        let sig = (
+            <Hash>::try_from(r).expect("64-byte signature"),
+            <Hash>::try_from(s).expect("64-byte signature"),
+        );
+        for (index, (body, path)) in batch.into_iter().zip(paths).enumerate() {
+            let proof = BatchProof {
+                key: id.clone(),
+                sig,
+                count,
+                index: index as u32,
+                path,
+            };
+            out.push(codec::seal(body, &Auth::Batch(proof)));
+        }
+    }
+    out
+}
+
+/// Checks batch proofs under one domain tag against a set of Ed25519
+/// public keys, remembering the roots that verified.
+pub(crate) struct RootVerifier {
+    tag: &'static [u8],
+    keys: HashMap<String, VerifyingKey>,
+    /// Roots whose signature verified, newest last.
+    verified: VecDeque<Hash>,
+}
+
+impl RootVerifier {
+    pub(crate) fn new(
+        tag: &'static [u8],
+        public: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Self, String> {
+        let mut map = HashMap::new();
+        for (id, public) in public {
+            map.insert(id.clone(), keys::ed25519_public(public)?);
+        }
+        Ok(RootVerifier {
+            tag,
+            keys: map,
+            verified: VecDeque::with_capacity(VERIFIED_ROOTS),
+        })
+    }
+
+    pub(crate) fn verify(&mut self, signed: &[u8], proof: &BatchProof) -> Result<(), Reject> {
+        let key = self
+            .keys
+            .get(&proof.key)
+            .ok_or_else(|| Reject::UnknownKey(proof.key.clone()))?;
+        let root =
+            merkle::root_from_path(merkle::leaf(signed), proof.index, proof.count, &proof.path)
+                .ok_or_else(|| Reject::BadSignature(proof.key.clone()))?;
+        // The root commits to the count only through the signature, so the
+        // cache is keyed by what was signed: root and count together.
+        let cached = cache_key(&root, proof.count);
+        if self.verified.contains(&cached) {
+            return Ok(());
+        }
+        let mut sig = [0u8; 64];
+        sig[..32].copy_from_slice(&proof.sig.0);
+        sig[32..].copy_from_slice(&proof.sig.1);
+        key.verify(
+            &signed_message(self.tag, proof.count, &root),
+            &Signature::from_bytes(&sig),
+        )
+        .map_err(|_| Reject::BadSignature(proof.key.clone()))?;
+        if self.verified.len() == VERIFIED_ROOTS {
+            self.verified.pop_front();
+        }
+        self.verified.push_back(cached);
+        Ok(())
+    }
 }
 
 /// What an aggregator writes broadcasts with.
@@ -115,37 +217,7 @@ impl BroadcastSigner {
 
     /// Signs v2 bodies in batches of at most [`MAX_BATCH`].
     fn seal(&self, bodies: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
-        let Some((id, key)) = &self.key else {
-            return bodies
-                .into_iter()
-                .map(|b| codec::seal(b, &Auth::None))
-                .collect();
-        };
-        let mut out = Vec::with_capacity(bodies.len());
-        let mut bodies = bodies.into_iter().peekable();
-        while bodies.peek().is_some() {
-            let batch: Vec<Vec<u8>> = bodies.by_ref().take(MAX_BATCH).collect();
-            let leaves: Vec<Hash> = batch.iter().map(|b| merkle::leaf(b)).collect();
-            let (root, paths) = merkle::build(&leaves);
-            let count = batch.len() as u32;
-            let sig = key.sign(&signed_message(count, &root)).to_bytes();
-            let (r, s) = sig.split_at(32);
-            let sig = (
-                <Hash>::try_from(r).expect("64-byte signature"),
-                <Hash>::try_from(s).expect("64-byte signature"),
-            );
-            for (index, (body, path)) in batch.into_iter().zip(paths).enumerate() {
-                let proof = BatchProof {
-                    key: id.clone(),
-                    sig,
-                    count,
-                    index: index as u32,
-                    path,
-                };
-                out.push(codec::seal(body, &Auth::Batch(proof)));
-            }
-        }
-        out
+        seal_batches(BROADCAST_TAG, self.key.as_ref(), bodies)
     }
 }
 
@@ -158,22 +230,15 @@ pub enum Broadcast {
 
 /// What a region-node reads broadcasts with.
 pub struct BroadcastVerifier {
-    keys: HashMap<String, VerifyingKey>,
+    roots: RootVerifier,
     accept_unsigned: bool,
-    /// Roots whose signature verified, newest last.
-    verified: VecDeque<Hash>,
 }
 
 impl BroadcastVerifier {
     pub fn new(config: &Config) -> Result<Self, String> {
-        let mut map = HashMap::new();
-        for (id, public) in &config.wire.broadcast_public_keys {
-            map.insert(id.clone(), keys::ed25519_public(public)?);
-        }
         Ok(BroadcastVerifier {
-            keys: map,
+            roots: RootVerifier::new(BROADCAST_TAG, &config.wire.broadcast_public_keys)?,
             accept_unsigned: config.wire.accept_unsigned,
-            verified: VecDeque::with_capacity(VERIFIED_ROOTS),
         })
     }
 
@@ -224,32 +289,7 @@ impl BroadcastVerifier {
     }
 
     fn verify(&mut self, signed: &[u8], proof: &BatchProof) -> Result<(), Reject> {
-        let key = self
-            .keys
-            .get(&proof.key)
-            .ok_or_else(|| Reject::UnknownKey(proof.key.clone()))?;
-        let root =
-            merkle::root_from_path(merkle::leaf(signed), proof.index, proof.count, &proof.path)
-                .ok_or_else(|| Reject::BadSignature(proof.key.clone()))?;
-        // The root commits to the count only through the signature, so the
-        // cache is keyed by what was signed: root and count together.
-        let cached = cache_key(&root, proof.count);
-        if self.verified.contains(&cached) {
-            return Ok(());
-        }
-        let mut sig = [0u8; 64];
-        sig[..32].copy_from_slice(&proof.sig.0);
-        sig[32..].copy_from_slice(&proof.sig.1);
-        key.verify(
-            &signed_message(proof.count, &root),
-            &Signature::from_bytes(&sig),
-        )
-        .map_err(|_| Reject::BadSignature(proof.key.clone()))?;
-        if self.verified.len() == VERIFIED_ROOTS {
-            self.verified.pop_front();
-        }
-        self.verified.push_back(cached);
-        Ok(())
+        self.roots.verify(signed, proof)
     }
 }
 
@@ -303,7 +343,7 @@ mod tests {
             assert_eq!(&v.decode(r).unwrap(), expected);
         }
         // Three batches: three roots verified.
-        assert_eq!(v.verified.len(), 3);
+        assert_eq!(v.roots.verified.len(), 3);
     }
 
     #[test]

@@ -43,6 +43,37 @@ pub enum Kind {
     Delta = 1,
     Global = 2,
     Heartbeat = 3,
+    /// A record of the limits topic (`crate::limits`): its JSON, signed
+    /// per batch like broadcasts with the limits key.
+    Limits = 4,
+    /// A node's word on the deltas topic: the limits version it applied
+    /// (`NodeStatus`), HMAC-signed with its region's delta key.
+    NodeStatus = 5,
+}
+
+/// A region-node's periodic status on the deltas topic: which limits
+/// version it has applied, so an aggregator can answer "has version V
+/// reached every node?" (`crate::limits`). Written to every partition, so
+/// every aggregator hears every node whatever partitions it owns.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub region: String,
+    pub node: String,
+    /// Every limits record up to this version is applied (0: none).
+    pub limits_version: u64,
+    /// The node reads the limits topic (false: it serves the region's last
+    /// applied copy, or the file).
+    pub following: bool,
+    /// The node's wall clock when it wrote the record.
+    pub ts_ms: u64,
+}
+
+impl NodeStatus {
+    /// Kafka key: one per node, so compaction keeps the latest. `~` cannot
+    /// start a tenant id.
+    pub fn key(&self) -> String {
+        format!("~node|{}|{}", self.region, self.node)
+    }
 }
 
 /// An aggregator's periodic word on one partition of the global topic:
@@ -331,6 +362,38 @@ pub fn global_body_v3(u: &GlobalUpdate) -> Vec<u8> {
 /// body in v2 and v3.
 pub fn heartbeat_body(version: u8, h: &Heartbeat) -> Vec<u8> {
     postcard::to_extend(h, header(version, Kind::Heartbeat)).expect("a Vec never runs out of room")
+}
+
+/// The signed part of a node status (v3 only).
+pub fn node_status_body(s: &NodeStatus) -> Vec<u8> {
+    postcard::to_extend(s, header(V3, Kind::NodeStatus)).expect("a Vec never runs out of room")
+}
+
+/// Decodes a node status (the HMAC is checked by the caller).
+pub fn decode_node_status(bytes: &[u8]) -> Result<Frame<'_, NodeStatus>, DecodeError> {
+    let (message, signed, auth) = frame::<NodeStatus>(bytes, Kind::NodeStatus)?;
+    check_name("region", &message.region)?;
+    check_name("node", &message.node)?;
+    Ok(Frame {
+        message,
+        signed,
+        auth,
+    })
+}
+
+/// The signed part of a limits record: its JSON (v3 only).
+pub fn limits_body(json: &[u8]) -> Vec<u8> {
+    postcard::to_extend(json, header(V3, Kind::Limits)).expect("a Vec never runs out of room")
+}
+
+/// Splits a limits record into its JSON, signed bytes and authentication.
+pub fn decode_limits(bytes: &[u8]) -> Result<Frame<'_, &[u8]>, DecodeError> {
+    let (message, signed, auth) = frame::<&[u8]>(bytes, Kind::Limits)?;
+    Ok(Frame {
+        message,
+        signed,
+        auth,
+    })
 }
 
 /// Decodes a heartbeat (the signature is checked by the caller).

@@ -69,6 +69,24 @@ impl DeltaSigner {
     }
 
     /// The record to produce for `d`.
+    /// A node's status record (always v3: only processes that follow the
+    /// limits topic write one, and those read v3).
+    pub fn encode_status(&self, status: &codec::NodeStatus) -> Vec<u8> {
+        let signed = codec::node_status_body(status);
+        let auth = self.auth(&signed);
+        codec::seal(signed, &auth)
+    }
+
+    fn auth(&self, signed: &[u8]) -> Auth {
+        match &self.key {
+            Some((id, secret)) => Auth::Hmac {
+                key: id.clone(),
+                tag: tag(secret, signed),
+            },
+            None => Auth::None,
+        }
+    }
+
     pub fn encode(&self, d: &Delta) -> Vec<u8> {
         match self.version {
             Version::V1 => Delta {
@@ -82,13 +100,7 @@ impl DeltaSigner {
                 } else {
                     codec::delta_body(d)
                 };
-                let auth = match &self.key {
-                    Some((id, secret)) => Auth::Hmac {
-                        key: id.clone(),
-                        tag: tag(secret, &signed),
-                    },
-                    None => Auth::None,
-                };
+                let auth = self.auth(&signed);
                 codec::seal(signed, &auth)
             }
         }
@@ -96,6 +108,13 @@ impl DeltaSigner {
 }
 
 /// What the aggregator reads deltas with.
+/// A record of the deltas topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeltaRecord {
+    Delta(Delta),
+    Status(codec::NodeStatus),
+}
+
 pub struct DeltaVerifier {
     /// key id → (region, secret).
     keys: HashMap<String, (String, Vec<u8>)>,
@@ -121,6 +140,50 @@ impl DeltaVerifier {
     /// Decodes `bytes` (v1 JSON or v2) and checks who wrote it: a delta is
     /// returned only if its signature verifies under a key of its actor's
     /// region (or unsigned records are accepted and the region is known).
+    /// Decodes any record of the deltas topic: a delta, or a node's status
+    /// (checked like a delta: a region's key vouches only for its region's
+    /// nodes).
+    pub fn decode_any(&self, bytes: &[u8]) -> Result<DeltaRecord, Reject> {
+        if codec::kind_of(bytes) != Some(codec::Kind::NodeStatus as u8) {
+            return self.decode(bytes).map(DeltaRecord::Delta);
+        }
+        let frame = codec::decode_node_status(bytes)?;
+        self.check(&frame.auth, frame.signed, &frame.message.region)?;
+        if !self.regions.contains(&frame.message.region) {
+            return Err(Reject::UnknownRegion(frame.message.region));
+        }
+        Ok(DeltaRecord::Status(frame.message))
+    }
+
+    /// Checks a v2/v3 record's authentication: a key of `region`.
+    fn check(&self, auth: &Auth, signed: &[u8], region: &str) -> Result<(), Reject> {
+        match auth {
+            Auth::Hmac { key, tag: got } => {
+                let (key_region, secret) = self
+                    .keys
+                    .get(key)
+                    .ok_or_else(|| Reject::UnknownKey(key.clone()))?;
+                let mut mac =
+                    HmacSha256::new_from_slice(secret).expect("HMAC takes keys of any size");
+                mac.update(signed);
+                mac.verify_slice(got)
+                    .map_err(|_| Reject::BadSignature(key.clone()))?;
+                if region != key_region {
+                    return Err(Reject::WrongRegion {
+                        actor_region: region.to_owned(),
+                        key_region: key_region.clone(),
+                    });
+                }
+                Ok(())
+            }
+            Auth::None if self.accept_unsigned => Ok(()),
+            Auth::None => Err(Reject::Unsigned),
+            Auth::Batch(_) => Err(Reject::Corrupt(crate::messages::DecodeError::Field(
+                "a delta cannot carry a broadcast proof".into(),
+            ))),
+        }
+    }
+
     pub fn decode(&self, bytes: &[u8]) -> Result<Delta, Reject> {
         let delta = match read_version(bytes)? {
             Version::V1 => {
@@ -132,34 +195,11 @@ impl DeltaVerifier {
             }
             Version::V2 | Version::V3 => {
                 let frame = codec::decode_delta(bytes)?;
-                match &frame.auth {
-                    Auth::Hmac { key, tag: got } => {
-                        let (key_region, secret) = self
-                            .keys
-                            .get(key)
-                            .ok_or_else(|| Reject::UnknownKey(key.clone()))?;
-                        let mut mac = HmacSha256::new_from_slice(secret)
-                            .expect("HMAC takes keys of any size");
-                        mac.update(frame.signed);
-                        // Constant-time comparison.
-                        mac.verify_slice(got)
-                            .map_err(|_| Reject::BadSignature(key.clone()))?;
-                        let actor_region = actor_region(&frame.message.actor);
-                        if actor_region != key_region {
-                            return Err(Reject::WrongRegion {
-                                actor_region: actor_region.to_owned(),
-                                key_region: key_region.clone(),
-                            });
-                        }
-                    }
-                    Auth::None if self.accept_unsigned => {}
-                    Auth::None => return Err(Reject::Unsigned),
-                    Auth::Batch(_) => {
-                        return Err(Reject::Corrupt(crate::messages::DecodeError::Field(
-                            "a delta cannot carry a broadcast proof".into(),
-                        )))
-                    }
-                }
+                self.check(
+                    &frame.auth,
+                    frame.signed,
+                    actor_region(&frame.message.actor),
+                )?;
                 frame.message
             }
         };

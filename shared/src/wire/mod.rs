@@ -23,8 +23,8 @@ pub mod merkle;
 pub mod reject;
 
 pub use broadcast_auth::{Broadcast, BroadcastSigner, BroadcastVerifier};
-pub use codec::Heartbeat;
-pub use delta_auth::{DeltaSigner, DeltaVerifier};
+pub use codec::{Heartbeat, NodeStatus};
+pub use delta_auth::{DeltaRecord, DeltaSigner, DeltaVerifier};
 pub use reject::{LogThrottle, Reject};
 
 use std::sync::{Arc, Mutex};

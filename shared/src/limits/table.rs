@@ -1,0 +1,596 @@
+//! The applied limits of one process: every registered tenant's policy,
+//! kept compact and read on every decision.
+//!
+//! Why this shape:
+//! - A tenant with nothing but a plan (most of them) holds a pointer to its
+//!   plan's one shared `Policy`: an entry is the id, a version and that
+//!   pointer, so a million tenants cost about as much as their ids.
+//!   Tenants with overrides hold a policy of their own, and their record
+//!   is kept aside so a change of their plan can resolve them again.
+//! - Lookups read-lock one of 64 shards; a record write-locks one shard for
+//!   a map insert. Resolving a record (validation, the policy) happens
+//!   before any lock.
+//! - A plan change swaps the plan's policy and walks the shards once to
+//!   move its tenants onto the new pointer (about 20 ns a tenant): plans
+//!   change rarely, tenants often.
+//! - Records apply in the topic's order (one partition), each only if its
+//!   version is above the subject's current one, so replaying the topic or
+//!   the region's copy over a table that has seen newer records is a no-op.
+//!   `applied_version` is then a watermark: every record up to it applied.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::config::{resolve_plan, resolve_tenant, ConfigError, PlanConfig, Policy, TenantConfig};
+use crate::limits::record::{Body, LimitsRecord, Subject};
+
+const SHARDS: usize = 64;
+
+/// One tenant's applied state.
+#[derive(Debug, Clone)]
+struct Entry {
+    version: u64,
+    policy: Arc<Policy>,
+}
+
+/// One of the tenants' shards.
+type Shard = RwLock<HashMap<Box<str>, Entry>>;
+
+/// Why a record was not applied. The previous version stays.
+#[derive(Debug, Error)]
+pub enum ApplyError {
+    /// Its tiers do not validate as a file's would (the error names the
+    /// key, e.g. `tenants.acme.node.limit`).
+    #[error("{0}")]
+    Invalid(#[from] ConfigError),
+}
+
+impl ApplyError {
+    /// The metric label (`tierlimit_limits_records_total{outcome}`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ApplyError::Invalid(_) => "invalid",
+        }
+    }
+}
+
+/// What applying a record did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// The subject changed: for a tenant, its policy; for a plan, every
+    /// tenant of it.
+    Changed(Subject),
+    /// A tenant whose plan no process has applied yet: kept, and treated as
+    /// an unknown tenant until the plan arrives.
+    Pending(String),
+    /// Not newer than what the subject already has: ignored.
+    Stale,
+}
+
+/// Writers' state (under one mutex; readers never take it).
+#[derive(Default)]
+struct Catalog {
+    /// The topic's plans: version and, unless deleted, the table.
+    topic_plans: HashMap<String, (u64, Option<PlanConfig>)>,
+    /// The file's plans (`[plans]`), resolved.
+    file_plans: BTreeMap<String, Arc<Policy>>,
+    /// Tenants with overrides, for resolving them again on a plan change.
+    custom: HashMap<Box<str>, (u64, TenantConfig)>,
+    /// Tenants whose plan is unknown, by plan.
+    pending: HashMap<Box<str>, (u64, TenantConfig)>,
+    /// Deleted tenants' versions (so an older record replayed later does
+    /// not bring one back).
+    deleted: HashMap<Box<str>, u64>,
+}
+
+/// The applied tenants and plans of one process.
+pub struct LimitsTable {
+    shards: Box<[Shard]>,
+    /// Effective plans by name: the topic's, else the file's.
+    plans: RwLock<HashMap<String, Arc<Policy>>>,
+    catalog: Mutex<Catalog>,
+    applied: AtomicU64,
+    tenants: AtomicU64,
+    ready: AtomicBool,
+    ready_notify: tokio::sync::Notify,
+}
+
+impl std::fmt::Debug for LimitsTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LimitsTable")
+            .field("tenants", &self.len())
+            .field("applied_version", &self.applied_version())
+            .field("ready", &self.is_ready())
+            .finish()
+    }
+}
+
+impl Default for LimitsTable {
+    fn default() -> Self {
+        LimitsTable::new()
+    }
+}
+
+fn shard_of(tenant: &str) -> usize {
+    (crate::messages::partition_of(tenant, SHARDS as i32)) as usize
+}
+
+impl LimitsTable {
+    pub fn new() -> LimitsTable {
+        LimitsTable {
+            shards: (0..SHARDS).map(|_| RwLock::new(HashMap::new())).collect(),
+            plans: RwLock::new(HashMap::new()),
+            catalog: Mutex::new(Catalog::default()),
+            applied: AtomicU64::new(0),
+            tenants: AtomicU64::new(0),
+            ready: AtomicBool::new(false),
+            ready_notify: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// The policy of a registered tenant (not pending, not deleted).
+    pub fn tenant(&self, tenant: &str) -> Option<Arc<Policy>> {
+        self.shards[shard_of(tenant)]
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(tenant)
+            .map(|e| Arc::clone(&e.policy))
+    }
+
+    /// The applied version of a tenant's record (0: none).
+    pub fn tenant_version(&self, tenant: &str) -> u64 {
+        self.shards[shard_of(tenant)]
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(tenant)
+            .map_or(0, |e| e.version)
+    }
+
+    pub fn contains(&self, tenant: &str) -> bool {
+        self.shards[shard_of(tenant)]
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(tenant)
+    }
+
+    /// The effective plan `name`: the topic's, else the file's.
+    pub fn plan(&self, name: &str) -> Option<Arc<Policy>> {
+        self.plans
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+
+    /// Every record up to this version is applied (0: none).
+    pub fn applied_version(&self) -> u64 {
+        self.applied.load(Ordering::Acquire)
+    }
+
+    /// Registered tenants (resolved; pending ones excluded).
+    pub fn len(&self) -> u64 {
+        self.tenants.load(Ordering::Relaxed)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Tenants waiting for their plan.
+    pub fn pending(&self) -> u64 {
+        self.catalog().pending.len() as u64
+    }
+
+    /// Ready: the topic (or the region's copy of it) was read to its end
+    /// once, so every registered tenant is known.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    pub fn mark_ready(&self) {
+        if !self.ready.swap(true, Ordering::AcqRel) {
+            self.ready_notify.notify_waiters();
+        }
+    }
+
+    /// Waits until ready, at most `timeout`; true if ready.
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let notified = self.ready_notify.notified();
+        if self.is_ready() {
+            return true;
+        }
+        let _ = tokio::time::timeout(timeout, notified).await;
+        self.is_ready()
+    }
+
+    fn catalog(&self) -> std::sync::MutexGuard<'_, Catalog> {
+        self.catalog.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The file's plans (at start and after every reload): tenants of a
+    /// plan whose file definition changed (and that the topic does not
+    /// define) move onto the new one.
+    pub fn set_file_plans(&self, file: &BTreeMap<String, Arc<Policy>>) {
+        let mut cat = self.catalog();
+        let names: Vec<String> = cat.file_plans.keys().chain(file.keys()).cloned().collect();
+        cat.file_plans = file.clone();
+        for name in names {
+            self.refresh_plan(&mut cat, &name);
+        }
+    }
+
+    /// Applies one record, or says why not (the previous version stays).
+    pub fn apply(&self, record: &LimitsRecord) -> Result<Applied, ApplyError> {
+        let mut cat = self.catalog();
+        let applied = match (&record.subject, &record.body) {
+            (Subject::Tenant(id), body) => self.apply_tenant(&mut cat, id, record.version, body)?,
+            (Subject::Plan(name), body) => {
+                let current = cat.topic_plans.get(name).map_or(0, |(v, _)| *v);
+                if record.version <= current {
+                    Applied::Stale
+                } else {
+                    let config = match body {
+                        Body::Plan(p) => {
+                            resolve_plan(name, p)?;
+                            Some(p.clone())
+                        }
+                        _ => None,
+                    };
+                    cat.topic_plans
+                        .insert(name.clone(), (record.version, config));
+                    self.refresh_plan(&mut cat, name);
+                    Applied::Changed(record.subject.clone())
+                }
+            }
+        };
+        self.applied.fetch_max(record.version, Ordering::AcqRel);
+        Ok(applied)
+    }
+
+    fn current_version(&self, cat: &Catalog, id: &str) -> u64 {
+        let resolved = self.tenant_version(id);
+        let pending = cat.pending.get(id).map_or(0, |(v, _)| *v);
+        let deleted = cat.deleted.get(id).copied().unwrap_or(0);
+        resolved.max(pending).max(deleted)
+    }
+
+    fn apply_tenant(
+        &self,
+        cat: &mut Catalog,
+        id: &str,
+        version: u64,
+        body: &Body,
+    ) -> Result<Applied, ApplyError> {
+        if version <= self.current_version(cat, id) {
+            return Ok(Applied::Stale);
+        }
+        let t = match body {
+            Body::Tenant(t) => t,
+            _ => {
+                self.remove(cat, id);
+                cat.deleted.insert(id.into(), version);
+                return Ok(Applied::Changed(Subject::Tenant(id.to_owned())));
+            }
+        };
+        let plan = self.plan(&t.plan);
+        let Some(plan) = plan else {
+            self.remove(cat, id);
+            cat.pending.insert(id.into(), (version, t.clone()));
+            return Ok(Applied::Pending(id.to_owned()));
+        };
+        let policy = if t.is_plain() {
+            plan
+        } else {
+            Arc::new(resolve_tenant(&format!("tenants.{id}"), t, &plan)?)
+        };
+        self.remove(cat, id);
+        if !t.is_plain() {
+            cat.custom.insert(id.into(), (version, t.clone()));
+        }
+        self.insert(id, Entry { version, policy });
+        Ok(Applied::Changed(Subject::Tenant(id.to_owned())))
+    }
+
+    fn insert(&self, id: &str, entry: Entry) {
+        let fresh = self.shards[shard_of(id)]
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.into(), entry)
+            .is_none();
+        if fresh {
+            self.tenants.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Forgets a tenant everywhere (resolved, custom, pending, deleted).
+    fn remove(&self, cat: &mut Catalog, id: &str) {
+        let gone = self.shards[shard_of(id)]
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id)
+            .is_some();
+        if gone {
+            self.tenants.fetch_sub(1, Ordering::Relaxed);
+        }
+        cat.custom.remove(id);
+        cat.pending.remove(id);
+        cat.deleted.remove(id);
+    }
+
+    /// Recomputes plan `name`'s effective policy and moves its tenants.
+    fn refresh_plan(&self, cat: &mut Catalog, name: &str) {
+        let effective = match cat.topic_plans.get(name) {
+            Some((_, Some(p))) => resolve_plan(name, p).ok().map(Arc::new),
+            _ => cat.file_plans.get(name).cloned(),
+        };
+        let old = {
+            let mut plans = self.plans.write().unwrap_or_else(|e| e.into_inner());
+            match &effective {
+                Some(p) => plans.insert(name.to_owned(), Arc::clone(p)),
+                None => plans.remove(name),
+            }
+        };
+        if let (Some(old), Some(new)) = (&old, &effective) {
+            if old == new {
+                // Same limits (a reload that left it alone): nothing moves.
+                let mut plans = self.plans.write().unwrap_or_else(|e| e.into_inner());
+                plans.insert(name.to_owned(), Arc::clone(old));
+                return;
+            }
+        }
+        // Plain tenants of the old plan: onto the new pointer, or pending.
+        let mut orphaned = Vec::new();
+        if let Some(old) = &old {
+            for shard in self.shards.iter() {
+                let mut shard = shard.write().unwrap_or_else(|e| e.into_inner());
+                shard.retain(|id, e| {
+                    if !Arc::ptr_eq(&e.policy, old) {
+                        return true;
+                    }
+                    match &effective {
+                        Some(new) => {
+                            e.policy = Arc::clone(new);
+                            true
+                        }
+                        None => {
+                            orphaned.push((id.clone(), e.version));
+                            false
+                        }
+                    }
+                });
+            }
+        }
+        self.tenants
+            .fetch_sub(orphaned.len() as u64, Ordering::Relaxed);
+        for (id, version) in orphaned {
+            cat.pending.insert(
+                id,
+                (
+                    version,
+                    TenantConfig {
+                        plan: name.to_owned(),
+                        node: None,
+                        region: None,
+                        global: None,
+                        on_store_error: None,
+                    },
+                ),
+            );
+        }
+        // Tenants with overrides of this plan, and pending ones now
+        // resolvable: resolved again (or made pending).
+        let custom: Vec<(Box<str>, (u64, TenantConfig))> = cat
+            .custom
+            .iter()
+            .filter(|(_, (_, t))| t.plan == name)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let waiting: Vec<(Box<str>, (u64, TenantConfig))> = cat
+            .pending
+            .iter()
+            .filter(|(_, (_, t))| t.plan == name)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (id, (version, t)) in custom.into_iter().chain(waiting) {
+            self.remove(cat, &id);
+            let resolved = match &effective {
+                Some(plan) if t.is_plain() => Some(Arc::clone(plan)),
+                Some(plan) => resolve_tenant(&format!("tenants.{id}"), &t, plan)
+                    .ok()
+                    .map(Arc::new),
+                None => None,
+            };
+            match resolved {
+                Some(policy) => {
+                    if !t.is_plain() {
+                        cat.custom.insert(id.clone(), (version, t));
+                    }
+                    self.insert(&id, Entry { version, policy });
+                }
+                None => {
+                    cat.pending.insert(id, (version, t));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{GlobalLimitConfig, LimitConfig, LimitOverride};
+
+    fn plan(limit: u64) -> PlanConfig {
+        PlanConfig {
+            node: None,
+            region: Some(LimitConfig {
+                limit,
+                window: Duration::from_secs(60),
+                algorithm: crate::config::Algorithm::FixedWindow,
+                burst: None,
+            }),
+            global: Some(GlobalLimitConfig::daily(limit * 10)),
+            on_store_error: Default::default(),
+            key_scoped: false,
+            shadow_mode: false,
+            lease_max: None,
+        }
+    }
+
+    fn tenant(plan: &str) -> TenantConfig {
+        TenantConfig {
+            plan: plan.into(),
+            node: None,
+            region: None,
+            global: None,
+            on_store_error: None,
+        }
+    }
+
+    fn rec(subject: Subject, version: u64, body: Body) -> LimitsRecord {
+        LimitsRecord {
+            subject,
+            version,
+            writer: "t".into(),
+            ts_ms: 0,
+            body,
+        }
+    }
+
+    fn t(id: &str) -> Subject {
+        Subject::Tenant(id.into())
+    }
+
+    fn p(name: &str) -> Subject {
+        Subject::Plan(name.into())
+    }
+
+    fn region_limit(table: &LimitsTable, id: &str) -> Option<u64> {
+        table
+            .tenant(id)
+            .and_then(|p| p.region.as_ref().map(|l| l.limit))
+    }
+
+    #[test]
+    fn tenants_follow_their_plan_and_versions_only_grow() {
+        let table = LimitsTable::new();
+        table
+            .apply(&rec(p("pro"), 1, Body::Plan(plan(100))))
+            .unwrap();
+        table
+            .apply(&rec(t("acme"), 2, Body::Tenant(tenant("pro"))))
+            .unwrap();
+        assert_eq!(region_limit(&table, "acme"), Some(100));
+        // Plain tenants share the plan's policy.
+        assert!(Arc::ptr_eq(
+            &table.tenant("acme").unwrap(),
+            &table.plan("pro").unwrap()
+        ));
+        // A plan change moves its tenants at once.
+        table
+            .apply(&rec(p("pro"), 3, Body::Plan(plan(50))))
+            .unwrap();
+        assert_eq!(region_limit(&table, "acme"), Some(50));
+        // An older record replayed is ignored.
+        assert_eq!(
+            table
+                .apply(&rec(p("pro"), 2, Body::Plan(plan(999))))
+                .unwrap(),
+            Applied::Stale
+        );
+        assert_eq!(region_limit(&table, "acme"), Some(50));
+        assert_eq!(table.applied_version(), 3);
+        // Overrides resolve against the plan, and again when it changes.
+        let mut custom = tenant("pro");
+        custom.region = Some(LimitOverride {
+            limit: Some(7),
+            ..Default::default()
+        });
+        custom.global = Some(GlobalLimitConfig {
+            month: Some(1000),
+            ..Default::default()
+        });
+        table
+            .apply(&rec(t("acme"), 4, Body::Tenant(custom)))
+            .unwrap();
+        assert_eq!(region_limit(&table, "acme"), Some(7));
+        table
+            .apply(&rec(p("pro"), 5, Body::Plan(plan(60))))
+            .unwrap();
+        let acme = table.tenant("acme").unwrap();
+        assert_eq!(acme.region.as_ref().unwrap().limit, 7);
+        assert_eq!(acme.global, Some(600), "the day's tier follows the plan");
+        // Deleted: gone, and an older record does not bring it back.
+        table.apply(&rec(t("acme"), 6, Body::Deleted)).unwrap();
+        assert!(table.tenant("acme").is_none());
+        assert_eq!(
+            table
+                .apply(&rec(t("acme"), 4, Body::Tenant(tenant("pro"))))
+                .unwrap(),
+            Applied::Stale
+        );
+        assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn a_tenant_waits_for_its_plan_and_falls_back_when_it_goes() {
+        let table = LimitsTable::new();
+        assert_eq!(
+            table
+                .apply(&rec(t("acme"), 1, Body::Tenant(tenant("gold"))))
+                .unwrap(),
+            Applied::Pending("acme".into())
+        );
+        assert!(table.tenant("acme").is_none());
+        assert_eq!(table.pending(), 1);
+        table
+            .apply(&rec(p("gold"), 2, Body::Plan(plan(10))))
+            .unwrap();
+        assert_eq!(region_limit(&table, "acme"), Some(10));
+        assert_eq!(table.pending(), 0);
+        // The file defines gold too: the topic's wins while it has one.
+        let file: BTreeMap<String, Arc<Policy>> = [(
+            "gold".to_string(),
+            Arc::new(resolve_plan("gold", &plan(20)).unwrap()),
+        )]
+        .into();
+        table.set_file_plans(&file);
+        assert_eq!(region_limit(&table, "acme"), Some(10));
+        // Deleted on the topic: the file's plan takes over.
+        table.apply(&rec(p("gold"), 3, Body::Deleted)).unwrap();
+        assert_eq!(region_limit(&table, "acme"), Some(20));
+        // Gone from both: pending again.
+        table.set_file_plans(&BTreeMap::new());
+        assert!(table.tenant("acme").is_none());
+        assert_eq!(table.pending(), 1);
+    }
+
+    #[test]
+    fn an_invalid_record_leaves_the_previous_version() {
+        let table = LimitsTable::new();
+        table
+            .apply(&rec(p("pro"), 1, Body::Plan(plan(100))))
+            .unwrap();
+        table
+            .apply(&rec(t("acme"), 2, Body::Tenant(tenant("pro"))))
+            .unwrap();
+        let mut bad = tenant("pro");
+        // A node tier override without a limit, where the plan has none.
+        bad.node = Some(LimitOverride::default());
+        let err = table
+            .apply(&rec(t("acme"), 3, Body::Tenant(bad)))
+            .unwrap_err();
+        assert!(err.to_string().contains("tenants.acme.node"), "{err}");
+        assert_eq!(region_limit(&table, "acme"), Some(100));
+        let mut bad_plan = plan(1);
+        bad_plan.region.as_mut().unwrap().limit = 0;
+        assert!(table
+            .apply(&rec(p("pro"), 4, Body::Plan(bad_plan)))
+            .is_err());
+        assert_eq!(region_limit(&table, "acme"), Some(100));
+    }
+}

@@ -1,0 +1,501 @@
+//! Limits as data end to end: tenants and plans as signed records of the
+//! limits topic (real Tansu), written by the real `aggregator limits`
+//! command, followed by real region-nodes and an aggregator, each node
+//! keeping a copy in its region's real Redis.
+//!
+//! What would fail if the feature broke: a record not applied in a region
+//! (the tenant stays unknown: 403), a change that does not take effect in
+//! the current window, a forged or malformed record applied, a node that
+//! cannot start without Kafka although its region has a copy, a status that
+//! says "reached" before every node applied the version.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use harness::{temp_dir, wait_for, wait_until, write_config, Aggregator, Redis, RegionNode, Tansu};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::{json, Value};
+
+const PARTITIONS: i32 = 4;
+const DELTAS: &str = "tierlimit.deltas";
+const GLOBAL: &str = "tierlimit.global";
+const LIMITS: &str = "tierlimit.limits";
+const DEADLINE: Duration = Duration::from_secs(30);
+
+struct World {
+    tansu: Tansu,
+    redis: Vec<(String, Redis)>,
+    cfg: PathBuf,
+    dir: harness::tempfile::TempDir,
+}
+
+impl World {
+    async fn new(regions: &[&str]) -> World {
+        let tansu = Tansu::start();
+        tansu.create_topics(&[DELTAS, GLOBAL], PARTITIONS).await;
+        tansu
+            .create_topics_with_config(&[LIMITS], 1, &[("cleanup.policy", "compact")])
+            .await;
+        let redis: Vec<(String, Redis)> = regions
+            .iter()
+            .map(|r| (r.to_string(), Redis::start()))
+            .collect();
+        let mut toml = format!(
+            r#"
+cluster = "test"
+[kafka]
+brokers = "{}"
+partitions = {PARTITIONS}
+[node]
+flush_interval = "100ms"
+store_timeout = "2s"
+view_wait = "1s"
+[aggregator]
+broadcast_interval = "100ms"
+group_id = "agg-limits"
+[limits]
+source = "topic"
+status_interval = "200ms"
+lag_alert_after = "2s"
+[unknown_tenants]
+policy = "deny"
+# The file keeps a plan of its own: tenants on the topic may name it.
+[plans.free]
+region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
+"#,
+            tansu.brokers()
+        );
+        for (name, r) in &redis {
+            toml += &format!(
+                "[regions.{name}]\nredis_url = \"{}\"\nexpected_nodes = 1\n",
+                r.url()
+            );
+        }
+        let dir = temp_dir();
+        let cfg = write_config(dir.path(), &toml);
+        World {
+            tansu,
+            redis,
+            cfg,
+            dir,
+        }
+    }
+
+    fn redis(&self, region: &str) -> &Redis {
+        &self.redis.iter().find(|(n, _)| n == region).unwrap().1
+    }
+
+    /// Writes `tables` (TOML `[plans]` / `[tenants]`) with the real
+    /// `aggregator limits import`; returns the last version written.
+    fn import(&self, name: &str, tables: &str) -> u64 {
+        let file = self.dir.path().join(format!("{name}.toml"));
+        std::fs::write(&file, tables).unwrap();
+        let out = run_aggregator(&[
+            "limits",
+            "import",
+            "--config",
+            path(&self.cfg),
+            "--file",
+            path(&file),
+            "--writer",
+            "test",
+        ]);
+        last_version(&out)
+    }
+
+    /// A record written with the library's writer, past the command's
+    /// checks: a tenant of a plan no record defines yet.
+    async fn publish(&self, tenant: &str, plan: &str) -> u64 {
+        use tierlimit_shared::limits::{write::Writer, Body, Subject};
+        let loaded = tierlimit_shared::Config::load(&self.cfg).unwrap();
+        let mut w = Writer::connect(&loaded.config, "test").await.unwrap();
+        let written = w
+            .publish(vec![(
+                Subject::Tenant(tenant.into()),
+                Body::Tenant(tierlimit_shared::config::TenantConfig {
+                    plan: plan.into(),
+                    node: None,
+                    region: None,
+                    global: None,
+                    on_store_error: None,
+                }),
+            )])
+            .await
+            .unwrap();
+        written[0].version
+    }
+
+    fn delete_tenant(&self, tenant: &str) -> u64 {
+        let out = run_aggregator(&[
+            "limits",
+            "delete",
+            "--config",
+            path(&self.cfg),
+            "--tenant",
+            tenant,
+        ]);
+        out.trim()
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no version in {out:?}"))
+    }
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn run_aggregator(args: &[&str]) -> String {
+    let out = std::process::Command::new(harness::bin_path("aggregator"))
+        .args(args)
+        .output()
+        .expect("aggregator runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "aggregator {args:?} failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// `… (versions A..=B)` → B.
+fn last_version(out: &str) -> u64 {
+    out.rsplit("..=")
+        .next()
+        .and_then(|s| s.trim().trim_end_matches(')').parse().ok())
+        .unwrap_or_else(|| panic!("no versions in {out:?}"))
+}
+
+async fn ready(n: &RegionNode) {
+    let url = n.url("/readyz");
+    wait_until(&format!("{} ready", n.node_id), DEADLINE, || {
+        let url = url.clone();
+        async move {
+            reqwest::get(url)
+                .await
+                .map(|r| r.status() == 200)
+                .unwrap_or(false)
+        }
+    })
+    .await;
+}
+
+async fn check(n: &RegionNode, tenant: &str) -> u16 {
+    n.http
+        .post(n.url("/v1/check"))
+        .json(&json!({ "tenant": tenant }))
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// How many checks of `tenant` pass before the first refusal (at most
+/// `max`), and the refusal's status.
+async fn allowed_until_refused(n: &RegionNode, tenant: &str, max: u32) -> (u32, u16) {
+    for i in 0..max {
+        let s = check(n, tenant).await;
+        if s != 200 {
+            return (i, s);
+        }
+    }
+    (max, 200)
+}
+
+/// Waits until the aggregator says every node (`nodes` of them) applied
+/// `version`.
+async fn reached(agg: &Aggregator, version: u64, nodes: usize) -> Value {
+    let url = agg.url(&format!("/v1/limits/status?version={version}"));
+    wait_for(
+        &format!("version {version} on {nodes} nodes"),
+        DEADLINE,
+        || {
+            let (http, url) = (agg.http.clone(), url.clone());
+            async move {
+                let v: Value = http.get(url).send().await.ok()?.json().await.ok()?;
+                (v["reached"] == true && v["nodes"].as_array()?.len() == nodes).then_some(v)
+            }
+        },
+    )
+    .await
+}
+
+async fn node_metric(n: &RegionNode, sample: &str) -> f64 {
+    let text = n
+        .http
+        .get(n.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    harness::metric_sample(&text, sample).unwrap_or(0.0)
+}
+
+const PRO_3: &str = r#"
+[plans.pro]
+region = { limit = 3, window = "1h", algorithm = "fixed_window" }
+[tenants.acme]
+plan = "pro"
+[tenants.globex]
+plan = "pro"
+region = { limit = 2, algorithm = "sliding_window" }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn records_apply_in_every_region_at_once_and_forgeries_change_nothing() {
+    let w = World::new(&["eu", "us"]).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "e1").await;
+    let us = RegionNode::start(&w.cfg, "us", "u1").await;
+    ready(&eu).await;
+    ready(&us).await;
+
+    // 1. Registered on the topic: known in both regions, with the plan's
+    //    limit and the tenant's override; a tenant whose plan no record
+    //    defines yet is unknown (denied here), a stranger too.
+    w.import("first", PRO_3);
+    let v1 = w.publish("initech", "gold").await;
+    let status = reached(&agg, v1, 2).await;
+    assert_eq!(status["lagging"], json!([]), "{status}");
+    for n in [&eu, &us] {
+        assert_eq!(
+            allowed_until_refused(n, "acme", 10).await,
+            (3, 429),
+            "{}",
+            n.region
+        );
+        assert_eq!(allowed_until_refused(n, "globex", 10).await, (2, 429));
+        assert_eq!(
+            check(n, "initech").await,
+            403,
+            "its plan is not applied yet"
+        );
+        assert_eq!(check(n, "stranger").await, 403);
+    }
+
+    // 2. Raised: the tenant gets through in the current window (3 of 5
+    //    spent: two more), in every region, with no restart or reload.
+    let v2 = w.import(
+        "raise",
+        "[plans.pro]\nregion = { limit = 5, window = \"1h\", algorithm = \"fixed_window\" }\n",
+    );
+    reached(&agg, v2, 2).await;
+    for n in [&eu, &us] {
+        assert_eq!(
+            allowed_until_refused(n, "acme", 10).await,
+            (2, 429),
+            "{}",
+            n.region
+        );
+    }
+
+    // 3. Lowered below what is spent: denied at once; a tenant of the plan
+    //    that spent nothing gets the new limit exactly.
+    let v3 = w.import(
+        "lower",
+        "[plans.pro]\nregion = { limit = 1, window = \"1h\", algorithm = \"fixed_window\" }\n\
+         [tenants.hooli]\nplan = \"pro\"\n",
+    );
+    reached(&agg, v3, 2).await;
+    for n in [&eu, &us] {
+        assert_eq!(check(n, "acme").await, 429, "{}", n.region);
+        assert_eq!(allowed_until_refused(n, "hooli", 10).await, (1, 429));
+    }
+
+    // 4. The pending tenant's plan arrives: it applies; a deletion denies.
+    let v4 = w.import(
+        "gold",
+        "[plans.gold]\nregion = { limit = 4, window = \"1h\", algorithm = \"fixed_window\" }\n",
+    );
+    reached(&agg, v4, 2).await;
+    assert_eq!(allowed_until_refused(&eu, "initech", 10).await, (4, 429));
+    let v5 = w.delete_tenant("acme");
+    reached(&agg, v5, 2).await;
+    assert_eq!(check(&eu, "acme").await, 403);
+    assert_eq!(check(&us, "acme").await, 403);
+
+    // 5. Forged, unsigned and malformed records on the real topic, each
+    //    bringing acme back with a huge limit at a huge version: refused
+    //    and counted; the deletion stays. A valid record written after
+    //    them tells when they have been read.
+    let forged = {
+        use tierlimit_shared::limits::{Body, LimitsRecord, LimitsSigner, Subject};
+        let rec = LimitsRecord {
+            subject: Subject::Tenant("acme".into()),
+            version: u64::MAX / 2,
+            writer: "mallory".into(),
+            ts_ms: 0,
+            body: Body::Tenant(tierlimit_shared::config::TenantConfig {
+                plan: "free".into(),
+                node: None,
+                region: None,
+                global: None,
+                on_store_error: None,
+            }),
+        };
+        let wrong_key = ed25519_dalek::SigningKey::from_bytes(&[9; 32]);
+        let mut out = LimitsSigner::with_key(Some((harness::wire_keys::LIMITS_KEY, wrong_key)))
+            .encode(std::slice::from_ref(&rec));
+        out.extend(LimitsSigner::with_key(None).encode(std::slice::from_ref(&rec)));
+        out.push(("t|acme".into(), b"\x03\x04not a record".to_vec()));
+        out
+    };
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", w.tansu.brokers())
+        .create()
+        .unwrap();
+    for (key, value) in &forged {
+        producer
+            .send(
+                FutureRecord::to(LIMITS)
+                    .partition(0)
+                    .key(key)
+                    .payload(value),
+                Duration::from_secs(10),
+            )
+            .await
+            .expect("produced");
+    }
+    let v6 = w.import("marker", "[tenants.marker]\nplan = \"free\"\n");
+    reached(&agg, v6, 2).await;
+    for n in [&eu, &us] {
+        assert_eq!(
+            check(n, "acme").await,
+            403,
+            "{}: a forgery applied",
+            n.region
+        );
+        assert_eq!(check(n, "marker").await, 200);
+        for reason in ["bad_signature", "unsigned", "corrupt"] {
+            let sample = format!("tierlimit_limits_records_total{{outcome=\"{reason}\"}}");
+            assert_eq!(node_metric(n, &sample).await, 1.0, "{}: {reason}", n.region);
+        }
+        let applied = node_metric(n, "tierlimit_limits_applied_version").await;
+        assert_eq!(applied as u64, v6.min(i64::MAX as u64), "{}", n.region);
+    }
+
+    // 6. The status names every node and its version, and the aggregator's
+    //    gauge counts them current.
+    let status = reached(&agg, v6, 2).await;
+    let names: Vec<String> = status["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            format!(
+                "{}/{}",
+                n["region"].as_str().unwrap(),
+                n["node"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(names, ["eu/e1", "us/u1"], "{status}");
+    assert_eq!(status["newest"], json!(v6));
+    // (The gauge is refreshed by the aggregator's housekeeping, every
+    // second.)
+    wait_until(
+        "the aggregator counts both nodes current",
+        DEADLINE,
+        || async {
+            let url = agg.admin_url("/metrics");
+            let text = agg
+                .http
+                .get(url)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            harness::metric_sample(
+                &text,
+                "tierlimit_aggregator_limits_nodes{state=\"current\"}",
+            ) == Some(2.0)
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_without_kafka_serves_the_regions_copy_and_without_one_waits() {
+    let w = World::new(&["eu"]).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let v = w.import("first", PRO_3);
+    {
+        let e1 = RegionNode::start(&w.cfg, "eu", "e1").await;
+        ready(&e1).await;
+        reached(&agg, v, 1).await;
+        // The copy's mark reaches the last record's offset (3 records:
+        // offsets 0..=2).
+        let redis = w.redis("eu");
+        wait_until("the region's copy written", DEADLINE, || async {
+            let mut c = redis.client().await;
+            let tag = tierlimit_shared::keys::bucket_tag(0);
+            let mark: Option<String> = redis::cmd("HGET")
+                .arg(format!("tl:{{{tag}}}:lim:mark"))
+                .arg("mark")
+                .query_async(&mut c)
+                .await
+                .unwrap_or(None);
+            mark.is_some_and(|m| m.starts_with("2|"))
+        })
+        .await;
+        // Spend one of acme's three in the region.
+        assert_eq!(check(&e1, "acme").await, 200);
+    }
+
+    // Kafka unreachable (a closed port): after view_wait the node serves
+    // the region's copy, and says so.
+    let unreachable = [("TIERLIMIT__KAFKA__BROKERS", "127.0.0.1:1")];
+    let e2 = RegionNode::start_with_env(&w.cfg, "eu", "e2", &unreachable).await;
+    // (Not ready as a whole: the broadcast view is unreachable too.)
+    let body: Value = wait_for("e2 serves the region's copy", DEADLINE, || async {
+        let v: Value = reqwest::get(e2.url("/readyz"))
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        (v["limits"]["ready"] == true).then_some(v)
+    })
+    .await;
+    assert_eq!(body["limits"]["from_region_copy"], true, "{body}");
+    assert_eq!(body["limits"]["applied_version"], json!(v), "{body}");
+    assert_eq!(allowed_until_refused(&e2, "acme", 10).await, (2, 429));
+    assert_eq!(allowed_until_refused(&e2, "globex", 10).await, (2, 429));
+    assert_eq!(check(&e2, "stranger").await, 403);
+    assert_eq!(
+        node_metric(&e2, "tierlimit_limits_from_region_copy").await,
+        1.0
+    );
+
+    // Neither Kafka nor a copy (another region's empty Redis): not ready,
+    // and a check is shed (503 limits-not-ready), nothing charged.
+    let empty = Redis::start();
+    let alone = [
+        ("TIERLIMIT__KAFKA__BROKERS", "127.0.0.1:1"),
+        ("TIERLIMIT__REGIONS__EU__REDIS_URL", &*empty.url()),
+    ];
+    let e3 = RegionNode::start_with_env(&w.cfg, "eu", "e3", &alone).await;
+    let r = reqwest::get(e3.url("/readyz")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    let r = e3
+        .http
+        .post(e3.url("/v1/check"))
+        .json(&json!({ "tenant": "acme" }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let problem: Value = r.json().await.unwrap();
+    assert!(
+        problem["type"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("limits-not-ready")),
+        "{problem}"
+    );
+}
