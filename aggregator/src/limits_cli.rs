@@ -4,14 +4,17 @@
 //! loader and every follower use (`config::resolve_plan`,
 //! `config::resolve_tenant`), before anything is written.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Deserialize;
 
 use tierlimit_shared::config::{resolve_plan, resolve_tenant, Config, PlanConfig, TenantConfig};
+use tierlimit_shared::limits::follow::{self, Hooks};
 use tierlimit_shared::limits::write::Writer;
-use tierlimit_shared::limits::{Body, Subject};
+use tierlimit_shared::limits::{Body, LimitsTable, LimitsVerifier, Subject};
 
 use crate::Error;
 
@@ -25,9 +28,52 @@ struct ImportFile {
     tenants: BTreeMap<String, TenantConfig>,
 }
 
+/// How long the command waits to read the topic to its end.
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+struct Quiet;
+
+impl Hooks for Quiet {
+    fn outcome(&self, _outcome: &'static str) {}
+}
+
+/// What the topic holds now, read to its end, with the configuration's
+/// plans beside it (the topic's win, as in every process): a file may
+/// name a plan that only the topic defines. Works with a configuration of
+/// either `limits.source` (moving a fleet onto the topic starts from a
+/// file-source one).
+async fn current(config: &Config) -> Result<Arc<LimitsTable>, Error> {
+    LimitsVerifier::new(config)
+        .map_err(|e| Error::Limits(format!("wire.limits_public_keys: {e}")))?;
+    let table = Arc::new(LimitsTable::new());
+    let mut file = BTreeMap::new();
+    for (name, p) in &config.plans {
+        file.insert(name.clone(), Arc::new(resolve_plan(name, p)?));
+    }
+    table.set_file_plans(&file);
+    let task = tokio::spawn(follow::run(
+        config.clone(),
+        format!("cli-{}", std::process::id()),
+        Arc::clone(&table),
+        HashMap::new(),
+        Arc::new(Quiet),
+    ));
+    let ready = table.wait_ready(READ_TIMEOUT).await;
+    task.abort();
+    if !ready {
+        return Err(Error::Limits(format!(
+            "could not read {} to its end within {READ_TIMEOUT:?} (kafka.brokers)",
+            config.kafka.limits_topic
+        )));
+    }
+    Ok(table)
+}
+
 /// The changes of `file`: plans first (a tenant's plan is applied before
-/// it by every follower: one partition, one order), then tenants.
-fn changes(config: &Config, file: &Path) -> Result<Vec<(Subject, Body)>, Error> {
+/// it by every follower: one partition, one order), then tenants. A
+/// tenant's plan is the file's, else the one the topic or the
+/// configuration defines (`known`).
+fn changes(known: &LimitsTable, file: &Path) -> Result<Vec<(Subject, Body)>, Error> {
     let text = std::fs::read_to_string(file)
         .map_err(|e| Error::Limits(format!("cannot read {}: {e}", file.display())))?;
     let parsed: ImportFile =
@@ -46,11 +92,11 @@ fn changes(config: &Config, file: &Path) -> Result<Vec<(Subject, Body)>, Error> 
         tierlimit_shared::validate::tenant(&id).map_err(|e| Error::Limits(format!("{at}: {e}")))?;
         let base = match plans.get(&t.plan) {
             Some(p) => p.clone(),
-            None => match config.plans.get(&t.plan) {
-                Some(p) => resolve_plan(&t.plan, p)?,
+            None => match known.plan(&t.plan) {
+                Some(p) => (*p).clone(),
                 None => {
                     return Err(Error::Limits(format!(
-                        "{at}.plan: no plan named {:?} in the file or the configuration",
+                        "{at}.plan: no plan named {:?} in the file, on the topic or in the configuration",
                         t.plan
                     )))
                 }
@@ -70,7 +116,8 @@ pub async fn import(
     dry_run: bool,
 ) -> Result<String, Error> {
     let loaded = Config::load(config_path)?;
-    let changes = changes(&loaded.config, file)?;
+    let known = current(&loaded.config).await?;
+    let changes = changes(&known, file)?;
     let (plans, tenants) = changes
         .iter()
         .partition::<Vec<_>, _>(|(s, _)| matches!(s, Subject::Plan(_)));
@@ -93,6 +140,22 @@ pub async fn import(
         "wrote {plans} plans and {tenants} tenants to {} (versions {first}..={last})",
         loaded.config.kafka.limits_topic
     ))
+}
+
+/// The topic's plans and tenants as a TOML file's `[plans]` and
+/// `[tenants]`: importing it again writes the same limits, and a
+/// file-source configuration can hold it (moving a fleet back off the
+/// topic). The configuration's own plans are not repeated.
+pub async fn export(config_path: &Path) -> Result<String, Error> {
+    #[derive(serde::Serialize)]
+    struct Tables {
+        plans: BTreeMap<String, PlanConfig>,
+        tenants: BTreeMap<String, TenantConfig>,
+    }
+    let loaded = Config::load(config_path)?;
+    let (plans, tenants) = current(&loaded.config).await?.export();
+    toml::to_string(&Tables { plans, tenants })
+        .map_err(|e| Error::Limits(format!("cannot write the tables as TOML: {e}")))
 }
 
 /// Deletes one tenant or plan.

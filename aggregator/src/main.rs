@@ -74,7 +74,8 @@ enum Command {
     /// records (see `[wire]` in regions.example.toml).
     Keygen,
     /// Writes tenants and plans to the limits topic (`limits.source =
-    /// "topic"`), signed with `wire.limits_private_key`.
+    /// "topic"`), signed with `wire.limits_private_key`, or reads them
+    /// back.
     #[command(subcommand)]
     Limits(LimitsCommand),
 }
@@ -97,6 +98,13 @@ enum LimitsCommand {
         /// Print what would be written; write nothing.
         #[arg(long)]
         dry_run: bool,
+    },
+    /// Prints the topic's plans and tenants as TOML `[plans]` and
+    /// `[tenants]` tables (what `import` reads back; what a file-source
+    /// configuration holds).
+    Export {
+        #[arg(long, env = "TIERLIMIT_CONFIG")]
+        config: PathBuf,
     },
     /// Deletes a tenant or a plan (a signed deletion record).
     Delete {
@@ -128,7 +136,15 @@ fn main() -> ExitCode {
     if let Some(Command::Keygen) = cli.command {
         return match tierlimit_shared::wire::keys::ed25519_generate() {
             Ok((private, public)) => {
-                println!("# aggregators only, e.g. TIERLIMIT__WIRE__BROADCAST_PRIVATE_KEY:\nbroadcast_private_key = \"{private}\"\n# every node and aggregator, under [wire.broadcast_public_keys]:\n<key id> = \"{public}\"");
+                println!(
+                    "# A broadcast key: aggregators only, e.g. TIERLIMIT__WIRE__BROADCAST_PRIVATE_KEY:\n\
+                     broadcast_private_key = \"{private}\"\n\
+                     # every node and aggregator, under [wire.broadcast_public_keys]:\n\
+                     <key id> = \"{public}\"\n\
+                     # Or a limits key (a pair of its own, never the broadcast one): the\n\
+                     # writer only (limits_private_key), the public key under\n\
+                     # [wire.limits_public_keys] on every process."
+                );
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -170,6 +186,11 @@ fn main() -> ExitCode {
             })) => aggregator::limits_cli::import(&config, &file, &writer, dry_run)
                 .await
                 .map(|summary| println!("{summary}")),
+            Some(Command::Limits(LimitsCommand::Export { config })) => {
+                aggregator::limits_cli::export(&config)
+                    .await
+                    .map(|text| print!("{text}"))
+            }
             Some(Command::Limits(LimitsCommand::Delete {
                 config,
                 tenant,

@@ -48,6 +48,7 @@ use crate::storage::{
     CounterStore, DecideCall, DecideReply, Denied, GlobalArgs, LeaseAsk, Op, Scope, StoreError,
     TierCall,
 };
+use crate::transition::{Carried, Transitions};
 use crate::view::View;
 
 /// The three tiers, in the order they are checked.
@@ -295,6 +296,8 @@ pub struct Decider {
     leftovers: std::sync::Mutex<Vec<Leftover>>,
     /// Node-tier units this node charged ahead and spends in process.
     reserves: Reserves,
+    /// Old tiers carried after a limits change of their shape.
+    transitions: Transitions,
     /// The admission gate every front end takes a slot of before it
     /// decides (`node.max_in_flight`, read at start).
     admission: Arc<Admission>,
@@ -331,6 +334,7 @@ impl Decider {
             leases: Leases::default(),
             leftovers: std::sync::Mutex::default(),
             reserves: Reserves::default(),
+            transitions: Transitions::default(),
             started: Instant::now(),
             clock_off: AtomicBool::new(false),
         }
@@ -440,9 +444,19 @@ impl Decider {
             return Ok(self.record(d, started));
         }
 
+        // A tenant whose tier changed shape carries the old tier for a
+        // while (see `crate::transition`): no lease, no reservation then.
+        let carried = self
+            .transitions
+            .carried(req.tenant, &policy, self.redis_now(now));
+
         // 2. A lease this node holds: units charged in Redis already.
         let epoch = new_epoch();
-        let life = lease_life(&cfg, &policy);
+        let life = if carried.is_empty() {
+            lease_life(&cfg, &policy)
+        } else {
+            None
+        };
         let mut asking = None;
         if let Some((life, cap)) = life {
             match self.leases.take(
@@ -467,6 +481,7 @@ impl Decider {
         // tier may come from this node's reservation: the script then runs
         // without it (see `crate::reserve`).
         let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
+        let extra = carry(&mut call, &carried, req.key, req.cost);
         let mut reserve = None;
         if let (Some(a), Some((life, _))) = (&asking, life) {
             call.lease = Some(LeaseAsk {
@@ -474,7 +489,7 @@ impl Decider {
                 share: 2 * u64::from(call.expected_nodes.max(1)),
                 life_ms: life.as_millis() as u64,
             });
-        } else if life.is_none() {
+        } else if life.is_none() && carried.is_empty() {
             reserve = self
                 .reserve_take(&cfg, &policy, &req, key, now)
                 .map(|t| self.reserves.pending((req.tenant, key), t));
@@ -523,13 +538,18 @@ impl Decider {
             Ok(r) => {
                 let charged_at = r.now_ms;
                 let mut d = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
+                fold_carried(&mut d.tiers, &call, extra);
                 if d.allowed {
                     d.refund_handle = self.sign_handle(&cfg, &d, charged_at, &call);
                 }
                 d
             }
             // 4. Redis unavailable: the plan's fail mode.
-            Err(e) => self.fail_mode(&req, &policy, key, &call, e)?,
+            Err(e) => {
+                let mut d = self.fail_mode(&req, &policy, key, &call, e)?;
+                fold_carried(&mut d.tiers, &call, extra);
+                d
+            }
         };
         Ok(self.record(decision, started))
     }
@@ -578,22 +598,36 @@ impl Decider {
             });
         }
         let epoch = new_epoch();
+        let carried = self
+            .transitions
+            .carried(req.tenant, &policy, self.redis_now(now));
         let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
         call.tiers.extend(extra.iter().cloned());
+        // Carried tiers go last: a denial by one reads as the plan's (its
+        // index is past every descriptor's), and its status folds into the
+        // plan tier's.
+        let carried_n = carry(&mut call, &carried, None, req.cost);
         let result = self.decide_on_redis_day(&cfg, &policy, &mut call).await;
         let (decision, denied, charged) = match result {
             Ok(r) => {
-                let denied = r.denied;
+                let denied = match r.denied {
+                    Some(Denied::Tier(t)) if t >= call.tiers.len() - carried_n => {
+                        Some(Denied::Tier(plan_tier_of(&call, t)))
+                    }
+                    d => d,
+                };
                 let charged = r.allowed.then(|| Charged {
                     id: call.epoch_candidate.to_string(),
                     at_ms: r.now_ms.max(0) as u64,
                     mode: Mode::Redis,
                 });
-                let d = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
+                let mut d = self.reply_decision(&req, &policy, key, r, Mode::Redis, &call);
+                fold_carried(&mut d.tiers, &call, carried_n);
                 (d, denied, charged)
             }
             Err(e) => {
-                let d = self.fail_mode(&req, &policy, key, &call, e)?;
+                let mut d = self.fail_mode(&req, &policy, key, &call, e)?;
+                fold_carried(&mut d.tiers, &call, carried_n);
                 let charged = (d.allowed && d.mode == Mode::Local).then(|| Charged {
                     id: call.epoch_candidate.to_string(),
                     at_ms: now,
@@ -870,8 +904,18 @@ impl Decider {
     /// `lease::RETURN_EVERY`) and its node-tier reservations forgotten, so
     /// no unit taken under the old limit is spent under the new one (a
     /// plan's change reaches every tenant, so all of them).
-    pub fn limits_changed(&self, subject: &tierlimit_shared::limits::Subject) {
+    ///
+    /// A change of a tier's shape (algorithm, window, `key_scoped`) starts
+    /// carrying the old tier, with the new limit (see `crate::transition`).
+    pub fn limits_changed(
+        &self,
+        subject: &tierlimit_shared::limits::Subject,
+        before: Option<Arc<Policy>>,
+        after: Option<Arc<Policy>>,
+    ) {
         use tierlimit_shared::limits::Subject;
+        self.transitions
+            .begin(subject.clone(), before, after, self.redis_now(now_ms()));
         let which = |t: &str| match subject {
             Subject::Tenant(id) => t == id,
             Subject::Plan(_) => true,
@@ -1669,6 +1713,78 @@ impl Decider {
 /// grants nothing otherwise), the shortest long enough for a lease's life
 /// ([`crate::lease::life`]), and neither `node.lease_max` nor the plan's
 /// `lease_max` is 0.
+/// Adds the carried old tiers of a check to its call (see
+/// `crate::transition`): an old tier that reads the same fields as the new
+/// one of its scope replaces its limit's shape; one whose state is
+/// elsewhere goes last, beside it; one identical to it is left out.
+/// Returns how many went last.
+fn carry<'a>(
+    call: &mut DecideCall<'a>,
+    carried: &'a [Carried],
+    req_key: Option<&'a str>,
+    cost: u64,
+) -> usize {
+    let mut extra = 0;
+    for c in carried {
+        let key = match (c.key_scoped, req_key) {
+            (true, Some(k)) => k,
+            _ => keys::WHOLE_TENANT,
+        };
+        let old = TierCall {
+            scope: c.scope,
+            rule: keys::WHOLE_TENANT,
+            key,
+            limit: &c.limit,
+            cost,
+        };
+        let same_place = call.tiers.iter().position(|t| {
+            t.scope == c.scope
+                && t.rule == keys::WHOLE_TENANT
+                && t.key == key
+                && t.limit.algorithm == c.limit.algorithm
+                && t.in_tenant_hash() == old.in_tenant_hash()
+        });
+        match same_place {
+            Some(i) if call.tiers[i].limit.window_ms != c.limit.window_ms => call.tiers[i] = old,
+            Some(_) => {}
+            None => {
+                call.tiers.push(old);
+                extra += 1;
+            }
+        }
+    }
+    extra
+}
+
+/// The plan tier a carried tier at `t` (last in the call) stands for.
+fn plan_tier_of(call: &DecideCall<'_>, t: usize) -> usize {
+    let scope = call.tiers.get(t).map(|c| c.scope);
+    call.tiers
+        .iter()
+        .position(|c| Some(c.scope) == scope && c.rule == keys::WHOLE_TENANT)
+        .unwrap_or(0)
+}
+
+/// Folds the statuses of the `extra` carried tiers (last among the call's
+/// tiers) into their plan tier's: the tighter remaining, the later reset.
+fn fold_carried(statuses: &mut Vec<TierStatus>, call: &DecideCall<'_>, extra: usize) {
+    if extra == 0 || statuses.len() < call.tiers.len() {
+        return;
+    }
+    let first = call.tiers.len() - extra;
+    let carried: Vec<TierStatus> = statuses.drain(first..call.tiers.len()).collect();
+    for (c, st) in call.tiers[first..].iter().zip(carried) {
+        let plan = statuses[..first]
+            .iter_mut()
+            .zip(&call.tiers[..first])
+            .find(|(_, t)| t.scope == c.scope && t.rule == keys::WHOLE_TENANT);
+        if let Some((p, _)) = plan {
+            p.remaining = p.remaining.min(st.remaining);
+            p.reset_ms = p.reset_ms.max(st.reset_ms);
+        }
+    }
+}
+
 fn lease_life(cfg: &Loaded, p: &Policy) -> Option<(Duration, u64)> {
     let cap = p.lease_max.map_or(cfg.config.node.lease_max, |m| {
         m.min(cfg.config.node.lease_max)

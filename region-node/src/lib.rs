@@ -39,6 +39,7 @@ pub mod republish;
 pub mod reserve;
 pub mod rls;
 pub mod storage;
+pub mod transition;
 pub mod view;
 
 use std::net::SocketAddr;

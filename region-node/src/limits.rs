@@ -73,7 +73,11 @@ impl Hooks for NodeHooks {
     }
 
     fn applied(&self, event: &Event<'_>) {
-        self.state.decider.limits_changed(&event.record.subject);
+        self.state.decider.limits_changed(
+            &event.record.subject,
+            event.before.clone(),
+            event.after.clone(),
+        );
         let _ = self.copy.send(Item {
             subject: event.record.subject.clone(),
             version: event.record.version,

@@ -58,8 +58,8 @@ pub fn sub_dir(root: &Path, name: &str) -> PathBuf {
 ///
 /// Signed wire records are required by default, so a configuration with
 /// regions and no `[wire]` section gets the test keys of its regions
-/// ([`crate::wire_keys::toml`]); one that has a `[wire]` section is written
-/// as it is.
+/// ([`crate::wire_keys::toml`]), and the limits writer's keys if it has a
+/// `[limits]` section; one that has a `[wire]` section is written as it is.
 pub fn write_config(dir: &Path, toml: &str) -> PathBuf {
     let path = dir.join("tierlimit.toml");
     let tmp = dir.join(".tierlimit.toml.tmp");
@@ -78,7 +78,10 @@ pub fn with_wire_keys(toml: &str) -> String {
     match tree.get("regions").and_then(|r| r.as_table()) {
         Some(regions) if !tree.contains_key("wire") => {
             let names: Vec<&str> = regions.keys().map(String::as_str).collect();
-            format!("{toml}\n{}", crate::wire_keys::toml(&names))
+            // The limits writer's keys only where the file has a `[limits]`
+            // section: the previous release (upgrade tests) refuses them.
+            let limits = tree.contains_key("limits");
+            format!("{toml}\n{}", crate::wire_keys::toml(&names, limits))
         }
         _ => toml.to_owned(),
     }

@@ -35,17 +35,24 @@ pub const LIMITS_KEY: &str = "test-limits";
 /// The limits writer's test key seed.
 pub const LIMITS_SEED: [u8; 32] = [0x3c; 32];
 
-/// The `[wire]` section for `regions`: signed, every region keyed, and the
-/// limits writer's key (used with `limits.source = "topic"`).
-pub fn toml(regions: &[&str]) -> String {
+/// The `[wire]` section for `regions`: signed, every region keyed, and,
+/// with `limits`, the limits writer's key (for `limits.source = "topic"`;
+/// left out otherwise, because the previous release refuses the keys).
+pub fn toml(regions: &[&str], limits: bool) -> String {
     let (private, public) = keys::ed25519_pair_from_seed(BROADCAST_SEED);
-    let (limits_private, limits_public) = keys::ed25519_pair_from_seed(LIMITS_SEED);
     let mut s = format!(
-        "\n[wire]\nbroadcast_key = \"{BROADCAST_KEY}\"\nbroadcast_private_key = \"{private}\"\n\
-         limits_key = \"{LIMITS_KEY}\"\nlimits_private_key = \"{limits_private}\"\n\
-         [wire.broadcast_public_keys]\n{BROADCAST_KEY} = \"{public}\"\n\
-         [wire.limits_public_keys]\n{LIMITS_KEY} = \"{limits_public}\"\n"
+        "\n[wire]\nbroadcast_key = \"{BROADCAST_KEY}\"\nbroadcast_private_key = \"{private}\"\n"
     );
+    if limits {
+        let (limits_private, limits_public) = keys::ed25519_pair_from_seed(LIMITS_SEED);
+        s.push_str(&format!(
+            "limits_key = \"{LIMITS_KEY}\"\nlimits_private_key = \"{limits_private}\"\n\
+             [wire.limits_public_keys]\n{LIMITS_KEY} = \"{limits_public}\"\n"
+        ));
+    }
+    s.push_str(&format!(
+        "[wire.broadcast_public_keys]\n{BROADCAST_KEY} = \"{public}\"\n"
+    ));
     for r in regions {
         s.push_str(&format!(
             "[wire.delta_keys.{r}]\nsign_with = \"{id}\"\nkeys = {{ {id} = \"{secret}\" }}\n",

@@ -101,7 +101,15 @@ pub struct Spec {
     /// aggregator), under libfaketime ([`testkit::faketime_env`]); 0: the
     /// real clock. Tansu and the test process keep the real clock.
     pub clock_offset_s: i64,
+    /// `Some(tables)`: `limits.source = "topic"`, and these `[tenants.*]`
+    /// (and `[plans.*]`) tables written to the limits topic with the real
+    /// `aggregator limits import` before any process starts (`plans` then
+    /// holds the file's plans only). `None`: everything from the file.
+    pub limits: Option<String>,
 }
+
+/// The limits topic (`Spec::limits`).
+pub const LIMITS: &str = "tierlimit.limits";
 
 /// The deployment. Fields drop in order: processes first, then the network.
 pub struct Cluster {
@@ -189,6 +197,9 @@ policy = "deny"
                 topo.host(r).addr(REDIS_PORT)
             );
         }
+        if spec.limits.is_some() {
+            toml += "[limits]\nsource = \"topic\"\nstatus_interval = \"200ms\"\nlag_alert_after = \"2s\"\n";
+        }
         toml += &spec.plans;
         let config = write_config(dir.path(), &toml);
 
@@ -253,6 +264,11 @@ policy = "deny"
         )
         .await;
         testkit::tansu::create_topics(&brokers, &[DELTAS, GLOBAL], PARTITIONS, &[]).await;
+        if let Some(tables) = &spec.limits {
+            testkit::tansu::create_topics(&brokers, &[LIMITS], 1, &[("cleanup.policy", "compact")])
+                .await;
+            cluster.import_limits("initial", tables);
+        }
         for r in REGIONS {
             let url = cluster.redis_url(r);
             wait(
@@ -337,6 +353,32 @@ policy = "deny"
     }
 
     /// The aggregator's admin listener: `/metrics`, the dashboard.
+    /// Writes `tables` to the limits topic with the real `aggregator
+    /// limits import` (from the test's own namespace, which reaches the
+    /// broker's address); returns the last version written.
+    pub fn import_limits(&self, name: &str, tables: &str) -> u64 {
+        let file = self.dir.path().join(format!("limits-{name}.toml"));
+        std::fs::write(&file, tables).unwrap();
+        let out = std::process::Command::new(bin_path("aggregator"))
+            .args(["limits", "import", "--writer", "partitions", "--config"])
+            .arg(&self.config)
+            .arg("--file")
+            .arg(&file)
+            .output()
+            .expect("aggregator limits import runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "aggregator limits import failed: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+            .rsplit("..=")
+            .next()
+            .and_then(|v| v.trim().trim_end_matches(')').parse().ok())
+            .unwrap_or_else(|| panic!("no versions in {stdout:?}"))
+    }
+
     pub fn agg_admin_url(&self, path: &str) -> String {
         format!(
             "http://{}{path}",

@@ -251,7 +251,8 @@ async fn consumer_group_member_receives_records() {
 /// `tierlimit_shared::kafka::ensure_topics` against the real broker, with
 /// `cleanup.policy=compact,delete` and the retention of `retention_days`:
 /// Tansu 0.6.0 accepts and stores topic configs (DescribeConfigs returns
-/// them), and a second call is a no-op.
+/// them), and a second call is a no-op. The limits topic is created beside
+/// them, compacted only.
 #[tokio::test]
 async fn shared_ensure_topics_creates_compacted_topics() {
     let tansu = Tansu::start();
@@ -267,7 +268,11 @@ async fn shared_ensure_topics_creates_compacted_topics() {
     created.sort();
     assert_eq!(
         created,
-        vec![k.deltas_topic.clone(), k.global_topic.clone()]
+        vec![
+            k.deltas_topic.clone(),
+            k.global_topic.clone(),
+            k.limits_topic.clone()
+        ]
     );
     let again = tierlimit_shared::kafka::ensure_topics(&k, 2, true)
         .await
@@ -278,6 +283,7 @@ async fn shared_ensure_topics_creates_compacted_topics() {
     tansu
         .create_topics(&[&k.deltas_topic, &k.global_topic], PARTITIONS)
         .await;
+    tansu.create_topics(&[&k.limits_topic], 1).await;
 
     let admin: AdminClient<DefaultClientContext> = tansu.client_config().create().unwrap();
     for topic in [&k.deltas_topic, &k.global_topic] {
@@ -299,6 +305,18 @@ async fn shared_ensure_topics_creates_compacted_topics() {
             "three days for retention_days = 2: {topic}: {resource:?}"
         );
     }
+    // The limits topic is compacted only: a tenant's latest record lives as
+    // long as the tenant, whatever `retention_days` says.
+    let res = admin
+        .describe_configs(
+            &[ResourceSpecifier::Topic(&k.limits_topic)],
+            &AdminOptions::new(),
+        )
+        .await
+        .expect("DescribeConfigs");
+    let resource = res[0].as_ref().expect("limits topic resource");
+    let policy = resource.get("cleanup.policy").and_then(|e| e.value.clone());
+    assert_eq!(policy.as_deref(), Some("compact"), "{resource:?}");
 }
 
 /// ListOffsets by timestamp (what a rebuild starts from, see

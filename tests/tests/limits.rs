@@ -40,6 +40,21 @@ impl World {
             .iter()
             .map(|r| (r.to_string(), Redis::start()))
             .collect();
+        let dir = temp_dir();
+        let mut w = World {
+            tansu,
+            redis,
+            cfg: PathBuf::new(),
+            dir,
+        };
+        w.cfg = w.config("topic", "");
+        w
+    }
+
+    /// A configuration of this world with `limits.source = source` and
+    /// `tables` (TOML) appended, written to a directory of its own (the
+    /// world's first is `cfg`).
+    fn config(&self, source: &str, tables: &str) -> PathBuf {
         let mut toml = format!(
             r#"
 cluster = "test"
@@ -54,7 +69,7 @@ view_wait = "1s"
 broadcast_interval = "100ms"
 group_id = "agg-limits"
 [limits]
-source = "topic"
+source = "{source}"
 status_interval = "200ms"
 lag_alert_after = "2s"
 [unknown_tenants]
@@ -63,22 +78,21 @@ policy = "deny"
 [plans.free]
 region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
 "#,
-            tansu.brokers()
+            self.tansu.brokers()
         );
-        for (name, r) in &redis {
+        for (name, r) in &self.redis {
             toml += &format!(
                 "[regions.{name}]\nredis_url = \"{}\"\nexpected_nodes = 1\n",
                 r.url()
             );
         }
-        let dir = temp_dir();
-        let cfg = write_config(dir.path(), &toml);
-        World {
-            tansu,
-            redis,
-            cfg,
-            dir,
-        }
+        toml += tables;
+        let dir = self.dir.path().join(format!(
+            "{source}-{}",
+            self.dir.path().read_dir().unwrap().count()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        write_config(&dir, &toml)
     }
 
     fn redis(&self, region: &str) -> &Redis {
@@ -88,13 +102,18 @@ region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
     /// Writes `tables` (TOML `[plans]` / `[tenants]`) with the real
     /// `aggregator limits import`; returns the last version written.
     fn import(&self, name: &str, tables: &str) -> u64 {
+        self.import_with(&self.cfg, name, tables)
+    }
+
+    /// [`World::import`] with the configuration `cfg`.
+    fn import_with(&self, cfg: &Path, name: &str, tables: &str) -> u64 {
         let file = self.dir.path().join(format!("{name}.toml"));
         std::fs::write(&file, tables).unwrap();
         let out = run_aggregator(&[
             "limits",
             "import",
             "--config",
-            path(&self.cfg),
+            path(cfg),
             "--file",
             path(&file),
             "--writer",
@@ -498,4 +517,215 @@ async fn a_node_without_kafka_serves_the_regions_copy_and_without_one_waits() {
             .is_some_and(|t| t.ends_with("limits-not-ready")),
         "{problem}"
     );
+}
+
+/// Checks of `tenant` under counting key `key`, until the first refusal.
+async fn keyed_until_refused(n: &RegionNode, tenant: &str, key: &str, max: u32) -> (u32, u16) {
+    for i in 0..max {
+        let s = n
+            .http
+            .post(n.url("/v1/check"))
+            .json(&json!({ "tenant": tenant, "key": key }))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0);
+        if s != 200 {
+            return (i, s);
+        }
+    }
+    (max, 200)
+}
+
+/// Item 4's four effects on every algorithm, on one node (window one day,
+/// so nothing ends during the test). Each plan has a region tier of 4:
+///
+/// - raised to 8 after 2 spent: let through in the current window (6
+///   more; a token bucket 4: its bucket keeps its level and fills at the
+///   new rate);
+/// - lowered to 2 after 3 spent: denied at once;
+/// - moved to a plan of another algorithm after the 4 spent: still
+///   denied (the new algorithm's state is empty: without the old window
+///   carried, 4 more would pass), while a tenant that spent 1 and moved
+///   gets exactly 3;
+/// - its plan turned `key_scoped` after the 4 spent: a key is still
+///   denied (its own window is empty); a tenant of the plan that spent
+///   nothing is held, all keys together, to the old whole-tenant window
+///   until it ends; one registered after the change gets 4 per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_change_applies_at_once_and_a_new_shape_grants_no_free_burst_on_every_algorithm() {
+    const ALGS: [(&str, &str); 4] = [
+        ("fw", "fixed_window"),
+        ("sw", "sliding_window"),
+        ("tb", "token_bucket"),
+        ("sl", "sliding_log"),
+    ];
+    let plan = |name: &str, alg: &str, keyed: bool| {
+        format!(
+            "[plans.{name}]\nregion = {{ limit = 4, window = \"1d\", algorithm = \"{alg}\" }}\n\
+             key_scoped = {keyed}\n"
+        )
+    };
+    let next = |i: usize| ALGS[(i + 1) % ALGS.len()].0;
+    let w = World::new(&["eu"]).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let n = RegionNode::start(&w.cfg, "eu", "e1").await;
+    ready(&n).await;
+
+    let mut first = String::new();
+    for (a, alg) in ALGS {
+        first += &plan(a, alg, false);
+        first += &plan(&format!("k{a}"), alg, false);
+        for t in ["raise", "lower", "switch", "fresh"] {
+            first += &format!("[tenants.{t}-{a}]\nplan = \"{a}\"\n");
+        }
+        first += &format!("[tenants.keyed-{a}]\nplan = \"k{a}\"\n");
+        first += &format!("[tenants.newkey-{a}]\nplan = \"k{a}\"\n");
+    }
+    let v1 = w.import("first", &first);
+    reached(&agg, v1, 1).await;
+    for (a, _) in ALGS {
+        assert_eq!(
+            allowed_until_refused(&n, &format!("raise-{a}"), 2).await,
+            (2, 200)
+        );
+        assert_eq!(
+            allowed_until_refused(&n, &format!("lower-{a}"), 3).await,
+            (3, 200)
+        );
+        assert_eq!(
+            allowed_until_refused(&n, &format!("switch-{a}"), 10).await,
+            (4, 429),
+            "{a}"
+        );
+        assert_eq!(
+            allowed_until_refused(&n, &format!("fresh-{a}"), 1).await,
+            (1, 200)
+        );
+        assert_eq!(
+            allowed_until_refused(&n, &format!("keyed-{a}"), 10).await,
+            (4, 429),
+            "{a}"
+        );
+    }
+
+    let mut change = String::new();
+    for (i, (a, alg)) in ALGS.iter().enumerate() {
+        change += &format!("[tenants.raise-{a}]\nplan = \"{a}\"\nregion = {{ limit = 8 }}\n");
+        change += &format!("[tenants.lower-{a}]\nplan = \"{a}\"\nregion = {{ limit = 2 }}\n");
+        change += &format!("[tenants.switch-{a}]\nplan = \"{}\"\n", next(i));
+        change += &format!("[tenants.fresh-{a}]\nplan = \"{}\"\n", next(i));
+        change += &plan(&format!("k{a}"), alg, true);
+        change += &format!("[tenants.later-{a}]\nplan = \"k{a}\"\n");
+    }
+    let v2 = w.import("change", &change);
+    reached(&agg, v2, 1).await;
+    for (a, _) in ALGS {
+        let raised = if a == "tb" { 4 } else { 6 };
+        assert_eq!(
+            allowed_until_refused(&n, &format!("raise-{a}"), 10).await,
+            (raised, 429),
+            "{a}: raised"
+        );
+        assert_eq!(
+            allowed_until_refused(&n, &format!("lower-{a}"), 10).await,
+            (0, 429),
+            "{a}: lowered"
+        );
+        assert_eq!(
+            allowed_until_refused(&n, &format!("switch-{a}"), 10).await,
+            (0, 429),
+            "{a}: another algorithm must not start afresh"
+        );
+        assert_eq!(
+            allowed_until_refused(&n, &format!("fresh-{a}"), 10).await,
+            (3, 429),
+            "{a}: moved after one: the old window's three"
+        );
+        assert_eq!(
+            keyed_until_refused(&n, &format!("keyed-{a}"), "k1", 10).await,
+            (0, 429),
+            "{a}: a key must not start afresh"
+        );
+        // Until the old window ends, the tenant as a whole is held to it
+        // (under the new limit): its keys together get what it had left.
+        assert_eq!(
+            keyed_until_refused(&n, &format!("newkey-{a}"), "k1", 10).await,
+            (4, 429),
+            "{a}"
+        );
+        assert_eq!(
+            keyed_until_refused(&n, &format!("newkey-{a}"), "k2", 10).await,
+            (0, 429),
+            "{a}: the old whole-tenant window is spent"
+        );
+        // A tenant registered after the change counts per key.
+        for key in ["k1", "k2"] {
+            assert_eq!(
+                keyed_until_refused(&n, &format!("later-{a}"), key, 10).await,
+                (4, 429),
+                "{a}: per key"
+            );
+        }
+    }
+}
+
+/// Item 5: a fleet moves from `[tenants]` in its TOML to the topic with a
+/// rolling restart, processes of both sources side by side on one
+/// region's count, and back with `aggregator limits export`. The import
+/// runs with the file-source configuration the fleet already has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fleet_moves_from_toml_tenants_to_the_topic_and_back() {
+    const PRO: &str =
+        "[plans.pro]\nregion = { limit = 4, window = \"1h\", algorithm = \"fixed_window\" }\n";
+    let tenants = "[tenants.acme]\nplan = \"pro\"\n[tenants.globex]\nplan = \"pro\"\nregion = { limit = 2 }\n";
+    let w = World::new(&["eu"]).await;
+
+    // 1. Today: every process reads its file.
+    let file_cfg = w.config("file", &format!("{PRO}{tenants}"));
+    let agg = Aggregator::start(&file_cfg).await;
+    let e1 = RegionNode::start(&file_cfg, "eu", "e1").await;
+    ready(&e1).await;
+    assert_eq!(allowed_until_refused(&e1, "acme", 1).await, (1, 200));
+
+    // 2. The file's own tables onto the topic, with that configuration.
+    let v1 = w.import_with(&file_cfg, "move", &format!("{PRO}{tenants}"));
+
+    // 3. A node on the topic (plans may stay in its file; no [tenants])
+    //    joins the region beside the file one: one count, one limit.
+    let topic_cfg = w.config("topic", PRO);
+    let e2 = RegionNode::start(&topic_cfg, "eu", "e2").await;
+    ready(&e2).await;
+    assert_eq!(allowed_until_refused(&e2, "acme", 2).await, (2, 200));
+    assert_eq!(allowed_until_refused(&e1, "acme", 10).await, (1, 429));
+    assert_eq!(check(&e2, "acme").await, 429);
+    assert_eq!(allowed_until_refused(&e2, "globex", 10).await, (2, 429));
+    assert_eq!(check(&e1, "globex").await, 429);
+
+    // 4. The rest of the fleet restarts on the topic; the count stays, and
+    //    the status names both nodes at the import's version.
+    drop(e1);
+    let e1 = RegionNode::start(&topic_cfg, "eu", "e1").await;
+    ready(&e1).await;
+    assert_eq!(check(&e1, "acme").await, 429, "the count survived the move");
+    drop(agg);
+    let agg = Aggregator::start(&topic_cfg).await;
+    reached(&agg, v1, 2).await;
+    // Now a change reaches every node: a tenant only the topic has.
+    let v2 = w.import("signup", "[tenants.initech]\nplan = \"pro\"\n");
+    reached(&agg, v2, 2).await;
+    assert_eq!(allowed_until_refused(&e1, "initech", 1).await, (1, 200));
+
+    // 5. And back: the export is what a file-source configuration holds.
+    let exported = run_aggregator(&["limits", "export", "--config", path(&topic_cfg)]);
+    for t in ["acme", "globex", "initech"] {
+        assert!(exported.contains(&format!("[tenants.{t}]")), "{exported}");
+    }
+    let back_cfg = w.config("file", &exported);
+    drop(e2);
+    let e2 = RegionNode::start(&back_cfg, "eu", "e2").await;
+    ready(&e2).await;
+    assert_eq!(check(&e2, "acme").await, 429);
+    assert_eq!(check(&e2, "globex").await, 429);
+    assert_eq!(allowed_until_refused(&e2, "initech", 10).await, (3, 429));
 }

@@ -125,6 +125,27 @@ const STRICT_LAG: &str = "TIERLIMIT_TEST_STRICT_LAG";
 const STORE_TIMEOUT: Duration = Duration::from_millis(250);
 
 fn plans() -> String {
+    format!("{}{TENANTS}", plan_tables())
+}
+
+/// The standard tenants (the file's `[tenants]`, or the limits topic's).
+const TENANTS: &str = r#"
+[tenants.tiers]
+plan = "tiers"
+[tenants.g]
+plan = "global"
+[tenants.t]
+plan = "big"
+[tenants.open]
+plan = "fail_open"
+[tenants.closed]
+plan = "fail_closed"
+[tenants.local]
+plan = "fail_local"
+"#;
+
+/// The standard plans.
+fn plan_tables() -> String {
     let tiers = format!(
         r#"node = {{ limit = {NODE_LIMIT}, window = "2s", algorithm = "fixed_window" }}
 region = {{ limit = {REGION_LIMIT}, window = "2s", algorithm = "fixed_window" }}"#
@@ -149,18 +170,6 @@ on_store_error = "closed"
 {tiers}
 global = {{ limit = 100000000 }}
 on_store_error = "local"
-[tenants.tiers]
-plan = "tiers"
-[tenants.g]
-plan = "global"
-[tenants.t]
-plan = "big"
-[tenants.open]
-plan = "fail_open"
-[tenants.closed]
-plan = "fail_closed"
-[tenants.local]
-plan = "fail_local"
 "#
     )
 }
@@ -273,6 +282,7 @@ impl Scenario {
                 .collect(),
             bin_dir: None,
             clock_offset_s: 0,
+            limits: None,
         };
         Self::launch(name, traffic, spec, view_of).await
     }
@@ -924,6 +934,131 @@ async fn region_cut_from_kafka_then_healed() {
     s.c.topo.heal();
     s.end();
     s.recover_then_finish(&eu).await;
+}
+
+/// Limits as data under a partition (issue 32): every tenant on the limits
+/// topic; eu cut from core (broker and aggregator); during the cut `tiers`'
+/// region limit is lowered from 50 to 20 on the topic. us and ap apply it
+/// at once; eu keeps enforcing the last version it applied (it cannot know
+/// better) and applies the change on heal. Judged from the clients'
+/// history against the limit in force: 50 in every window (the usual
+/// checks: the old limit bounds every moment), 20 in every window of a
+/// region that starts after its nodes reported the new version (and such
+/// windows fill to 20: the change is exercised), and eu above 20 in a
+/// window during the cut (it kept its last version, it did not stop).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn region_cut_from_kafka_during_a_limits_change() {
+    const LOWERED: u64 = 20;
+    let spec = Spec {
+        plans: plan_tables(),
+        node_extra: String::new(),
+        kafka_extra: String::new(),
+        env: Vec::new(),
+        bin_dir: None,
+        clock_offset_s: 0,
+        limits: Some(TENANTS.into()),
+    };
+    let name = "region_cut_from_kafka_during_a_limits_change";
+    let mut s = Scenario::launch(name, STANDARD, spec, None).await;
+    s.hold(WARMUP).await;
+    s.begin("eu cut from core; tiers' region limit lowered to 20 on the topic meanwhile");
+    s.c.topo.partition("eu", "core");
+    let eu = region_nodes("eu");
+    s.expect_cut_from_kafka(&eu, secs(FAULT) - 1.0);
+    s.hold(Duration::from_secs(1)).await;
+    let v = s.c.import_limits(
+        "lower",
+        &format!("[tenants.tiers]\nplan = \"tiers\"\nregion = {{ limit = {LOWERED} }}\n"),
+    );
+    let written_at = now_us();
+    let applied = async |s: &Scenario, region: &str| {
+        let mut all = true;
+        for id in NODE_IDS {
+            let n = s.c.node(region, id);
+            let got = s.c.node_metric(n, "tierlimit_limits_applied_version").await;
+            all &= got.is_some_and(|g| g as u64 >= v.min(i64::MAX as u64));
+        }
+        all
+    };
+    let mut applied_at = BTreeMap::new();
+    for r in ["us", "ap"] {
+        wait(&format!("{r} applied version {v}"), DEADLINE, async || {
+            applied(&s, r).await
+        })
+        .await;
+        applied_at.insert(r, now_us());
+    }
+    let eu_saw_it = applied(&s, "eu").await;
+    s.hold(FAULT).await;
+    let healed_at = now_us();
+    s.c.topo.heal();
+    s.end();
+    wait(
+        &format!("eu applied version {v} after the heal"),
+        DEADLINE,
+        async || applied(&s, "eu").await,
+    )
+    .await;
+    applied_at.insert("eu", now_us());
+    let status_url = s.c.agg_url(&format!("/v1/limits/status?version={v}"));
+    wait(
+        "the aggregator reports the version on all 6 nodes",
+        DEADLINE,
+        async || {
+            s.c.get_json(&status_url).await.is_some_and(|j| {
+                j["reached"] == true && j["nodes"].as_array().is_some_and(|n| n.len() == 6)
+            })
+        },
+    )
+    .await;
+    s.expect_recovery(&eu).await;
+    s.hold(AFTER).await;
+    s.finish_with(move |s, _, ev| {
+        if eu_saw_it {
+            s.fail("eu applied the change while cut from Kafka: the cut did not take".into());
+        }
+        for (region, at) in &applied_at {
+            let mine: Vec<history::Event> =
+                ev.iter().filter(|e| e.region == *region).cloned().collect();
+            let r = history::check_fixed_window_tier(
+                &mine,
+                "tiers",
+                "region",
+                LOWERED,
+                WINDOW_MS,
+                &["redis"],
+                false,
+                &[(0, *at)],
+            );
+            println!("tiers in {region} after it applied the change: {}", r.describe());
+            for v in &r.violations {
+                s.fail(format!("tiers in {region} after the change: {v}"));
+            }
+            if r.full_windows() == 0 {
+                s.fail(format!(
+                    "tiers in {region}: no window filled to {LOWERED} after the change: not exercised"
+                ));
+            }
+        }
+        // eu during the cut, once its last record could have been the new
+        // one: still the old limit (windows above 20).
+        let eu_events: Vec<history::Event> = ev.iter().filter(|e| e.region == "eu").cloned().collect();
+        let during = history::check_fixed_window_tier(
+            &eu_events,
+            "tiers",
+            "region",
+            LOWERED,
+            WINDOW_MS,
+            &["redis"],
+            false,
+            &[(0, written_at), (healed_at, u64::MAX / 2)],
+        );
+        println!("tiers in eu during the cut: {}", during.describe());
+        if during.violations.is_empty() {
+            s.fail("eu never allowed more than the new limit during the cut: it did not keep its last applied version".into());
+        }
+    })
+    .await;
 }
 
 /// Every region loses Kafka at once (broker and aggregator unreachable
@@ -1646,6 +1781,7 @@ async fn region_cut_from_kafka_across_a_month_end() {
         env: Vec::new(),
         bin_dir: None,
         clock_offset_s: offset_s,
+        limits: None,
     };
     let mut s = Scenario::launch(name, &[], spec, None).await;
     let end = end_ms as u64;

@@ -28,6 +28,10 @@ use crate::wire::{LogThrottle, Reject};
 pub struct Event<'a> {
     pub record: &'a LimitsRecord,
     pub applied: &'a Applied,
+    /// The subject's policy before and after (a tenant's, or a plan's
+    /// effective one); `None` where there was none.
+    pub before: Option<Arc<crate::config::Policy>>,
+    pub after: Option<Arc<crate::config::Policy>>,
     /// The record as read (key and value), for a copy that must verify the
     /// same way.
     pub key: &'a [u8],
@@ -156,6 +160,11 @@ async fn follow(
                 continue;
             }
         };
+        let policy_of = |subject: &crate::limits::Subject| match subject {
+            crate::limits::Subject::Tenant(id) => table.tenant(id),
+            crate::limits::Subject::Plan(name) => table.plan(name),
+        };
+        let before = policy_of(&record.subject);
         match table.apply(&record) {
             Ok(applied) => {
                 hooks.outcome(match &applied {
@@ -167,6 +176,8 @@ async fn follow(
                     hooks.applied(&Event {
                         record: &record,
                         applied: &applied,
+                        before,
+                        after: policy_of(&record.subject),
                         key,
                         value,
                         partition: msg.partition(),

@@ -223,6 +223,32 @@ impl LimitsTable {
         }
     }
 
+    /// What the topic defines, as a configuration file's tables: its plans
+    /// (not the file's) and every tenant, registered or pending, as its
+    /// record said it (`plan = …` alone for a tenant without overrides).
+    /// Importing it again writes the same limits (`aggregator limits
+    /// export`), and a file-source configuration can hold it (moving a
+    /// fleet back off the topic).
+    pub fn export(&self) -> (BTreeMap<String, PlanConfig>, BTreeMap<String, TenantConfig>) {
+        let cat = self.catalog();
+        let plans = cat
+            .topic_plans
+            .iter()
+            .filter_map(|(name, (_, p))| Some((name.clone(), p.clone()?)))
+            .collect();
+        let mut tenants: BTreeMap<String, TenantConfig> = BTreeMap::new();
+        for shard in self.shards.iter() {
+            let shard = shard.read().unwrap_or_else(|e| e.into_inner());
+            for (id, e) in shard.iter() {
+                tenants.insert(id.to_string(), plain(&e.policy.plan));
+            }
+        }
+        for (id, (_, t)) in cat.custom.iter().chain(cat.pending.iter()) {
+            tenants.insert(id.to_string(), t.clone());
+        }
+        (plans, tenants)
+    }
+
     /// Applies one record, or says why not (the previous version stays).
     pub fn apply(&self, record: &LimitsRecord) -> Result<Applied, ApplyError> {
         let mut cat = self.catalog();
@@ -367,19 +393,7 @@ impl LimitsTable {
         self.tenants
             .fetch_sub(orphaned.len() as u64, Ordering::Relaxed);
         for (id, version) in orphaned {
-            cat.pending.insert(
-                id,
-                (
-                    version,
-                    TenantConfig {
-                        plan: name.to_owned(),
-                        node: None,
-                        region: None,
-                        global: None,
-                        on_store_error: None,
-                    },
-                ),
-            );
+            cat.pending.insert(id, (version, plain(name)));
         }
         // Tenants with overrides of this plan, and pending ones now
         // resolvable: resolved again (or made pending).
@@ -416,6 +430,17 @@ impl LimitsTable {
                 }
             }
         }
+    }
+}
+
+/// A tenant of `plan` without overrides.
+fn plain(plan: &str) -> TenantConfig {
+    TenantConfig {
+        plan: plan.to_owned(),
+        node: None,
+        region: None,
+        global: None,
+        on_store_error: None,
     }
 }
 
@@ -473,6 +498,52 @@ mod tests {
         table
             .tenant(id)
             .and_then(|p| p.region.as_ref().map(|l| l.limit))
+    }
+
+    #[test]
+    fn the_export_applied_again_gives_the_same_limits() {
+        let table = LimitsTable::new();
+        table
+            .apply(&rec(p("pro"), 1, Body::Plan(plan(100))))
+            .unwrap();
+        table
+            .apply(&rec(t("acme"), 2, Body::Tenant(tenant("pro"))))
+            .unwrap();
+        let mut custom = tenant("pro");
+        custom.region = Some(LimitOverride {
+            limit: Some(7),
+            ..Default::default()
+        });
+        table
+            .apply(&rec(t("globex"), 3, Body::Tenant(custom)))
+            .unwrap();
+        table
+            .apply(&rec(t("waits"), 4, Body::Tenant(tenant("gold"))))
+            .unwrap();
+        let (plans, tenants) = table.export();
+        assert_eq!(plans.keys().collect::<Vec<_>>(), ["pro"]);
+        assert_eq!(
+            tenants.keys().collect::<Vec<_>>(),
+            ["acme", "globex", "waits"]
+        );
+        assert!(tenants["acme"].is_plain());
+        assert_eq!(tenants["waits"].plan, "gold", "a pending tenant is kept");
+
+        let again = LimitsTable::new();
+        let mut v = 0;
+        for (name, pc) in plans {
+            v += 1;
+            again.apply(&rec(p(&name), v, Body::Plan(pc))).unwrap();
+        }
+        for (id, tc) in tenants {
+            v += 1;
+            again.apply(&rec(t(&id), v, Body::Tenant(tc))).unwrap();
+        }
+        for id in ["acme", "globex"] {
+            assert_eq!(again.tenant(id), table.tenant(id), "{id}");
+        }
+        assert_eq!(region_limit(&again, "globex"), Some(7));
+        assert_eq!(again.pending(), 1);
     }
 
     #[test]
