@@ -37,6 +37,11 @@
 //! previous window's weight at that point (at most one new limit, once:
 //! README, "Changing limits").
 //!
+//! A plan's change is carried for every tenant that takes the changed tier
+//! from the plan (not one whose override sets its own algorithm or window),
+//! except tenants registered after it: they had no windows under the old
+//! shape.
+//!
 //! A token bucket or a sliding log whose window changed keeps its state
 //! (an arrival time, a log of timestamps): nothing is carried.
 //!
@@ -86,7 +91,28 @@ pub struct Transitions {
     /// Whether any transition is in progress: the decision path's only
     /// cost when none is.
     any: AtomicBool,
-    carries: Mutex<HashMap<Subject, Carry>>,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    carries: HashMap<Subject, Carry>,
+    /// Tenants registered while a plan's transition runs, until it ends:
+    /// they had no windows under the plan's old shape, so they carry
+    /// nothing of it (`Subject::Tenant` records without a previous policy).
+    registered: HashMap<String, u64>,
+}
+
+impl Inner {
+    fn expire(&mut self, now_ms: u64) {
+        self.carries
+            .retain(|_, c| c.until_ms.iter().any(|u| *u > now_ms));
+        self.registered.retain(|_, until| *until > now_ms);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.carries.is_empty()
+    }
 }
 
 impl Transitions {
@@ -99,15 +125,29 @@ impl Transitions {
         new: Option<Arc<Policy>>,
         now_ms: u64,
     ) {
-        let (Some(old), Some(new)) = (old, new) else {
-            return;
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.expire(now_ms);
+        let (old, new) = match (old, new, &subject) {
+            (Some(old), Some(new), _) => (old, new),
+            (None, Some(_), Subject::Tenant(id)) => {
+                let plans_end = inner
+                    .carries
+                    .iter()
+                    .filter(|(s, _)| matches!(s, Subject::Plan(_)))
+                    .flat_map(|(_, c)| c.until_ms)
+                    .max();
+                if let Some(end) = plans_end {
+                    inner.registered.insert(id.clone(), end);
+                }
+                return;
+            }
+            _ => return,
         };
         let until_ms = [
             carry_end(old.node.as_ref(), new.node.as_ref(), &old, &new, now_ms),
             carry_end(old.region.as_ref(), new.region.as_ref(), &old, &new, now_ms),
         ];
-        let mut carries = self.carries.lock().unwrap_or_else(|e| e.into_inner());
-        carries.retain(|_, c| c.until_ms.iter().any(|u| *u > now_ms));
+        let carries = &mut inner.carries;
         if until_ms.iter().any(|u| *u > now_ms) {
             // A second change during a transition carries the shape that
             // holds the spending, the first one's old shape, as long as the
@@ -126,7 +166,7 @@ impl Transitions {
                 },
             );
         }
-        self.any.store(!carries.is_empty(), Ordering::Release);
+        self.any.store(!inner.is_empty(), Ordering::Release);
     }
 
     /// The old tiers a check of `tenant` under `policy` carries at
@@ -136,11 +176,14 @@ impl Transitions {
         if !self.any.load(Ordering::Acquire) {
             return Vec::new();
         }
-        let mut carries = self.carries.lock().unwrap_or_else(|e| e.into_inner());
-        carries.retain(|_, c| c.until_ms.iter().any(|u| *u > now_ms));
-        self.any.store(!carries.is_empty(), Ordering::Release);
-        let own = carries.get(&Subject::Tenant(tenant.to_owned()));
-        let plan = carries.get(&Subject::Plan(policy.plan.clone()));
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.expire(now_ms);
+        self.any.store(!inner.is_empty(), Ordering::Release);
+        let own = inner.carries.get(&Subject::Tenant(tenant.to_owned()));
+        let plan = inner
+            .carries
+            .get(&Subject::Plan(policy.plan.clone()))
+            .filter(|_| !inner.registered.contains_key(tenant));
         let mut out = Vec::new();
         for (i, scope) in [Scope::Node, Scope::Region].into_iter().enumerate() {
             let new = match scope {
@@ -314,6 +357,7 @@ mod tests {
         );
         assert!(t.carried("a", &new, T0).is_empty());
         assert!(!t.any.load(Ordering::Acquire), "nothing kept");
+        assert!(t.inner.lock().unwrap().is_empty());
     }
 
     #[test]
@@ -472,6 +516,37 @@ mod tests {
             false,
         );
         assert!(t.carried("q1", &other, T0).is_empty());
+    }
+
+    #[test]
+    fn a_tenant_registered_during_its_plans_transition_carries_nothing() {
+        let t = Transitions::default();
+        let old = policy(
+            "p",
+            Some(limit(Algorithm::FixedWindow, 10, MIN)),
+            None,
+            false,
+        );
+        let new = policy(
+            "p",
+            Some(limit(Algorithm::FixedWindow, 10, MIN)),
+            None,
+            true,
+        );
+        t.begin(
+            Subject::Plan("p".into()),
+            Some(old),
+            Some(Arc::clone(&new)),
+            T0,
+        );
+        t.begin(
+            Subject::Tenant("later".into()),
+            None,
+            Some(Arc::clone(&new)),
+            T0 + 1,
+        );
+        assert!(t.carried("later", &new, T0 + 2).is_empty());
+        assert_eq!(t.carried("before", &new, T0 + 2).len(), 1);
     }
 
     #[test]
