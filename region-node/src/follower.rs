@@ -79,40 +79,12 @@ async fn follow(
     // Only records an aggregator signed reach the view.
     let mut verifier = BroadcastVerifier::new(config)?;
     let mut log = LogThrottle::default();
-    let mut cc = tierlimit_shared::kafka::client_config(&config.kafka);
-    // A group id is required by the client, but with manual assignment the
-    // consumer never joins the group and never commits.
-    cc.set("group.id", format!("tierlimit-follower-{node}"))
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("fetch.wait.max.ms", "50")
-        // A start before the low watermark (a lookup that answered 0, a
-        // topic deleted and created again under a running node) reads from
-        // the oldest record, never from the end.
-        .set("auto.offset.reset", "earliest")
-        // A fetch in flight when the link is cut would otherwise hold the
-        // connection for librdkafka's default 60 s.
-        .set("socket.timeout.ms", "10000");
+    let cc = tierlimit_shared::kafka::follower_config(
+        &config.kafka,
+        format!("tierlimit-follower-{node}"),
+    );
     let consumer: Arc<StreamConsumer> = Arc::new(cc.create().map_err(|e| e.to_string())?);
-
-    let partitions = {
-        let c = Arc::clone(&consumer);
-        let t = topic.clone();
-        tokio::task::spawn_blocking(move || {
-            c.fetch_metadata(Some(&t), Duration::from_secs(5))
-                .map_err(|e| e.to_string())
-                .and_then(|md| {
-                    md.topics()
-                        .first()
-                        .filter(|tm| tm.error().is_none())
-                        .map(|tm| tm.partitions().iter().map(|p| p.id()).collect::<Vec<i32>>())
-                        .filter(|ps| !ps.is_empty())
-                        .ok_or_else(|| format!("topic {t} not found"))
-                })
-        })
-        .await
-        .map_err(|e| e.to_string())??
-    };
+    let partitions = tierlimit_shared::kafka::partitions_of(&consumer, &topic).await?;
     let starts = {
         let (c, t, ps) = (Arc::clone(&consumer), topic.clone(), partitions.clone());
         let since = since_ms(config, now_ms());

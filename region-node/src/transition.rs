@@ -331,30 +331,35 @@ mod tests {
         })
     }
 
+    /// A plan `name` with a node tier only.
+    fn node_plan(name: &str, alg: Algorithm, l: u64, window_ms: u64, keyed: bool) -> Arc<Policy> {
+        policy(name, Some(limit(alg, l, window_ms)), None, keyed)
+    }
+
+    /// A plan `name` with a region tier only, counting per tenant.
+    fn region_plan(name: &str, alg: Algorithm, l: u64, window_ms: u64) -> Arc<Policy> {
+        policy(name, None, Some(limit(alg, l, window_ms)), false)
+    }
+
+    /// Tenant `id` changed from `old` to `new` at [`T0`].
+    fn tenant_change(t: &Transitions, id: &str, old: Arc<Policy>, new: &Arc<Policy>) {
+        t.begin(
+            Subject::Tenant(id.into()),
+            Some(old),
+            Some(Arc::clone(new)),
+            T0,
+        );
+    }
+
     const MIN: u64 = 60_000;
     const T0: u64 = 1_800_000_000_000 + 20_000; // 20 s into a minute
 
     #[test]
     fn a_limit_change_carries_nothing() {
         let t = Transitions::default();
-        let old = policy(
-            "p",
-            None,
-            Some(limit(Algorithm::FixedWindow, 10, MIN)),
-            false,
-        );
-        let new = policy(
-            "p",
-            None,
-            Some(limit(Algorithm::FixedWindow, 5, MIN)),
-            false,
-        );
-        t.begin(
-            Subject::Tenant("a".into()),
-            Some(old),
-            Some(Arc::clone(&new)),
-            T0,
-        );
+        let old = region_plan("p", Algorithm::FixedWindow, 10, MIN);
+        let new = region_plan("p", Algorithm::FixedWindow, 5, MIN);
+        tenant_change(&t, "a", old, &new);
         assert!(t.carried("a", &new, T0).is_empty());
         assert!(!t.any.load(Ordering::Acquire), "nothing kept");
         assert!(t.inner.lock().unwrap().is_empty());
@@ -363,24 +368,9 @@ mod tests {
     #[test]
     fn another_algorithm_carries_the_old_tier_beside_with_the_new_limit_until_its_window_ends() {
         let t = Transitions::default();
-        let old = policy(
-            "p",
-            None,
-            Some(limit(Algorithm::FixedWindow, 10, MIN)),
-            false,
-        );
-        let new = policy(
-            "p",
-            None,
-            Some(limit(Algorithm::SlidingWindow, 6, MIN)),
-            false,
-        );
-        t.begin(
-            Subject::Tenant("a".into()),
-            Some(old),
-            Some(Arc::clone(&new)),
-            T0,
-        );
+        let old = region_plan("p", Algorithm::FixedWindow, 10, MIN);
+        let new = region_plan("p", Algorithm::SlidingWindow, 6, MIN);
+        tenant_change(&t, "a", old, &new);
         let c = t.carried("a", &new, T0 + 1);
         assert_eq!(
             c,
@@ -411,8 +401,8 @@ mod tests {
                 Algorithm::FixedWindow
             };
             let t = Transitions::default();
-            let old = policy("p", Some(limit(alg, 10, MIN)), None, false);
-            let new = policy("p", Some(limit(other, 10, MIN)), None, false);
+            let old = node_plan("p", alg, 10, MIN, false);
+            let new = node_plan("p", other, 10, MIN, false);
             t.begin(
                 Subject::Plan("p".into()),
                 Some(old),
@@ -433,14 +423,9 @@ mod tests {
             (Algorithm::SlidingLog, false),
         ] {
             let t = Transitions::default();
-            let old = policy("p", Some(limit(alg, 10, MIN)), None, false);
-            let new = policy("p", Some(limit(alg, 100, 10 * MIN)), None, false);
-            t.begin(
-                Subject::Tenant("a".into()),
-                Some(old),
-                Some(Arc::clone(&new)),
-                T0,
-            );
+            let old = node_plan("p", alg, 10, MIN, false);
+            let new = node_plan("p", alg, 100, 10 * MIN, false);
+            tenant_change(&t, "a", old, &new);
             let c = t.carried("a", &new, T0);
             assert_eq!(!c.is_empty(), carried, "{alg:?}");
             if carried {
@@ -471,18 +456,8 @@ mod tests {
     #[test]
     fn a_plan_change_spares_a_tenant_whose_override_keeps_its_own_shape() {
         let t = Transitions::default();
-        let old = policy(
-            "p",
-            Some(limit(Algorithm::FixedWindow, 10, MIN)),
-            None,
-            false,
-        );
-        let new = policy(
-            "p",
-            Some(limit(Algorithm::SlidingWindow, 10, MIN)),
-            None,
-            false,
-        );
+        let old = node_plan("p", Algorithm::FixedWindow, 10, MIN, false);
+        let new = node_plan("p", Algorithm::SlidingWindow, 10, MIN, false);
         t.begin(
             Subject::Plan("p".into()),
             Some(old),
@@ -490,49 +465,24 @@ mod tests {
             T0,
         );
         // A tenant of the plan with an algorithm of its own: unchanged.
-        let own = policy(
-            "p",
-            Some(limit(Algorithm::TokenBucket, 50, MIN)),
-            None,
-            false,
-        );
+        let own = node_plan("p", Algorithm::TokenBucket, 50, MIN, false);
         assert!(t.carried("custom", &own, T0).is_empty());
         // A tenant with a limit of its own takes the plan's new shape: the
         // old tier is carried with the tenant's limit.
-        let raised = policy(
-            "p",
-            Some(limit(Algorithm::SlidingWindow, 50, MIN)),
-            None,
-            false,
-        );
+        let raised = node_plan("p", Algorithm::SlidingWindow, 50, MIN, false);
         let c = t.carried("raised", &raised, T0);
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].limit, limit(Algorithm::FixedWindow, 50, MIN));
         // A tenant of another plan: nothing.
-        let other = policy(
-            "q",
-            Some(limit(Algorithm::SlidingWindow, 10, MIN)),
-            None,
-            false,
-        );
+        let other = node_plan("q", Algorithm::SlidingWindow, 10, MIN, false);
         assert!(t.carried("q1", &other, T0).is_empty());
     }
 
     #[test]
     fn a_tenant_registered_during_its_plans_transition_carries_nothing() {
         let t = Transitions::default();
-        let old = policy(
-            "p",
-            Some(limit(Algorithm::FixedWindow, 10, MIN)),
-            None,
-            false,
-        );
-        let new = policy(
-            "p",
-            Some(limit(Algorithm::FixedWindow, 10, MIN)),
-            None,
-            true,
-        );
+        let old = node_plan("p", Algorithm::FixedWindow, 10, MIN, false);
+        let new = node_plan("p", Algorithm::FixedWindow, 10, MIN, true);
         t.begin(
             Subject::Plan("p".into()),
             Some(old),
@@ -552,24 +502,9 @@ mod tests {
     #[test]
     fn a_second_change_keeps_carrying_the_first_shape() {
         let t = Transitions::default();
-        let a = policy(
-            "p",
-            Some(limit(Algorithm::FixedWindow, 10, MIN)),
-            None,
-            false,
-        );
-        let b = policy(
-            "p",
-            Some(limit(Algorithm::SlidingLog, 10, MIN)),
-            None,
-            false,
-        );
-        let c = policy(
-            "p",
-            Some(limit(Algorithm::TokenBucket, 4, MIN)),
-            None,
-            false,
-        );
+        let a = node_plan("p", Algorithm::FixedWindow, 10, MIN, false);
+        let b = node_plan("p", Algorithm::SlidingLog, 10, MIN, false);
+        let c = node_plan("p", Algorithm::TokenBucket, 4, MIN, false);
         let s = Subject::Tenant("a".into());
         t.begin(s.clone(), Some(a), Some(Arc::clone(&b)), T0);
         t.begin(s, Some(b), Some(Arc::clone(&c)), T0 + 5);

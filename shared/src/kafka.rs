@@ -26,6 +26,52 @@ pub fn client_config(k: &KafkaConfig) -> ClientConfig {
     c
 }
 
+/// A follower's consumer (the broadcast view's, the limits table's): it
+/// reads by manual assignment from offsets it chooses, so it never joins
+/// its group and never commits (a group id is required by the client all
+/// the same).
+pub fn follower_config(k: &KafkaConfig, group: String) -> ClientConfig {
+    let mut cc = client_config(k);
+    cc.set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("fetch.wait.max.ms", "50")
+        // A start before the low watermark (a lookup that answered 0, a
+        // topic deleted and created again under a running process) reads
+        // from the oldest record, never from the end.
+        .set("auto.offset.reset", "earliest")
+        // A fetch in flight when the link is cut would otherwise hold the
+        // connection for librdkafka's default 60 s.
+        .set("socket.timeout.ms", "10000");
+    cc
+}
+
+/// The partitions of `topic`, from the broker's metadata (a blocking call,
+/// on a blocking thread).
+pub async fn partitions_of(
+    consumer: &std::sync::Arc<rdkafka::consumer::StreamConsumer>,
+    topic: &str,
+) -> Result<Vec<i32>, String> {
+    use rdkafka::consumer::Consumer;
+    let (c, t) = (std::sync::Arc::clone(consumer), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        c.fetch_metadata(Some(&t), Duration::from_secs(5))
+            .map_err(|e| e.to_string())
+            .and_then(|md| {
+                md.topics()
+                    .first()
+                    .filter(|tm| tm.error().is_none())
+                    .map(|tm| tm.partitions().iter().map(|p| p.id()).collect::<Vec<i32>>())
+                    .filter(|ps| !ps.is_empty())
+                    .ok_or_else(|| {
+                        format!("topic {t} not found (aggregator create-topics makes it)")
+                    })
+            })
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
 /// A producer config for tierlimit's topics: ordered per partition, durable,
 /// and deliberately **not** idempotent.
 ///

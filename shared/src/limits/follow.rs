@@ -84,33 +84,12 @@ async fn follow(
     let topic = config.kafka.limits_topic.clone();
     let mut verifier = LimitsVerifier::new(config)?;
     let mut log = LogThrottle::default();
-    let mut cc = crate::kafka::client_config(&config.kafka);
-    cc.set("group.id", format!("tierlimit-limits-{client_id}"))
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "true")
-        .set("fetch.wait.max.ms", "50")
-        .set("auto.offset.reset", "earliest")
-        .set("socket.timeout.ms", "10000");
+    let mut cc =
+        crate::kafka::follower_config(&config.kafka, format!("tierlimit-limits-{client_id}"));
+    // Partition EOF tells when the table is caught up (ready).
+    cc.set("enable.partition.eof", "true");
     let consumer: Arc<StreamConsumer> = Arc::new(cc.create().map_err(|e| e.to_string())?);
-    let partitions = {
-        let c = Arc::clone(&consumer);
-        let t = topic.clone();
-        tokio::task::spawn_blocking(move || {
-            c.fetch_metadata(Some(&t), Duration::from_secs(5))
-                .map_err(|e| e.to_string())
-                .and_then(|md| {
-                    md.topics()
-                        .first()
-                        .filter(|tm| tm.error().is_none())
-                        .map(|tm| tm.partitions().iter().map(|p| p.id()).collect::<Vec<i32>>())
-                        .filter(|ps| !ps.is_empty())
-                        .ok_or_else(|| format!("topic {t} not found (aggregator create-topics)"))
-                })
-        })
-        .await
-        .map_err(|e| e.to_string())??
-    };
+    let partitions = crate::kafka::partitions_of(&consumer, &topic).await?;
     let mut tpl = TopicPartitionList::new();
     for p in &partitions {
         let offset = match starts.get(p) {
