@@ -448,7 +448,7 @@ impl Decider {
         // while (see `crate::transition`): no lease, no reservation then.
         let carried = self
             .transitions
-            .carried(req.tenant, &policy, self.redis_now(now));
+            .carried(req.tenant, &policy, || self.redis_now(now));
 
         // 2. A lease this node holds: units charged in Redis already.
         let epoch = new_epoch();
@@ -600,7 +600,7 @@ impl Decider {
         let epoch = new_epoch();
         let carried = self
             .transitions
-            .carried(req.tenant, &policy, self.redis_now(now));
+            .carried(req.tenant, &policy, || self.redis_now(now));
         let mut call = self.call(Op::Check, &req, &cfg, &policy, key, today, now, &epoch);
         call.tiers.extend(extra.iter().cloned());
         // Carried tiers go last: a denial by one reads as the plan's (its

@@ -170,12 +170,18 @@ impl Transitions {
     }
 
     /// The old tiers a check of `tenant` under `policy` carries at
-    /// `now_ms` (Redis' clock); empty when none (the common case costs one
-    /// atomic load).
-    pub fn carried(&self, tenant: &str, policy: &Policy, now_ms: u64) -> Vec<Carried> {
+    /// `now_ms()` (Redis' clock, asked only when a transition runs); empty
+    /// when none (the common case costs one atomic load).
+    pub fn carried(
+        &self,
+        tenant: &str,
+        policy: &Policy,
+        now_ms: impl FnOnce() -> u64,
+    ) -> Vec<Carried> {
         if !self.any.load(Ordering::Acquire) {
             return Vec::new();
         }
+        let now_ms = now_ms();
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner.expire(now_ms);
         self.any.store(!inner.is_empty(), Ordering::Release);
@@ -360,7 +366,7 @@ mod tests {
         let old = region_plan("p", Algorithm::FixedWindow, 10, MIN);
         let new = region_plan("p", Algorithm::FixedWindow, 5, MIN);
         tenant_change(&t, "a", old, &new);
-        assert!(t.carried("a", &new, T0).is_empty());
+        assert!(t.carried("a", &new, || T0).is_empty());
         assert!(!t.any.load(Ordering::Acquire), "nothing kept");
         assert!(t.inner.lock().unwrap().is_empty());
     }
@@ -371,7 +377,7 @@ mod tests {
         let old = region_plan("p", Algorithm::FixedWindow, 10, MIN);
         let new = region_plan("p", Algorithm::SlidingWindow, 6, MIN);
         tenant_change(&t, "a", old, &new);
-        let c = t.carried("a", &new, T0 + 1);
+        let c = t.carried("a", &new, || T0 + 1);
         assert_eq!(
             c,
             vec![Carried {
@@ -380,10 +386,13 @@ mod tests {
                 key_scoped: false,
             }]
         );
-        assert!(t.carried("b", &new, T0 + 1).is_empty(), "another tenant");
+        assert!(t.carried("b", &new, || T0 + 1).is_empty(), "another tenant");
         let end = (T0 / MIN + 1) * MIN;
-        assert_eq!(t.carried("a", &new, end - 1).len(), 1);
-        assert!(t.carried("a", &new, end).is_empty(), "the old window ended");
+        assert_eq!(t.carried("a", &new, || end - 1).len(), 1);
+        assert!(
+            t.carried("a", &new, || end).is_empty(),
+            "the old window ended"
+        );
     }
 
     #[test]
@@ -409,8 +418,8 @@ mod tests {
                 Some(Arc::clone(&new)),
                 T0,
             );
-            assert_eq!(t.carried("any", &new, until - 1).len(), 1, "{alg:?}");
-            assert!(t.carried("any", &new, until).is_empty(), "{alg:?}");
+            assert_eq!(t.carried("any", &new, || until - 1).len(), 1, "{alg:?}");
+            assert!(t.carried("any", &new, || until).is_empty(), "{alg:?}");
         }
     }
 
@@ -426,7 +435,7 @@ mod tests {
             let old = node_plan("p", alg, 10, MIN, false);
             let new = node_plan("p", alg, 100, 10 * MIN, false);
             tenant_change(&t, "a", old, &new);
-            let c = t.carried("a", &new, T0);
+            let c = t.carried("a", &new, || T0);
             assert_eq!(!c.is_empty(), carried, "{alg:?}");
             if carried {
                 assert_eq!(c[0].limit, limit(alg, 100, MIN));
@@ -447,7 +456,7 @@ mod tests {
                 Some(Arc::clone(&new)),
                 T0,
             );
-            let c = t.carried("x", &new, T0);
+            let c = t.carried("x", &new, || T0);
             assert_eq!(c.len(), 1);
             assert_eq!(c[0].key_scoped, old_keyed);
         }
@@ -466,16 +475,16 @@ mod tests {
         );
         // A tenant of the plan with an algorithm of its own: unchanged.
         let own = node_plan("p", Algorithm::TokenBucket, 50, MIN, false);
-        assert!(t.carried("custom", &own, T0).is_empty());
+        assert!(t.carried("custom", &own, || T0).is_empty());
         // A tenant with a limit of its own takes the plan's new shape: the
         // old tier is carried with the tenant's limit.
         let raised = node_plan("p", Algorithm::SlidingWindow, 50, MIN, false);
-        let c = t.carried("raised", &raised, T0);
+        let c = t.carried("raised", &raised, || T0);
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].limit, limit(Algorithm::FixedWindow, 50, MIN));
         // A tenant of another plan: nothing.
         let other = node_plan("q", Algorithm::SlidingWindow, 10, MIN, false);
-        assert!(t.carried("q1", &other, T0).is_empty());
+        assert!(t.carried("q1", &other, || T0).is_empty());
     }
 
     #[test]
@@ -495,8 +504,8 @@ mod tests {
             Some(Arc::clone(&new)),
             T0 + 1,
         );
-        assert!(t.carried("later", &new, T0 + 2).is_empty());
-        assert_eq!(t.carried("before", &new, T0 + 2).len(), 1);
+        assert!(t.carried("later", &new, || T0 + 2).is_empty());
+        assert_eq!(t.carried("before", &new, || T0 + 2).len(), 1);
     }
 
     #[test]
@@ -508,7 +517,7 @@ mod tests {
         let s = Subject::Tenant("a".into());
         t.begin(s.clone(), Some(a), Some(Arc::clone(&b)), T0);
         t.begin(s, Some(b), Some(Arc::clone(&c)), T0 + 5);
-        let carried = t.carried("a", &c, T0 + 6);
+        let carried = t.carried("a", &c, || T0 + 6);
         assert_eq!(carried.len(), 1);
         assert_eq!(carried[0].limit, limit(Algorithm::FixedWindow, 4, MIN));
     }
