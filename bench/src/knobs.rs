@@ -18,6 +18,7 @@ pub const SCENARIOS: &[&str] = &[
     "crossings",
     "scale",
     "regions20",
+    "limits",
     "rollover",
     "peer",
     "cluster",
@@ -55,6 +56,9 @@ pub const SCENARIOS: &[&str] = &[
 ///   regions20 6c: N tenants, 1 % near their global limit in 20 regions
 ///                 (19 simulated by `loadgen deltas`): region-node and
 ///                 aggregator RSS, what the node reads from the global topic
+///   limits    13: limits as data: a region-node's and an aggregator's start
+///                 and RSS at many tenants on the limits topic vs from the
+///                 file; a change applied on every node of 3 regions
 ///   rollover  6b: the same across a (faked) UTC midnight (libfaketime)
 ///   peer       7: throttlecrab-server under the same load generator
 ///                 (its rounds alternate with ceiling's)
@@ -100,6 +104,26 @@ pub struct Knobs {
     /// 10, for the comparison of what a region-node reads.
     #[arg(long, env = "BENCH_R20_FRACTION")]
     pub r20_fraction: Option<f64>,
+    /// 13: registered tenants of the starts on the limits topic (1 % with
+    /// an override), comma-separated; the topic is filled up to each in
+    /// turn.
+    #[arg(long, env = "BENCH_LIMITS_TENANTS", value_delimiter = ',',
+          default_values_t = [100_000u64, 1_000_000, 3_000_000])]
+    #[serde(default)]
+    pub limits_tenants: Vec<u64>,
+    /// 13: the same from the file (`[tenants.<id>]` tables).
+    #[arg(long, env = "BENCH_LIMITS_FILE_TENANTS", value_delimiter = ',',
+          default_values_t = [100_000u64, 1_000_000])]
+    #[serde(default)]
+    pub limits_file_tenants: Vec<u64>,
+    /// 13: changes watched per propagation phase (idle, then loaded).
+    #[arg(long, env = "BENCH_LIMITS_PROBES", default_value_t = 50)]
+    #[serde(default)]
+    pub limits_probes: u64,
+    /// 13: other changes a second during the loaded phase (0: idle only).
+    #[arg(long, env = "BENCH_LIMITS_RATE", default_value_t = 1000)]
+    #[serde(default)]
+    pub limits_rate: u64,
     /// Daily limit of scenario 5's tenant.
     #[arg(long, env = "BENCH_ACC_LIMIT", default_value_t = 100_000)]
     pub acc_limit: u64,
@@ -222,6 +246,13 @@ impl Knobs {
         set("acc_limit", &mut self.acc_limit, 30_000);
         set("cross_tenants", &mut self.cross_tenants, 20);
         set("rollover_tenants", &mut self.rollover_tenants, 20_000);
+        set("limits_probes", &mut self.limits_probes, 10);
+        if default("limits_tenants") {
+            self.limits_tenants = vec![100_000];
+        }
+        if default("limits_file_tenants") {
+            self.limits_file_tenants = vec![100_000];
+        }
         set(
             "rollover_phase_a_seconds",
             &mut self.rollover_phase_a_seconds,
@@ -289,5 +320,9 @@ mod tests {
         assert_eq!(quick.rounds, 1);
         assert_eq!(quick.scale_tenants, 100_000);
         assert_eq!(quick.rollover_settle, 0);
+        assert_eq!(full.limits_tenants, [100_000, 1_000_000, 3_000_000]);
+        assert_eq!(quick.limits_tenants, [100_000]);
+        let some = knobs(&["bench", "--quick", "--limits-tenants", "1000,2000"]);
+        assert_eq!(some.limits_tenants, [1000, 2000]);
     }
 }

@@ -39,7 +39,7 @@ use crate::results::{Provenance, RunKind, RunRecord};
 use crate::run::Run;
 use crate::scenario::{
     accuracy, baseline, ceiling, cluster, crossings, envoy, fast_path, kafka, latency, leases,
-    regions20, rollover, saturation, scale,
+    limits, regions20, rollover, saturation, scale,
 };
 use crate::world::{start_node, Region};
 
@@ -70,7 +70,11 @@ fn preflight(k: &Knobs) -> anyhow::Result<()> {
     if k.runs("envoy") {
         testkit::try_envoy_bin().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    if k.runs("rollover") || k.runs("regions20") || KAFKA_SIDE.iter().any(|s| k.runs(s)) {
+    if k.runs("rollover")
+        || k.runs("regions20")
+        || k.runs("limits")
+        || KAFKA_SIDE.iter().any(|s| k.runs(s))
+    {
         testkit::try_tansu_bin().map_err(|e| anyhow::anyhow!("{e} (run scripts/setup --bench)"))?;
     }
     if k.runs("rollover") {
@@ -291,6 +295,25 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
         match regions20::run(&run, &k).await {
             Ok(r20) => r.regions20 = Some(r20),
             Err(e) => run.say(&format!("the regions20 run failed: {e:#}")),
+        }
+    }
+
+    if k.runs("limits") {
+        // Its own Redis, Tansu, aggregators and nodes, one process at a
+        // time; the main run's are stopped by now.
+        // A task of its own, like 6b's: a panic of testkit's (a process
+        // not ready in time) leaves the other scenarios' figures.
+        let (run2, k2) = (Arc::clone(&run), k.clone());
+        match tokio::spawn(async move { limits::run(&run2, &k2).await }).await {
+            Ok(Ok(l)) => r.limits = Some(l),
+            Ok(Err(e)) => {
+                run.say(&format!("the limits run failed: {e:#}"));
+                r.limits_error = Some(format!("{e:#}"));
+            }
+            Err(e) => {
+                run.say(&format!("the limits run failed: {e}"));
+                r.limits_error = Some(e.to_string());
+            }
         }
     }
 

@@ -42,6 +42,10 @@ pub struct Results {
     pub scale: Option<Scale>,
     #[serde(default)]
     pub regions20: Option<crate::scenario::regions20::Regions20>,
+    #[serde(default)]
+    pub limits: Option<crate::scenario::limits::LimitsBench>,
+    #[serde(default)]
+    pub limits_error: Option<String>,
     pub rollover: Option<Rollover>,
     pub rollover_error: Option<String>,
     pub peer: Option<Peer>,
@@ -83,6 +87,10 @@ impl Results {
             ("crossings", self.crossings.is_some()),
             ("scale", self.scale.is_some()),
             ("regions20", self.regions20.is_some()),
+            (
+                "limits",
+                self.limits.is_some() || self.limits_error.is_some(),
+            ),
             (
                 "rollover",
                 self.rollover.is_some() || self.rollover_error.is_some(),
@@ -580,6 +588,60 @@ mod tests {
             md.contains("| region-node eu-1 RSS | 18 MiB | 30 MiB | 33 MiB |"),
             "{md}"
         );
+    }
+
+    #[test]
+    fn the_limits_section_renders_its_targets_and_says_when_it_did_not_run() {
+        use crate::scenario::limits::{derive, Dist, LimitsBench, Propagation, Start};
+        let md = render(&run_of(&["envoy"])).unwrap();
+        assert!(md.contains("| 13 | limits as data: start, RSS and propagation on the limits topic | not run in this run"), "{md}");
+        let mut results = run_of(&["limits"]);
+        let start = |process: &str, source: &str, tenants: u64, ready_s: f64, rss_mib: u64| Start {
+            process: process.into(),
+            source: source.into(),
+            tenants,
+            ready_s: Some(ready_s),
+            rss_kib: rss_mib * 1024,
+            redis_copy_bytes: (process == "region-node" && source == "topic")
+                .then_some(tenants * 40),
+            ..Default::default()
+        };
+        let mut l = LimitsBench {
+            topic_counts: vec![1_000_000],
+            file_counts: vec![1_000_000],
+            starts: vec![
+                start("region-node", "topic", 1, 1.0, 20),
+                start("region-node", "file", 1, 1.0, 20),
+                start("aggregator", "topic", 1, 2.0, 20),
+                start("region-node", "topic", 1_000_000, 3.0, 40),
+                start("region-node", "file", 1_000_000, 10.0, 500),
+                start("aggregator", "topic", 1_000_000, 4.0, 60),
+            ],
+            idle: Some(Propagation {
+                nodes_ms: Dist::of(vec![Some(100.0), Some(200.0)]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        derive(&mut l);
+        assert_eq!(l.node_start_ratio, Some(0.3));
+        results.limits = Some(l);
+        let md = render(&results).unwrap();
+        assert!(md.contains("## 13. Limits as data"), "{md}");
+        assert!(
+            md.contains("**0.30×** (3.00 vs 10.00 s; 2.00 vs 9.00 µs per tenant) | ≤ 0.5× | met |"),
+            "{md}"
+        );
+        // 20 MiB over 1 M tenants: 20.97 B of RSS, 40 B in Redis.
+        assert!(md.contains("**61 B** (RSS 21 B + Redis 40 B;"), "{md}");
+        assert!(
+            md.contains(
+                "| 13 | aggregator RSS growth per tenant on the topic, 1000000 tenants | **42 B**"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("**100.0 / 200.0 ms** (p50 / p99;"), "{md}");
+        assert!(md.contains("not judged: 5b is not in this run"), "{md}");
     }
 
     #[test]

@@ -204,6 +204,51 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             " B",
         ));
     }
+    if let Some(l) = &r.limits {
+        t.push(Target::new(
+            "limits_node_start",
+            l.node_start_ratio,
+            Op::AtMost,
+            0.5,
+            "×",
+        ));
+        t.push(Target::new(
+            "limits_node_bytes",
+            l.node_total_b_per_tenant,
+            Op::AtMost,
+            64.0,
+            " B",
+        ));
+        t.push(Target::new(
+            "limits_agg_bytes",
+            l.agg_rss_b_per_tenant,
+            Op::AtMost,
+            64.0,
+            " B",
+        ));
+        // A change everywhere no slower than a crossing everywhere: only
+        // judged against the crossings of the same run (same machine, same
+        // load).
+        let cross = r
+            .crossings
+            .as_ref()
+            .and_then(|x| x.run.accuracy.as_ref())
+            .and_then(|a| a.per_tenant.crossing_to_all_denying_ms.p99);
+        if let Some(bound) = cross {
+            for (name, p) in [
+                ("limits_idle_p99", &l.idle),
+                ("limits_loaded_p99", &l.loaded),
+            ] {
+                t.push(Target::new(
+                    name,
+                    p.as_ref().and_then(|p| p.nodes_ms.p99),
+                    Op::AtMost,
+                    bound,
+                    " ms",
+                ));
+            }
+        }
+    }
     if let Some(b) = &r.baseline {
         t.push(Target::new(
             "baseline_cpu_leases",

@@ -12,6 +12,7 @@ pub mod fast_path;
 pub mod kafka;
 pub mod latency;
 pub mod leases;
+pub mod limits;
 pub mod peer;
 pub mod regions20;
 pub mod rollover;
