@@ -212,6 +212,22 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             0.5,
             "×",
         ));
+        // Every start of a node but its region's first (or one after the
+        // region's Redis lost its data) reads the region's copy first and
+        // the topic only after its mark: judged apart from the cold start.
+        let restart = l
+            .node_topic_compared
+            .as_ref()
+            .and_then(|t| t.restart_s)
+            .zip(l.node_file_compared.as_ref().and_then(|f| f.ready_s))
+            .map(|(t, f)| t / f);
+        t.push(Target::new(
+            "limits_node_restart",
+            restart,
+            Op::AtMost,
+            0.5,
+            "×",
+        ));
         t.push(Target::new(
             "limits_node_bytes",
             l.node_total_b_per_tenant,
