@@ -544,6 +544,41 @@ mod tests {
     }
 
     #[test]
+    fn a_limits_change_withdraws_exactly_the_changed_tenants_leases() {
+        let leases = Leases::default();
+        let t0 = Instant::now();
+        for tenant in ["acme", "globex"] {
+            let t = warm(&leases, (tenant, "k1"), t0, Duration::from_millis(10), 30);
+            let a = ask(&leases, (tenant, "k1"), t);
+            assert!(leases
+                .settle(a, Some(&reply(7, &[5_000])), (t, LIFE), tenant)
+                .is_none());
+        }
+        assert_eq!(leases.outstanding(), 14);
+        // acme's record changed: its lease (every key) comes back whole,
+        // globex keeps spending from its own.
+        let back = leases.withdraw_where(|t| t == "acme");
+        assert_eq!(back.len(), 1);
+        assert_eq!(
+            (back[0].tenant.as_str(), back[0].key.as_str()),
+            ("acme", "k1")
+        );
+        assert_eq!(back[0].units, 7);
+        assert_eq!(leases.outstanding(), 7);
+        assert!(matches!(
+            leases.take(("acme", "k1"), 1, (t0, 0), (LIFE, 1000)),
+            Take::Redis { .. }
+        ));
+        assert!(matches!(
+            leases.take(("globex", "k1"), 1, (t0, 0), (LIFE, 1000)),
+            Take::Leased(..)
+        ));
+        // A plan's change reaches every tenant.
+        assert_eq!(leases.withdraw_where(|_| true)[0].units, 6);
+        assert_eq!(leases.outstanding(), 0);
+    }
+
+    #[test]
     fn a_rare_caller_never_asks() {
         let leases = Leases::default();
         let t0 = Instant::now();

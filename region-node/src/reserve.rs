@@ -273,9 +273,6 @@ impl Reserves {
             .map_or(0, |s| s.unspent)
     }
 
-    /// Forgets reservations whose window is over, one shard at a time; the
-    /// removed entries are freed after the shard's lock is released.
-    /// Returns the units held in live ones (a gauge).
     /// Forgets the reservations of the tenants `which` picks (their limits
     /// changed): the next check reserves under the new limit. Units
     /// reserved and not spent stay charged to the node tier until its
@@ -290,6 +287,9 @@ impl Reserves {
         }
     }
 
+    /// Forgets reservations whose window is over, one shard at a time; the
+    /// removed entries are freed after the shard's lock is released.
+    /// Returns the units held in live ones (a gauge).
     pub fn expire(&self, now: Instant) -> u64 {
         let mut held = 0;
         for shard in &self.shards {
@@ -382,6 +382,30 @@ mod tests {
         let p = r.pending(T, r.take(T, 1, (100, 10), (t0, 5_000, NO_MARGIN)));
         let _ = p.into_take();
         assert_eq!(r.unspent(T, t0), 9);
+    }
+
+    #[test]
+    fn a_limits_change_forgets_the_changed_tenants_reservations_only() {
+        let r = Reserves::default();
+        let t0 = Instant::now();
+        let other = ("o", "_");
+        for k in [T, other] {
+            let _ = r.take(k, 1, (100, 10), (t0, 0, NO_MARGIN));
+            r.settle(k, 10, Some((&tier(89, 1_000), 5_000)), t0);
+            assert_eq!(r.unspent(k, t0), 10);
+        }
+        r.forget_where(|t| t == "t");
+        assert_eq!(
+            r.unspent(T, t0),
+            0,
+            "forgotten: the next check reserves anew"
+        );
+        assert_eq!(
+            r.take(T, 1, (20, 2), (t0, 5_000, NO_MARGIN)),
+            Take::Charge { reserve: 2 },
+            "under the new limit's chunk"
+        );
+        assert_eq!(r.unspent(other, t0), 10, "another tenant keeps its own");
     }
 
     #[test]
