@@ -114,8 +114,22 @@ fn old_config(redis_url: &str) -> String {
         .replace(crate::world::VIEW_WAIT_DETACHED, "")
 }
 
+/// Whether the old release signs its deltas (`wire.delta_keys`, from
+/// issue 29 on): its source, kept beside its binary, says.
+fn signs_deltas(bin: &Path, commit: &str) -> bool {
+    bin.parent()
+        .map(|cache| cache.join(commit).join("shared/src/config.rs"))
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .is_some_and(|text| text.contains("delta_keys"))
+}
+
 /// The old region-node: no admin listener, `/healthz` on its API port.
-async fn start_old(run: &Run, bin: &Path, config: &Path) -> anyhow::Result<(testkit::Proc, u16)> {
+async fn start_old(
+    run: &Run,
+    bin: &Path,
+    config: &Path,
+    env: &[(&str, &str)],
+) -> anyhow::Result<(testkit::Proc, u16)> {
     let port = testkit::free_port();
     let port_arg = format!("127.0.0.1:{port}");
     let args: [&std::ffi::OsStr; 8] = [
@@ -128,7 +142,9 @@ async fn start_old(run: &Run, bin: &Path, config: &Path) -> anyhow::Result<(test
         "--listen".as_ref(),
         port_arg.as_ref(),
     ];
-    let mut proc = testkit::Proc::spawn(bin, args, &[("RUST_LOG", "warn")]);
+    let mut all = vec![("RUST_LOG", "warn")];
+    all.extend_from_slice(env);
+    let mut proc = testkit::Proc::spawn(bin, args, &all);
     run.record("# the baseline region-node:");
     run.record_spawned(&proc);
     let http = reqwest::Client::new();
@@ -180,9 +196,17 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
         std::fs::create_dir_all(&d)?;
         Ok(testkit::write_config(&d, &toml))
     };
-    // Written as is: testkit's write_config would add `[wire]` keys.
-    let cfg_old = dir.path().join("before.toml");
-    std::fs::write(&cfg_old, old_config(&redis[0].url()))?;
+    // A release before signed deltas reads the configuration as is
+    // (testkit's write_config would add `[wire]` keys it refuses); a later
+    // one needs them, and knows everything today's bench configuration says.
+    let signs = signs_deltas(&old_bin, &commit);
+    let cfg_old = if signs {
+        write("before", solo_config("9b", &redis[0].url(), "", ""))?
+    } else {
+        let cfg = dir.path().join("before.toml");
+        std::fs::write(&cfg, old_config(&redis[0].url()))?;
+        cfg
+    };
     let cfg_off = write(
         "after",
         solo_config("9b", &redis[1].url(), "lease_max = 0", ""),
@@ -190,7 +214,14 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
     // Today's defaults: adaptive leases (lease_max = LEASE_MAX).
     let cfg_on = write("after-leases", solo_config("9b", &redis[2].url(), "", ""))?;
     run.record(format!("# scenario 9b: {}", cfg_old.display()));
-    let (old, old_port) = start_old(run, &old_bin, &cfg_old).await?;
+    // A release with API keys (every one that signs deltas) leaves check
+    // open to the load generator as today's nodes do.
+    let old_env: &[(&str, &str)] = if signs {
+        &[crate::world::BENCH_OPEN_SCOPES]
+    } else {
+        &[]
+    };
+    let (old, old_port) = start_old(run, &old_bin, &cfg_old, old_env).await?;
     let off = start_node(run, &cfg_off, "eu", "eu-1", "/healthz", &[]).await;
     let on = start_node(run, &cfg_on, "eu", "eu-1", "/healthz", &[]).await;
     let old_url = format!("http://127.0.0.1:{old_port}/v1/check");
@@ -221,6 +252,17 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
         }
     }
     let (before, after, after_leases) = (variant(before), variant(after), variant(after_leases));
+    // A node that answered without calling its script refused the checks
+    // (a key it wanted, a tenant it did not know): nothing to compare.
+    for (name, v) in [
+        ("before", &before),
+        ("after", &after),
+        ("after_leases", &after_leases),
+    ] {
+        if v.calls_per_decision <= 0.0 {
+            bail!("9b: {name} answered {} checks/s without one script call: it refused them, see its log", v.rps);
+        }
+    }
     let cpu = |v: &Variant| v.node_cpu_us + v.redis_cpu_us;
     let r = BaselineBench {
         rev: rev.to_string(),
