@@ -4,22 +4,9 @@ use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 use crate::limits::LimitsTable;
 
-/// Every outcome label of `tierlimit_limits_records_total`, so they start
-/// at zero.
-pub const OUTCOMES: [&str; 12] = [
-    "applied",
-    "pending",
-    "stale",
-    "invalid",
-    "tombstone",
-    "version",
-    "corrupt",
-    "unsigned",
-    "unknown_key",
-    "bad_signature",
-    "wrong_region",
-    "unknown_region",
-];
+/// The outcome labels of `tierlimit_limits_records_total` besides a
+/// refusal's reason (`Reject::REASONS`), so every label starts at zero.
+pub const OUTCOMES: [&str; 5] = ["applied", "pending", "stale", "invalid", "tombstone"];
 
 #[derive(Clone)]
 pub struct LimitsMetrics {
@@ -99,7 +86,7 @@ impl LimitsMetrics {
                 .unwrap(),
             ),
         };
-        for o in OUTCOMES {
+        for o in OUTCOMES.into_iter().chain(crate::wire::Reject::REASONS) {
             m.records.with_label_values(&[o]);
         }
         m
