@@ -46,7 +46,8 @@ pub fn router(state: Arc<State>, http: &HttpSettings) -> Router {
     let api = Router::new()
         .route("/v1/global/{tenant}", get(tenant_view))
         .route("/v1/over-limit", get(over_limit))
-        .route("/v1/limits/status", get(limits_status));
+        .route("/v1/limits/status", get(limits_status))
+        .merge(crate::limits_api::routes(Arc::clone(&state)));
     let api = tierlimit_shared::auth::require_auth(
         api,
         tierlimit_shared::auth::Authn {

@@ -1,164 +1,276 @@
-//! `aggregator limits import|delete`: writing tenants and plans to the
-//! limits topic from the command line (the API is the second issue of the
-//! pair). Every table is checked by the same functions the configuration
-//! loader and every follower use (`config::resolve_plan`,
-//! `config::resolve_tenant`), before anything is written.
+//! `aggregator limits import|export|delete`: bulk changes of tenants and
+//! plans from the command line.
+//!
+//! An import goes through the limits API (`--url`, the key in
+//! `TIERLIMIT_API_KEY`) in batches of [`BATCH`] subjects, so it is
+//! serialised with every other write by the one limits writer
+//! (`limits_api.rs`); each batch is idempotent (only what differs is
+//! written), so an interrupted import run again writes only what is
+//! missing. With `--config` instead, the command writes straight to the
+//! topic with the limits key and needs no aggregator: for a fleet's first
+//! import (moving onto the topic) and for recovery. It reads the topic to
+//! its end and writes only what differs, but it is not the elected writer:
+//! run it while no one writes through the API.
+//!
+//! Export asks the API (the aggregator's table), or with `--config` reads
+//! the topic itself: every tenant and plan as TOML tables or JSON Lines,
+//! which import reads back with no change.
 
-use std::collections::{BTreeMap, HashMap};
+// Refusals are the API's problem+json (it names the field), built only
+// on a refusal path.
+#![allow(clippy::result_large_err)]
+
+use std::io::Write as _;
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
 
-use serde::Deserialize;
+use tierlimit_shared::config::Config;
+use tierlimit_shared::limits::write::{Standalone, WriteError};
+use tierlimit_shared::limits::{Body, Subject};
 
-use tierlimit_shared::config::{resolve_plan, resolve_tenant, Config, PlanConfig, TenantConfig};
-use tierlimit_shared::limits::follow::{self, Hooks};
-use tierlimit_shared::limits::write::Writer;
-use tierlimit_shared::limits::{Body, LimitsTable, LimitsVerifier, Subject};
-
+use crate::limits_api::check_plan_unused;
+use crate::limits_import::{plan_import, read_file, Action, Format, Tables};
 use crate::Error;
 
-/// The tables an import reads (anything else in the file is ignored, so a
-/// whole configuration file can be imported).
-#[derive(Debug, Deserialize)]
-struct ImportFile {
-    #[serde(default)]
-    plans: BTreeMap<String, PlanConfig>,
-    #[serde(default)]
-    tenants: BTreeMap<String, TenantConfig>,
+/// Subjects per API call of an import (each call must finish within the
+/// API's request timeout: about 1 s a batch on a 2-core test machine).
+pub const BATCH: usize = 5000;
+
+/// A failed write as a command-line error (`refused`: the check's own).
+fn write_error<R>(e: WriteError<R>, refused: impl FnOnce(R) -> Error) -> Error {
+    match e {
+        WriteError::Refused(r) => refused(r),
+        WriteError::Kafka(e) => Error::Limits(format!("kafka: {e}")),
+        WriteError::Behind => Error::Limits("the limits topic could not be read to its end".into()),
+    }
 }
 
-/// How long the command waits to read the topic to its end.
-const READ_TIMEOUT: Duration = Duration::from_secs(30);
-
-struct Quiet;
-
-impl Hooks for Quiet {
-    fn outcome(&self, _outcome: &'static str) {}
+/// A problem as a command-line error: the field and what is wrong.
+fn problem(p: tierlimit_shared::problem::Problem) -> Error {
+    Error::Limits(p.detail().to_owned())
 }
 
-/// What the topic holds now, read to its end, with the configuration's
-/// plans beside it (the topic's win, as in every process): a file may
-/// name a plan that only the topic defines. Works with a configuration of
-/// either `limits.source` (moving a fleet onto the topic starts from a
-/// file-source one).
-async fn current(config: &Config) -> Result<Arc<LimitsTable>, Error> {
-    LimitsVerifier::new(config)
-        .map_err(|e| Error::Limits(format!("wire.limits_public_keys: {e}")))?;
-    let table = Arc::new(LimitsTable::new());
-    let mut file = BTreeMap::new();
-    for (name, p) in &config.plans {
-        file.insert(name.clone(), Arc::new(resolve_plan(name, p)?));
-    }
-    table.set_file_plans(&file);
-    let task = tokio::spawn(follow::run(
-        config.clone(),
-        format!("cli-{}", std::process::id()),
-        Arc::clone(&table),
-        HashMap::new(),
-        Arc::new(Quiet),
-    ));
-    let ready = table.wait_ready(READ_TIMEOUT).await;
-    task.abort();
-    if !ready {
-        return Err(Error::Limits(format!(
-            "could not read {} to its end within {READ_TIMEOUT:?} (kafka.brokers)",
-            config.kafka.limits_topic
-        )));
-    }
-    Ok(table)
-}
-
-/// The changes of `file`: plans first (a tenant's plan is applied before
-/// it by every follower: one partition, one order), then tenants. A
-/// tenant's plan is the file's, else the one the topic or the
-/// configuration defines (`known`).
-fn changes(known: &LimitsTable, file: &Path) -> Result<Vec<(Subject, Body)>, Error> {
-    let text = std::fs::read_to_string(file)
-        .map_err(|e| Error::Limits(format!("cannot read {}: {e}", file.display())))?;
-    let parsed: ImportFile =
-        toml::from_str(&text).map_err(|e| Error::Limits(format!("{}: {e}", file.display())))?;
-    let mut plans = BTreeMap::new();
-    for (name, p) in &parsed.plans {
-        plans.insert(name.clone(), resolve_plan(name, p)?);
-    }
-    let mut out: Vec<(Subject, Body)> = parsed
-        .plans
-        .into_iter()
-        .map(|(name, p)| (Subject::Plan(name), Body::Plan(p)))
-        .collect();
-    for (id, t) in parsed.tenants {
-        let at = format!("tenants.{id}");
-        tierlimit_shared::validate::tenant(&id).map_err(|e| Error::Limits(format!("{at}: {e}")))?;
-        let base = match plans.get(&t.plan) {
-            Some(p) => p.clone(),
-            None => match known.plan(&t.plan) {
-                Some(p) => (*p).clone(),
-                None => {
-                    return Err(Error::Limits(format!(
-                        "{at}.plan: no plan named {:?} in the file, on the topic or in the configuration",
-                        t.plan
-                    )))
-                }
-            },
+/// Imports a file through the API at `url`, in batches; the summary sums
+/// them.
+pub async fn import_via_api(
+    url: &str,
+    file: &Path,
+    format: Option<Format>,
+    dry_run: bool,
+) -> Result<String, Error> {
+    use crate::limits_client::{call_raw, ok, Call};
+    let tables =
+        read_file(file, format.unwrap_or_else(|| Format::of(file))).map_err(Error::Limits)?;
+    let lines = tables.to_jsonl();
+    let (mut created, mut updated, mut unchanged) = (0u64, 0u64, 0u64);
+    let (mut first, mut last) = (None, None);
+    let mut listed = Vec::new();
+    for batch in lines.chunks(BATCH) {
+        let body = batch.join("\n");
+        let c = Call {
+            method: reqwest::Method::POST,
+            path: format!("/v1/limits/import?dry_run={dry_run}"),
+            body: None,
+            if_match: None,
+            create_only: false,
         };
-        resolve_tenant(&at, &t, &base)?;
-        out.push((Subject::Tenant(id), Body::Tenant(t)));
+        let answer = ok(call_raw(url, c, body).await?)?;
+        let n = |k: &str| answer[k].as_u64().unwrap_or(0);
+        created += n("created");
+        updated += n("updated");
+        unchanged += n("unchanged");
+        if first.is_none() {
+            first = answer["first_version"].as_u64();
+        }
+        last = answer["last_version"].as_u64().or(last);
+        if let Some(changes) = answer["changes"].as_array() {
+            for c in changes {
+                listed.push(format!(
+                    "would {} {}",
+                    c["action"].as_str().unwrap_or("?"),
+                    c["subject"].as_str().unwrap_or("?")
+                ));
+            }
+        }
     }
-    Ok(out)
+    Ok(summary(
+        &SummaryIn {
+            total: tables.len(),
+            created,
+            updated,
+            unchanged,
+            first,
+            last,
+            dry_run,
+            listed,
+        },
+        url,
+    ))
 }
 
-/// Publishes a file's plans and tenants; the summary names the versions.
+struct SummaryIn {
+    total: usize,
+    created: u64,
+    updated: u64,
+    unchanged: u64,
+    first: Option<u64>,
+    last: Option<u64>,
+    dry_run: bool,
+    listed: Vec<String>,
+}
+
+fn summary(s: &SummaryIn, target: &str) -> String {
+    if s.dry_run {
+        let mut out = String::new();
+        for l in s.listed.iter().take(1000) {
+            out.push_str(l);
+            out.push('\n');
+        }
+        if s.listed.len() > 1000 {
+            out.push_str(&format!("… and {} more\n", s.listed.len() - 1000));
+        }
+        out.push_str(&format!(
+            "dry run: {} of {} subjects would change on {target} ({} created, {} updated, {} unchanged); nothing written",
+            s.created + s.updated,
+            s.total,
+            s.created,
+            s.updated,
+            s.unchanged
+        ));
+        return out;
+    }
+    let versions = match (s.first, s.last) {
+        (Some(a), Some(b)) => format!(" (versions {a}..={b})"),
+        _ => String::new(),
+    };
+    format!(
+        "imported {} subjects to {target}: {} created, {} updated, {} unchanged{versions}",
+        s.total, s.created, s.updated, s.unchanged
+    )
+}
+
+/// Imports a file straight to the topic (no aggregator needed; see the
+/// module doc for when).
 pub async fn import(
     config_path: &Path,
     file: &Path,
+    format: Option<Format>,
     writer: &str,
     dry_run: bool,
 ) -> Result<String, Error> {
     let loaded = Config::load(config_path)?;
-    let known = current(&loaded.config).await?;
-    let changes = changes(&known, file)?;
-    let (plans, tenants) = changes
-        .iter()
-        .partition::<Vec<_>, _>(|(s, _)| matches!(s, Subject::Plan(_)));
-    if dry_run {
-        return Ok(format!(
-            "dry run: would write {} plans and {} tenants to {}",
-            plans.len(),
-            tenants.len(),
-            loaded.config.kafka.limits_topic
-        ));
-    }
-    let (plans, tenants) = (plans.len(), tenants.len());
-    let mut w = Writer::connect(&loaded.config, writer)
+    let tables =
+        read_file(file, format.unwrap_or_else(|| Format::of(file))).map_err(Error::Limits)?;
+    let mut w = Standalone::connect(&loaded.config, writer)
         .await
         .map_err(Error::Limits)?;
-    let written = w.publish(changes).await.map_err(Error::Limits)?;
-    let first = written.first().map_or(0, |r| r.version);
-    let last = written.last().map_or(0, |r| r.version);
-    Ok(format!(
-        "wrote {plans} plans and {tenants} tenants to {} (versions {first}..={last})",
-        loaded.config.kafka.limits_topic
+    let topic = loaded.config.kafka.limits_topic.clone();
+    let count = |changes: &[(Action, Subject, Body)]| {
+        let created = changes.iter().filter(|c| c.0 == Action::Create).count() as u64;
+        (created, changes.len() as u64 - created)
+    };
+    if dry_run {
+        let changes = plan_import(w.table(), &tables).map_err(problem)?;
+        let (created, updated) = count(&changes);
+        let listed = changes
+            .iter()
+            .map(|(a, s, _)| {
+                let verb = match a {
+                    Action::Create => "create",
+                    Action::Update => "update",
+                };
+                format!("would {verb} {}", s.key())
+            })
+            .collect();
+        return Ok(summary(
+            &SummaryIn {
+                total: tables.len(),
+                created,
+                updated,
+                unchanged: tables.len() as u64 - created - updated,
+                first: None,
+                last: None,
+                dry_run,
+                listed,
+            },
+            &topic,
+        ));
+    }
+    let mut counts = (0, 0);
+    let written = w
+        .writer
+        .write(None, |table| {
+            let changes = plan_import(table, &tables)?;
+            counts = count(&changes);
+            Ok(changes.into_iter().map(|(_, s, b)| (s, b)).collect())
+        })
+        .await
+        .map_err(|e| write_error(e, problem))?;
+    Ok(summary(
+        &SummaryIn {
+            total: tables.len(),
+            created: counts.0,
+            updated: counts.1,
+            unchanged: tables.len() as u64 - counts.0 - counts.1,
+            first: written.records.first().map(|r| r.version),
+            last: written.records.last().map(|r| r.version),
+            dry_run,
+            listed: Vec::new(),
+        },
+        &topic,
     ))
 }
 
-/// The topic's plans and tenants as a TOML file's `[plans]` and
-/// `[tenants]`: importing it again writes the same limits, and a
-/// file-source configuration can hold it (moving a fleet back off the
-/// topic). The configuration's own plans are not repeated.
-pub async fn export(config_path: &Path) -> Result<String, Error> {
-    #[derive(serde::Serialize)]
-    struct Tables {
-        plans: BTreeMap<String, PlanConfig>,
-        tenants: BTreeMap<String, TenantConfig>,
+/// The export of the API at `url` (see `limits_api::export`).
+pub async fn export_via_api(url: &str, format: Format) -> Result<String, Error> {
+    use crate::limits_client::{call, ok, Call};
+    let f = match format {
+        Format::Toml => "toml",
+        Format::Jsonl => "jsonl",
+    };
+    let answer = call(url, Call::get(format!("/v1/limits/export?format={f}"))).await?;
+    if answer.status.is_success() {
+        Ok(answer.raw)
+    } else {
+        ok(answer).map(|_| String::new())
     }
-    let loaded = Config::load(config_path)?;
-    let (plans, tenants) = current(&loaded.config).await?.export();
-    toml::to_string(&Tables { plans, tenants })
-        .map_err(|e| Error::Limits(format!("cannot write the tables as TOML: {e}")))
 }
 
-/// Deletes one tenant or plan.
+/// The topic's plans and tenants (the configuration's own plans are not
+/// repeated), in `format`: importing it again changes nothing, and a
+/// file-source configuration can hold the TOML (moving a fleet back off the
+/// topic).
+pub async fn export(
+    config_path: &Path,
+    format: Format,
+    out: &mut dyn std::io::Write,
+) -> Result<(), Error> {
+    let loaded = Config::load(config_path)?;
+    let w = Standalone::connect(&loaded.config, "export")
+        .await
+        .map_err(Error::Limits)?;
+    let (plans, tenants) = w.table().export();
+    let tables = Tables { plans, tenants };
+    let io = |e: std::io::Error| Error::Limits(format!("cannot write the export: {e}"));
+    match format {
+        Format::Toml => {
+            let text = toml::to_string(&tables)
+                .map_err(|e| Error::Limits(format!("cannot write the tables as TOML: {e}")))?;
+            out.write_all(text.as_bytes()).map_err(io)?;
+        }
+        Format::Jsonl => {
+            let mut buf = std::io::BufWriter::new(out);
+            for line in tables.to_jsonl() {
+                buf.write_all(line.as_bytes()).map_err(io)?;
+                buf.write_all(b"\n").map_err(io)?;
+            }
+            buf.flush().map_err(io)?;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes one tenant or plan straight on the topic (a plan only once no
+/// tenant uses it).
 pub async fn delete(
     config_path: &Path,
     tenant: Option<String>,
@@ -171,16 +283,32 @@ pub async fn delete(
         (None, Some(p)) => Subject::Plan(p),
         (None, None) => return Err(Error::Limits("name a --tenant or a --plan".into())),
     };
-    let mut w = Writer::connect(&loaded.config, writer)
+    let file_defines = matches!(&subject, Subject::Plan(p) if loaded.config.plans.contains_key(p));
+    let mut w = Standalone::connect(&loaded.config, writer)
         .await
         .map_err(Error::Limits)?;
     let written = w
-        .publish(vec![(subject.clone(), Body::Deleted)])
+        .writer
+        .write(None, |table| {
+            let exists = match &subject {
+                Subject::Tenant(t) => table.tenant_view(t).is_some(),
+                Subject::Plan(p) => matches!(table.topic_plan(p), Some((_, Some(_)))),
+            };
+            if !exists {
+                return Err(format!("{} is not on the topic", subject.key()));
+            }
+            if let Subject::Plan(p) = &subject {
+                if !file_defines {
+                    check_plan_unused(table, p).map_err(|e| e.detail().to_owned())?;
+                }
+            }
+            Ok(vec![(subject.clone(), Body::Deleted)])
+        })
         .await
-        .map_err(Error::Limits)?;
+        .map_err(|e| write_error(e, Error::Limits))?;
     Ok(format!(
         "deleted {} at version {}",
         subject.key(),
-        written[0].version
+        written.records[0].version
     ))
 }

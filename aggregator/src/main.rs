@@ -82,31 +82,57 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum LimitsCommand {
-    /// Publishes every `[plans]` and `[tenants]` table of a TOML file (a
-    /// whole configuration file or only those tables), plans first, each
-    /// checked as the configuration loader checks it.
+    /// Imports `[plans]` and `[tenants]` from a TOML file (a whole
+    /// configuration file or only those tables) or JSON Lines: each checked
+    /// as the configuration loader checks it, only what differs written
+    /// (run it again to resume). Through the API (`--url`, key in
+    /// TIERLIMIT_API_KEY), or with `--config` straight to the topic with
+    /// the limits key (a fleet's first import; no aggregator needed, so run
+    /// it while nobody writes through the API).
     Import {
-        /// Configuration file (TOML): Kafka and the limits key.
-        #[arg(long, env = "TIERLIMIT_CONFIG")]
-        config: PathBuf,
-        /// The TOML file holding `[plans]` and `[tenants]`.
+        /// Configuration file (TOML): Kafka and the limits key. Writes
+        /// straight to the topic.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The aggregator's API (when `--config` is not given).
+        #[arg(
+            long,
+            env = "TIERLIMIT_API_URL",
+            default_value = "http://127.0.0.1:9100"
+        )]
+        url: String,
+        /// The file to import.
         #[arg(long)]
         file: PathBuf,
-        /// Recorded as each record's writer.
+        /// Its format (default: `jsonl` for .jsonl/.ndjson, else `toml`).
+        #[arg(long, value_enum)]
+        format: Option<aggregator::limits_import::Format>,
+        /// Recorded as each record's writer (`--config`; through the API
+        /// the writer is the key's name).
         #[arg(long, default_value = "import")]
         writer: String,
-        /// Print what would be written; write nothing.
+        /// Print what would change; write nothing.
         #[arg(long)]
         dry_run: bool,
     },
-    /// Prints the topic's plans and tenants as TOML `[plans]` and
-    /// `[tenants]` tables (what `import` reads back; what a file-source
-    /// configuration holds).
+    /// Prints the topic's plans and tenants (what `import` reads back
+    /// unchanged; as TOML, what a file-source configuration holds): from
+    /// the API (`--url`), or with `--config` read from the topic itself.
     Export {
-        #[arg(long, env = "TIERLIMIT_CONFIG")]
-        config: PathBuf,
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The aggregator's API (when `--config` is not given).
+        #[arg(
+            long,
+            env = "TIERLIMIT_API_URL",
+            default_value = "http://127.0.0.1:9100"
+        )]
+        url: String,
+        #[arg(long, value_enum, default_value = "toml")]
+        format: aggregator::limits_import::Format,
     },
-    /// Deletes a tenant or a plan (a signed deletion record).
+    /// Deletes a tenant or a plan straight on the topic (a signed deletion
+    /// record; a plan only once no tenant uses it).
     Delete {
         #[arg(long, env = "TIERLIMIT_CONFIG")]
         config: PathBuf,
@@ -117,6 +143,190 @@ enum LimitsCommand {
         #[arg(long, default_value = "cli")]
         writer: String,
     },
+    /// A tenant through the API (key in TIERLIMIT_API_KEY).
+    Tenant {
+        #[command(subcommand)]
+        op: Op,
+    },
+    /// A plan through the API (key in TIERLIMIT_API_KEY).
+    Plan {
+        #[command(subcommand)]
+        op: Op,
+    },
+    /// Has a limits version reached every region-node? (the API's
+    /// `/v1/limits/status`).
+    Status {
+        #[command(flatten)]
+        api: Api,
+        #[arg(long)]
+        version: Option<u64>,
+    },
+}
+
+#[derive(Debug, Clone, clap::Args)]
+struct Api {
+    /// The aggregator's API.
+    #[arg(
+        long,
+        env = "TIERLIMIT_API_URL",
+        default_value = "http://127.0.0.1:9100"
+    )]
+    url: String,
+    /// Print the API's JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum Op {
+    Get {
+        name: String,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Creates or replaces it: `--plan` alone for a tenant on a plan, or
+    /// the whole record as JSON with `--body`.
+    Put {
+        name: String,
+        #[arg(long, required_unless_present = "body", conflicts_with = "body")]
+        plan: Option<String>,
+        /// The record as JSON (a tenant: `{"plan":"pro","region":{"limit":5}}`;
+        /// a plan: its tiers).
+        #[arg(long)]
+        body: Option<String>,
+        /// Only if its version is still this one (else 412).
+        #[arg(long)]
+        if_match: Option<u64>,
+        /// Only if it does not exist yet.
+        #[arg(long, conflicts_with = "if_match")]
+        create: bool,
+        #[command(flatten)]
+        api: Api,
+    },
+    Delete {
+        name: String,
+        #[arg(long)]
+        if_match: Option<u64>,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Tenants: filtered and paged; plans: all.
+    List {
+        #[arg(long)]
+        plan: Option<String>,
+        #[arg(long)]
+        overrides: Option<bool>,
+        #[arg(long)]
+        after: Option<String>,
+        #[arg(long)]
+        limit: Option<usize>,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Its recent changes, newest first.
+    History {
+        name: String,
+        #[command(flatten)]
+        api: Api,
+    },
+}
+
+/// Runs one API command; prints its answer.
+async fn api_command(kind: &str, op: Op) -> Result<(), aggregator::Error> {
+    use aggregator::limits_client::{call, ok, render, Call};
+    let base = format!("/v1/limits/{kind}s");
+    let enc = |s: &str| {
+        s.replace('%', "%25")
+            .replace('/', "%2F")
+            .replace('?', "%3F")
+            .replace('#', "%23")
+    };
+    let api = match &op {
+        Op::Get { api, .. }
+        | Op::Put { api, .. }
+        | Op::Delete { api, .. }
+        | Op::List { api, .. }
+        | Op::History { api, .. } => api.clone(),
+    };
+    let (c, shape) = match op {
+        Op::Get { name, .. } => (Call::get(format!("{base}/{}", enc(&name))), kind),
+        Op::History { name, .. } => (
+            Call::get(format!("{base}/{}/history", enc(&name))),
+            "history",
+        ),
+        Op::List {
+            plan,
+            overrides,
+            after,
+            limit,
+            ..
+        } => {
+            let mut q = Vec::new();
+            if let Some(p) = plan {
+                q.push(format!("plan={}", enc(&p)));
+            }
+            if let Some(o) = overrides {
+                q.push(format!("overrides={o}"));
+            }
+            if let Some(a) = after {
+                q.push(format!("after={}", enc(&a)));
+            }
+            if let Some(l) = limit {
+                q.push(format!("limit={l}"));
+            }
+            let query = if q.is_empty() {
+                String::new()
+            } else {
+                format!("?{}", q.join("&"))
+            };
+            (
+                Call::get(format!("{base}{query}")),
+                if kind == "tenant" { "tenants" } else { "plans" },
+            )
+        }
+        Op::Put {
+            name,
+            plan,
+            body,
+            if_match,
+            create,
+            ..
+        } => {
+            let body = match (plan, body) {
+                (Some(p), _) => serde_json::json!({ "plan": p }),
+                (None, Some(b)) => serde_json::from_str(&b)
+                    .map_err(|e| aggregator::Error::Limits(format!("--body is not JSON: {e}")))?,
+                (None, None) => unreachable!("clap requires one"),
+            };
+            (
+                Call {
+                    method: reqwest::Method::PUT,
+                    path: format!("{base}/{}", enc(&name)),
+                    body: Some(body),
+                    if_match,
+                    create_only: create,
+                },
+                "written",
+            )
+        }
+        Op::Delete { name, if_match, .. } => (
+            Call {
+                method: reqwest::Method::DELETE,
+                path: format!("{base}/{}", enc(&name)),
+                body: None,
+                if_match,
+                create_only: false,
+            },
+            "written",
+        ),
+    };
+    let body = ok(call(&api.url, c).await?)?;
+    if api.json {
+        println!("{body}");
+    } else {
+        println!("{}", render(shape, &body));
+    }
+    Ok(())
 }
 
 fn init_logging(json: bool) {
@@ -180,16 +390,52 @@ fn main() -> ExitCode {
             Some(Command::Keygen) => unreachable!("handled before the runtime starts"),
             Some(Command::Limits(LimitsCommand::Import {
                 config,
+                url,
                 file,
+                format,
                 writer,
                 dry_run,
-            })) => aggregator::limits_cli::import(&config, &file, &writer, dry_run)
-                .await
-                .map(|summary| println!("{summary}")),
-            Some(Command::Limits(LimitsCommand::Export { config })) => {
-                aggregator::limits_cli::export(&config)
+            })) => match config {
+                Some(config) => {
+                    aggregator::limits_cli::import(&config, &file, format, &writer, dry_run).await
+                }
+                None => aggregator::limits_cli::import_via_api(&url, &file, format, dry_run).await,
+            }
+            .map(|summary| println!("{summary}")),
+            Some(Command::Limits(LimitsCommand::Export {
+                config,
+                url,
+                format,
+            })) => match config {
+                Some(config) => {
+                    aggregator::limits_cli::export(&config, format, &mut std::io::stdout().lock())
+                        .await
+                }
+                None => aggregator::limits_cli::export_via_api(&url, format)
                     .await
-                    .map(|text| print!("{text}"))
+                    .map(|text| print!("{text}")),
+            },
+            Some(Command::Limits(LimitsCommand::Tenant { op })) => api_command("tenant", op).await,
+            Some(Command::Limits(LimitsCommand::Plan { op })) => api_command("plan", op).await,
+            Some(Command::Limits(LimitsCommand::Status { api, version })) => {
+                let path = match version {
+                    Some(v) => format!("/v1/limits/status?version={v}"),
+                    None => "/v1/limits/status".into(),
+                };
+                let json = api.json;
+                aggregator::limits_client::call(
+                    &api.url,
+                    aggregator::limits_client::Call::get(path),
+                )
+                .await
+                .and_then(aggregator::limits_client::ok)
+                .map(|body| {
+                    if json {
+                        println!("{body}");
+                    } else {
+                        println!("{}", aggregator::limits_client::render("status", &body));
+                    }
+                })
             }
             Some(Command::Limits(LimitsCommand::Delete {
                 config,

@@ -193,6 +193,12 @@ impl tierlimit_shared::limits::follow::Hooks for AggregatorHooks {
         );
     }
 
+    fn applied(&self, event: &tierlimit_shared::limits::follow::Event<'_>) {
+        self.state
+            .limits_history
+            .record(event.record, event.previous_version);
+    }
+
     fn caught_up(&self, table: &tierlimit_shared::limits::LimitsTable) {
         self.state.metrics.limits.observe(table);
     }

@@ -76,6 +76,13 @@ pub struct State {
     broadcast_signer: PerConfig<BroadcastSigner>,
     /// The limits version each region-node reported (`nodes.rs`).
     pub nodes: crate::nodes::Nodes,
+    /// The limits API's writer and the changes it serves as history
+    /// (`limits_api.rs`).
+    pub limits_writer: crate::limits_api::WriterSlot,
+    pub limits_history: crate::limits_api::History,
+    /// Since when this instance holds deltas partition 0, the limits
+    /// writer's place (`limits_api.rs`).
+    writer_since: Mutex<Option<std::time::Instant>>,
 }
 
 impl State {
@@ -103,6 +110,9 @@ impl State {
             delta_verifier: PerConfig::new(DeltaVerifier::new),
             broadcast_signer: PerConfig::new(BroadcastSigner::new),
             nodes: crate::nodes::Nodes::default(),
+            limits_writer: Default::default(),
+            limits_history: Default::default(),
+            writer_since: Mutex::new(None),
         })
     }
 
@@ -220,6 +230,10 @@ impl State {
         let mut core = self.lock();
         let dropped = core.merged.drop_partitions(partitions);
         let generation = core.progress.assign(partitions);
+        if partitions.contains(&crate::limits_api::WRITER_PARTITION) {
+            let mut since = self.writer_since.lock().unwrap_or_else(|e| e.into_inner());
+            since.get_or_insert_with(std::time::Instant::now);
+        }
         for s in starts {
             core.progress.set_start(s.partition, s.at());
         }
@@ -243,6 +257,12 @@ impl State {
         generation
     }
 
+    /// Since when this instance holds the limits writer's place (`None`:
+    /// it does not).
+    pub fn writer_since(&self) -> Option<std::time::Instant> {
+        *self.writer_since.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Drops the state of revoked partitions; `None` revokes everything
     /// (eager rebalance, error, or close).
     pub fn on_revoke(&self, partitions: Option<&[i32]>) {
@@ -254,6 +274,9 @@ impl State {
             }
             None => core.progress.revoke_all(),
         };
+        if revoked.contains(&crate::limits_api::WRITER_PARTITION) {
+            *self.writer_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
         let dropped = core.merged.drop_partitions(&revoked);
         self.metrics
             .assigned_partitions

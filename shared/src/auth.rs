@@ -15,8 +15,11 @@
 //! `[auth.clients.<name>] dns_name`.
 //!
 //! Scopes: `check` (`/v1/check`), `refund` (a refund by handle), `read`
-//! (usage views), `admin` (free-form refunds). A key may be limited to some
-//! tenants. A request without credentials gets `auth.open_scopes` (none by
+//! (usage views, and reading tenants and plans), `admin` (free-form
+//! refunds), `limits:write` (writing tenants and plans through the limits
+//! API). A key may be limited to some tenants, except one holding
+//! `limits:write`: a tenant's own key must never be able to raise its own
+//! limits, so the configuration refuses that pair. A request without credentials gets `auth.open_scopes` (none by
 //! default): a deployment can leave `check` open on a trusted interface, and
 //! says so in its configuration.
 //!
@@ -43,6 +46,10 @@ pub enum Scope {
     Read,
     /// Operator actions: free-form refunds tied to no charge.
     Admin,
+    /// Writing tenants and plans (the limits API, `aggregator limits`).
+    /// Never held by a key restricted to tenants.
+    #[serde(rename = "limits:write")]
+    LimitsWrite,
 }
 
 impl Scope {
@@ -52,6 +59,7 @@ impl Scope {
             Scope::Refund => "refund",
             Scope::Read => "read",
             Scope::Admin => "admin",
+            Scope::LimitsWrite => "limits:write",
         }
     }
 
@@ -268,9 +276,11 @@ impl AuthConfig {
             if k.scopes.is_empty() {
                 return Err((
                     format!("auth.keys.{name}.scopes"),
-                    "must name at least one scope (check, refund, read, admin)".into(),
+                    "must name at least one scope (check, refund, read, admin, limits:write)"
+                        .into(),
                 ));
             }
+            no_self_upgrade(&format!("auth.keys.{name}"), &k.scopes, &k.tenants)?;
             if let Some(other) = seen.insert(k.sha256.0, name) {
                 return Err((
                     format!("auth.keys.{name}.sha256"),
@@ -293,6 +303,7 @@ impl AuthConfig {
                 ));
             }
             check_tenants(&format!("auth.clients.{name}.tenants"), &c.tenants)?;
+            no_self_upgrade(&format!("auth.clients.{name}"), &c.scopes, &c.tenants)?;
         }
         if self.open_scopes.contains(&Scope::Admin) {
             return Err((
@@ -300,8 +311,32 @@ impl AuthConfig {
                 "`admin` cannot be open: free-form refunds hand capacity back".into(),
             ));
         }
+        if self.open_scopes.contains(&Scope::LimitsWrite) {
+            return Err((
+                "auth.open_scopes".into(),
+                "`limits:write` cannot be open: it changes every tenant's limits".into(),
+            ));
+        }
         Ok(())
     }
+}
+
+/// A key restricted to tenants is a tenant's key: with `limits:write` it
+/// could raise its own limits (or anyone's: a plan is shared).
+fn no_self_upgrade(
+    at: &str,
+    scopes: &BTreeSet<Scope>,
+    tenants: &Option<BTreeSet<String>>,
+) -> Result<(), (String, String)> {
+    if scopes.contains(&Scope::LimitsWrite) && tenants.is_some() {
+        return Err((
+            format!("{at}.scopes"),
+            "`limits:write` cannot be held by a key restricted to tenants (a tenant's key \
+             must not change its own limits); give it to an operator's key without `tenants`"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 fn check_tenants(key: &str, t: &Option<BTreeSet<String>>) -> Result<(), (String, String)> {
@@ -573,6 +608,50 @@ mod tests {
         let mut c = config();
         c.keys.get_mut("ops").unwrap().scopes.clear();
         assert_eq!(c.validate().unwrap_err().0, "auth.keys.ops.scopes");
+    }
+
+    #[test]
+    fn a_tenant_key_cannot_hold_limits_write() {
+        // An operator's key may write limits.
+        let mut c = config();
+        c.keys
+            .get_mut("ops")
+            .unwrap()
+            .scopes
+            .insert(Scope::LimitsWrite);
+        c.validate().unwrap();
+        let ops = c.principal(Some(b"k-ops"), &[]).unwrap();
+        assert!(ops.require(Scope::LimitsWrite, None).is_ok());
+        // A key restricted to tenants may not, nor a client, nor anyone open.
+        let mut c = config();
+        c.keys
+            .get_mut("checkout")
+            .unwrap()
+            .scopes
+            .insert(Scope::LimitsWrite);
+        let (key, why) = c.validate().unwrap_err();
+        assert_eq!(key, "auth.keys.checkout.scopes");
+        assert!(why.contains("limits:write"), "{why}");
+        let mut c = config();
+        c.open_scopes.insert(Scope::LimitsWrite);
+        assert_eq!(c.validate().unwrap_err().0, "auth.open_scopes");
+        let parsed: BTreeSet<Scope> = toml::from_str::<toml::Value>(r#"s = ["limits:write"]"#)
+            .unwrap()["s"]
+            .clone()
+            .try_into()
+            .unwrap();
+        assert!(parsed.contains(&Scope::LimitsWrite));
+        // Without the scope, a read key is refused a write.
+        assert!(matches!(
+            config()
+                .principal(Some(b"k-ops"), &[])
+                .unwrap()
+                .require(Scope::LimitsWrite, None),
+            Err(AuthError::Scope {
+                scope: "limits:write",
+                ..
+            })
+        ));
     }
 
     #[cfg(feature = "http")]

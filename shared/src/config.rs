@@ -537,6 +537,12 @@ pub struct AggregatorSettings {
     /// ends; 6s is Apache Kafka's default minimum.
     #[serde(with = "serde_human")]
     pub session_timeout: Duration,
+    /// The API URLs of the aggregators (this one may be listed too), for
+    /// the limits API: one aggregator writes limits at a time (the one
+    /// holding deltas partition 0), and the others forward writes to it
+    /// through these. Empty: writes are served only by the aggregator that
+    /// holds the place (enough for one aggregator). `http://` only.
+    pub peers: Vec<String>,
 }
 
 impl Default for AggregatorSettings {
@@ -548,6 +554,7 @@ impl Default for AggregatorSettings {
             broadcast_fraction: 0.25,
             retention_days: 2,
             session_timeout: Duration::from_secs(6),
+            peers: Vec::new(),
         }
     }
 }
@@ -1846,6 +1853,15 @@ impl Config {
                 "aggregator.retention_days",
                 "must be between 1 and 31",
             ));
+        }
+        for (i, peer) in a.peers.iter().enumerate() {
+            let rest = peer.strip_prefix("http://").unwrap_or("");
+            if rest.is_empty() || rest.contains(char::is_whitespace) {
+                return Err(ConfigError::invalid(
+                    format!("aggregator.peers[{i}]"),
+                    format!("{peer:?} is not an http:// URL of an aggregator's API"),
+                ));
+            }
         }
         Ok(())
     }

@@ -76,6 +76,11 @@ impl Problem {
         self.status
     }
 
+    /// What was wrong, in words (the body's `detail`).
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
     /// The last segment of the type URI (a metrics label, for instance).
     pub fn slug(&self) -> &'static str {
         self.slug

@@ -125,9 +125,9 @@ region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
     /// A record written with the library's writer, past the command's
     /// checks: a tenant of a plan no record defines yet.
     async fn publish(&self, tenant: &str, plan: &str) -> u64 {
-        use tierlimit_shared::limits::{write::Writer, Body, Subject};
+        use tierlimit_shared::limits::{write::Standalone, Body, Subject};
         let loaded = tierlimit_shared::Config::load(&self.cfg).unwrap();
-        let mut w = Writer::connect(&loaded.config, "test").await.unwrap();
+        let mut w = Standalone::connect(&loaded.config, "test").await.unwrap();
         let written = w
             .publish(vec![(
                 Subject::Tenant(tenant.into()),
@@ -141,7 +141,7 @@ region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
             )])
             .await
             .unwrap();
-        written[0].version
+        written.records[0].version
     }
 
     fn delete_tenant(&self, tenant: &str) -> u64 {

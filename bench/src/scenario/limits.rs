@@ -9,7 +9,7 @@
 //!    topic, every limits record read) and an aggregator (`/readyz` 200
 //!    and, on the topic, its limits table read to the end, as
 //!    `/v1/limits/status` says). The topic is filled by the library's
-//!    writer (`Writer::publish`, what `aggregator limits import` calls
+//!    writer (`Standalone::publish`, what `aggregator limits import` calls
 //!    after parsing its file), from one count to the next, timed; the file
 //!    side is a configuration with `[tenants.<id>]` tables. Each node starts
 //!    on an empty Redis (FLUSHALL): the topic's first start, which writes
@@ -43,7 +43,7 @@ use anyhow::bail;
 use serde::{Deserialize, Serialize};
 use testkit::{Cmd, Proc};
 use tierlimit_shared::config::{LimitOverride, TenantConfig};
-use tierlimit_shared::limits::write::Writer;
+use tierlimit_shared::limits::write::Standalone;
 use tierlimit_shared::limits::{Body, Subject};
 
 use crate::knobs::Knobs;
@@ -72,7 +72,7 @@ pub const READ_BOUND_S: u64 = 900;
 pub const BASE: u64 = 1;
 /// How long after ready (or after the copy) RSS is read again.
 pub const SETTLE: Duration = Duration::from_secs(2);
-/// Records per `Writer::publish` call of an import (the writer acknowledges
+/// Records per `Standalone::publish` call of an import (the writer acknowledges
 /// them 4096 at a time; this bounds what the bench holds).
 pub const IMPORT_CALL: u64 = 65_536;
 /// The propagation topic's tenants; the background changes cycle over them.
@@ -687,11 +687,11 @@ async fn import(
         .map_err(|e| anyhow::anyhow!("{e}"))?
         .config;
     run.record(format!(
-        "# limits: tenants t{from:07}..t{:07} written to {TOPIC} by tierlimit_shared::limits::write::Writer ({IMPORT_CALL} a call)",
+        "# limits: tenants t{from:07}..t{:07} written to {TOPIC} by tierlimit_shared::limits::write::Standalone ({IMPORT_CALL} a call)",
         to.saturating_sub(1)
     ));
     let started = Instant::now();
-    let mut w = Writer::connect(&config, "bench")
+    let mut w = Standalone::connect(&config, "bench")
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let (mut first, mut last) = (0, 0);
@@ -709,9 +709,9 @@ async fn import(
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         if first == 0 {
-            first = written.first().map_or(0, |r| r.version);
+            first = written.records.first().map_or(0, |r| r.version);
         }
-        last = written.last().map_or(last, |r| r.version);
+        last = written.records.last().map_or(last, |r| r.version);
         at = end;
     }
     let seconds = started.elapsed().as_secs_f64();
@@ -998,10 +998,10 @@ async fn propagation(
         .config;
     let status_interval_ms = config.limits.status_interval.as_millis() as u64;
     run.record(format!(
-        "# limits: tenants t0000000..t{:07} written to {PROP_TOPIC} by tierlimit_shared::limits::write::Writer",
+        "# limits: tenants t0000000..t{:07} written to {PROP_TOPIC} by tierlimit_shared::limits::write::Standalone",
         PROP_TENANTS - 1
     ));
-    let mut w = Writer::connect(&config, "bench")
+    let mut w = Standalone::connect(&config, "bench")
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let written = w
@@ -1015,7 +1015,7 @@ async fn propagation(
         )
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let last = written.last().map_or(0, |r| r.version);
+    let last = written.records.last().map_or(0, |r| r.version);
     let agg = world::start_aggregator(run, &cfg, &[]).await;
     let nodes = [
         start_node(run, &cfg, "eu", "eu-1", "/readyz", &[]).await,
@@ -1103,7 +1103,7 @@ impl Watch {
 /// nodes every [`NODE_POLL`] and the aggregator every [`STATUS_POLL`]
 /// while a change is outstanding.
 async fn phase(
-    w: &mut Writer,
+    w: &mut Standalone,
     watch: &Watch,
     rate: u64,
     probes: u64,
@@ -1155,7 +1155,7 @@ async fn phase(
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             sent += owed;
             if probe {
-                let version = written.last().map_or(0, |r| r.version);
+                let version = written.records.last().map_or(0, |r| r.version);
                 let _ = tx.send(Probe {
                     version,
                     t0,

@@ -32,6 +32,8 @@ pub struct Event<'a> {
     /// effective one); `None` where there was none.
     pub before: Option<Arc<crate::config::Policy>>,
     pub after: Option<Arc<crate::config::Policy>>,
+    /// The subject's version before (0: none).
+    pub previous_version: u64,
     /// The record as read (key and value), for a copy that must verify the
     /// same way.
     pub key: &'a [u8],
@@ -124,6 +126,9 @@ async fn follow(
             Err(e) => return Err(e.to_string()),
         };
         starts.insert(msg.partition(), msg.offset() + 1);
+        // After the record is handled, whatever it was (a writer waits for
+        // this: `write`).
+        let _consumed = Consumed(table, msg.partition(), msg.offset() + 1);
         let Some(value) = msg.payload() else {
             // Kafka's null tombstone: compaction's business, never ours (a
             // deletion is a signed record).
@@ -144,6 +149,7 @@ async fn follow(
             crate::limits::Subject::Plan(name) => table.plan(name),
         };
         let before = policy_of(&record.subject);
+        let previous_version = table.version_of(&record.subject);
         match table.apply(&record) {
             Ok(applied) => {
                 hooks.outcome(match &applied {
@@ -157,6 +163,7 @@ async fn follow(
                         applied: &applied,
                         before,
                         after: policy_of(&record.subject),
+                        previous_version,
                         key,
                         value,
                         partition: msg.partition(),
@@ -177,6 +184,16 @@ async fn follow(
                 }
             }
         }
+    }
+}
+
+/// Reports a record handled when dropped (every path out of the loop
+/// body).
+struct Consumed<'a>(&'a LimitsTable, i32, i64);
+
+impl Drop for Consumed<'_> {
+    fn drop(&mut self) {
+        self.0.consumed(self.1, self.2);
     }
 }
 

@@ -97,6 +97,39 @@ pub struct LimitsTable {
     tenants: AtomicU64,
     ready: AtomicBool,
     ready_notify: tokio::sync::Notify,
+    /// Per partition, the offset after the last record the follower
+    /// handled (every record before it applied or refused): a writer that
+    /// must have seen everything committed before it writes waits for this
+    /// to pass the topic's last record (`write`).
+    positions: Mutex<HashMap<i32, i64>>,
+    /// Notified on every record applied and every end reached.
+    moved: tokio::sync::Notify,
+}
+
+/// A tenant as its latest applied record says it, for reading back.
+#[derive(Debug, Clone)]
+pub struct TenantView {
+    pub id: String,
+    pub version: u64,
+    pub config: TenantConfig,
+    /// Its plan is not defined anywhere yet: treated as an unknown tenant.
+    pub pending: bool,
+}
+
+/// Which tenants a listing returns.
+#[derive(Debug, Clone, Default)]
+pub struct TenantFilter {
+    /// Only tenants on this plan.
+    pub plan: Option<String>,
+    /// Only tenants with (true) or without (false) overrides.
+    pub overrides: Option<bool>,
+}
+
+impl TenantFilter {
+    fn admits(&self, t: &TenantConfig) -> bool {
+        self.plan.as_ref().is_none_or(|p| *p == t.plan)
+            && self.overrides.is_none_or(|o| o != t.is_plain())
+    }
 }
 
 impl std::fmt::Debug for LimitsTable {
@@ -129,7 +162,160 @@ impl LimitsTable {
             tenants: AtomicU64::new(0),
             ready: AtomicBool::new(false),
             ready_notify: tokio::sync::Notify::new(),
+            positions: Mutex::new(HashMap::new()),
+            moved: tokio::sync::Notify::new(),
         }
+    }
+
+    /// The follower handled every record of `partition` before `next`.
+    pub fn consumed(&self, partition: i32, next: i64) {
+        self.positions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(partition, next);
+        self.moved.notify_waiters();
+    }
+
+    /// The offset after the last record of `partition` the follower
+    /// handled.
+    pub fn position(&self, partition: i32) -> Option<i64> {
+        self.positions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&partition)
+            .copied()
+    }
+
+    /// Waits until `done(self)` holds, at most `timeout`; true if it does.
+    pub async fn wait_until(&self, timeout: Duration, done: impl Fn(&LimitsTable) -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let moved = self.moved.notified();
+            if done(self) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, moved).await.is_err() {
+                return done(self);
+            }
+        }
+    }
+
+    /// The current version of a subject: its applied, pending or deleting
+    /// record's (0: no record).
+    pub fn version_of(&self, subject: &Subject) -> u64 {
+        let cat = self.catalog();
+        match subject {
+            Subject::Tenant(id) => self.current_version(&cat, id),
+            Subject::Plan(name) => cat.topic_plans.get(name).map_or(0, |(v, _)| *v),
+        }
+    }
+
+    /// A tenant's latest record (registered or pending; `None`: none, or
+    /// deleted).
+    pub fn tenant_view(&self, id: &str) -> Option<TenantView> {
+        let cat = self.catalog();
+        if let Some((version, config)) = cat.pending.get(id) {
+            return Some(TenantView {
+                id: id.to_owned(),
+                version: *version,
+                config: config.clone(),
+                pending: true,
+            });
+        }
+        if let Some((version, config)) = cat.custom.get(id) {
+            return Some(TenantView {
+                id: id.to_owned(),
+                version: *version,
+                config: config.clone(),
+                pending: false,
+            });
+        }
+        let shard = self.shards[shard_of(id)]
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        shard.get(id).map(|e| TenantView {
+            id: id.to_owned(),
+            version: e.version,
+            config: plain(&e.policy.plan),
+            pending: false,
+        })
+    }
+
+    /// A plan the topic defines: its version and table (`None` for the
+    /// table: deleted on the topic; `None` altogether: never on the topic).
+    pub fn topic_plan(&self, name: &str) -> Option<(u64, Option<PlanConfig>)> {
+        self.catalog().topic_plans.get(name).cloned()
+    }
+
+    /// The plans the configuration file defines (their names).
+    pub fn file_plan_names(&self) -> Vec<String> {
+        self.catalog().file_plans.keys().cloned().collect()
+    }
+
+    /// Tenants (registered or pending) on plan `name`.
+    pub fn tenants_of_plan(&self, name: &str) -> u64 {
+        let cat = self.catalog();
+        let mut n = cat.pending.values().filter(|(_, t)| t.plan == name).count() as u64;
+        n += cat.custom.values().filter(|(_, t)| t.plan == name).count() as u64;
+        let plan = self.plan(name);
+        for shard in self.shards.iter() {
+            let shard = shard.read().unwrap_or_else(|e| e.into_inner());
+            n += shard
+                .values()
+                .filter(|e| plan.as_ref().is_some_and(|p| Arc::ptr_eq(p, &e.policy)))
+                .count() as u64;
+        }
+        n
+    }
+
+    /// Up to `limit` tenants whose id sorts after `after`, in id order,
+    /// that `filter` admits. One pass over the table, keeping only the
+    /// page (a heap of `limit` ids): O(tenants × log limit) a page, no
+    /// copy of the table.
+    pub fn list_tenants(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+        filter: &TenantFilter,
+    ) -> Vec<TenantView> {
+        use std::collections::BinaryHeap;
+        let mut page: BinaryHeap<Box<str>> = BinaryHeap::new();
+        let mut offer = |id: &str| {
+            if after.is_some_and(|a| id <= a) || limit == 0 {
+                return;
+            }
+            if page.len() < limit {
+                page.push(id.into());
+            } else if page.peek().is_some_and(|top| id < &**top) {
+                page.pop();
+                page.push(id.into());
+            }
+        };
+        {
+            // The catalog, then the shards: the order `apply` locks in.
+            let cat = self.catalog();
+            for (id, (_, t)) in cat.custom.iter().chain(cat.pending.iter()) {
+                if filter.admits(t) {
+                    offer(id);
+                }
+            }
+            if filter.overrides != Some(true) {
+                for shard in self.shards.iter() {
+                    let shard = shard.read().unwrap_or_else(|e| e.into_inner());
+                    for (id, e) in shard.iter() {
+                        // Tenants with overrides were offered above.
+                        if !cat.custom.contains_key(id)
+                            && filter.plan.as_ref().is_none_or(|p| *p == e.policy.plan)
+                        {
+                            offer(id);
+                        }
+                    }
+                }
+            }
+        }
+        let mut ids = page.into_vec();
+        ids.sort();
+        ids.iter().filter_map(|id| self.tenant_view(id)).collect()
     }
 
     /// The policy of a registered tenant (not pending, not deleted).
@@ -274,6 +460,8 @@ impl LimitsTable {
             }
         };
         self.applied.fetch_max(record.version, Ordering::AcqRel);
+        drop(cat);
+        self.moved.notify_waiters();
         Ok(applied)
     }
 
