@@ -255,6 +255,10 @@ pub fn routes(state: AppState) -> Router<AppState> {
             get(get_tenant).put(put_tenant).delete(delete_tenant),
         )
         .route("/v1/limits/tenants/{id}/history", get(tenant_history))
+        .route(
+            "/v1/limits/tenants/{id}/grants",
+            axum::routing::post(grant_tenant),
+        )
         .route("/v1/limits/plans", get(list_plans))
         .route(
             "/v1/limits/plans/{name}",
@@ -649,6 +653,118 @@ async fn delete_tenant(
             &w,
             serde_json::json!({"tenant": id, "deleted": true}),
         ),
+        Err(p) => problem(&state, p),
+    }
+}
+
+/// A grant's request body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GrantBody {
+    /// The tier: `hour`, `day`, `week` or `month`; the current period of it
+    /// (UTC) gets the units.
+    period: tierlimit_shared::period::PeriodKind,
+    extra: u64,
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// `POST /v1/limits/tenants/{id}/grants`: extra units for the current
+/// period of one of the tenant's global tiers. A PN-counter cannot be
+/// reset safely, so the period's limit is raised instead; the grant is
+/// part of the tenant's record (audited like any change) and ends with the
+/// period. Two grants for one period add up.
+async fn grant_tenant(
+    AxumState(state): AxumState<AppState>,
+    Extension(who): Extension<Principal>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    use tierlimit_shared::config::Grant;
+    if let Err(e) = who.require(Scope::LimitsWrite, Some(&id)) {
+        return problem(&state, e.into());
+    }
+    let pre = match precondition(&headers) {
+        Ok(p) => p,
+        Err(p) => return problem(&state, p),
+    };
+    let g: GrantBody = match parse_body(&body) {
+        Ok(g) => g,
+        Err(p) => return problem(&state, p),
+    };
+    if g.extra == 0 {
+        return problem(&state, Problem::bad_field("extra", "must be at least 1"));
+    }
+    if g.reason.as_ref().is_some_and(|r| r.len() > 500) {
+        return problem(&state, Problem::bad_field("reason", "at most 500 bytes"));
+    }
+    let now = tierlimit_shared::messages::now_ms();
+    let start = g.period.at(now).start_ms().max(0) as u64;
+    let mut granted = None;
+    let subject = Subject::Tenant(id.clone());
+    let result = write(&state, &who, |table| {
+        let Some(view) = table.tenant_view(&id) else {
+            return Err(not_found("tenant", &id));
+        };
+        check_precondition(pre, view.version, true)?;
+        let has_tier = table
+            .tenant_at(&id, now)
+            .is_some_and(|p| p.global_limit(g.period).is_some());
+        if !has_tier {
+            return Err(Problem::bad_field(
+                "period",
+                format!("tenant {id:?} has no {:?} tier to raise", g.period),
+            ));
+        }
+        let mut config = view.config;
+        // Ended grants go; one for the same period adds up.
+        config.grants.retain(|x| x.until_ms() > now);
+        match config
+            .grants
+            .iter_mut()
+            .find(|x| x.period == g.period && x.period_start_ms == start)
+        {
+            Some(x) => {
+                x.extra = x.extra.saturating_add(g.extra);
+                if g.reason.is_some() {
+                    x.reason = g.reason.clone();
+                }
+            }
+            None => config.grants.push(Grant {
+                period: g.period,
+                period_start_ms: start,
+                extra: g.extra,
+                reason: g.reason.clone(),
+            }),
+        }
+        granted = config
+            .grants
+            .iter()
+            .find(|x| x.period == g.period && x.period_start_ms == start)
+            .cloned();
+        check_tenant(table, &id, &config)?;
+        Ok(vec![(subject.clone(), Body::Tenant(config))])
+    })
+    .await;
+    match result {
+        Ok(w) => {
+            let table = table_of(&state).ok();
+            let limit = table
+                .and_then(|t| t.tenant(&id))
+                .and_then(|p| p.global_limit(g.period));
+            let grant = granted.map(|x| {
+                serde_json::json!({
+                    "period": x.period, "period_start_ms": x.period_start_ms,
+                    "extra": x.extra, "until_ms": x.until_ms(), "reason": x.reason,
+                })
+            });
+            written_response(
+                StatusCode::OK,
+                &w,
+                serde_json::json!({"tenant": id, "grant": grant, "limit_now": limit}),
+            )
+        }
         Err(p) => problem(&state, p),
     }
 }

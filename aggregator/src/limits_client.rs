@@ -232,12 +232,16 @@ pub fn render(kind: &str, body: &Value) -> String {
                 .collect(),
         ),
         "written" => format!(
-            "version {}{}",
+            "version {}{}{}",
             cell(body.get("version")),
             if body.get("applied") == Some(&Value::Bool(true)) {
                 " (applied by this aggregator)"
             } else {
                 ""
+            },
+            match body.get("limit_now") {
+                Some(l) if !l.is_null() => format!("; the period's limit is now {l}"),
+                _ => String::new(),
             }
         ),
         "status" => format!(

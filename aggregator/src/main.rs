@@ -229,6 +229,21 @@ enum Op {
         #[command(flatten)]
         api: Api,
     },
+    /// Tenants only: extra units for the current period of one of its
+    /// global tiers (the limit is raised until the period ends).
+    Grant {
+        name: String,
+        /// hour, day, week or month.
+        #[arg(long)]
+        period: String,
+        #[arg(long)]
+        extra: u64,
+        /// Why (kept in the record, shown by `get`).
+        #[arg(long)]
+        reason: Option<String>,
+        #[command(flatten)]
+        api: Api,
+    },
 }
 
 /// Runs one API command; prints its answer.
@@ -246,7 +261,8 @@ async fn api_command(kind: &str, op: Op) -> Result<(), aggregator::Error> {
         | Op::Put { api, .. }
         | Op::Delete { api, .. }
         | Op::List { api, .. }
-        | Op::History { api, .. } => api.clone(),
+        | Op::History { api, .. }
+        | Op::Grant { api, .. } => api.clone(),
     };
     let (c, shape) = match op {
         Op::Get { name, .. } => (Call::get(format!("{base}/{}", enc(&name))), kind),
@@ -305,6 +321,31 @@ async fn api_command(kind: &str, op: Op) -> Result<(), aggregator::Error> {
                     body: Some(body),
                     if_match,
                     create_only: create,
+                },
+                "written",
+            )
+        }
+        Op::Grant {
+            name,
+            period,
+            extra,
+            reason,
+            ..
+        } => {
+            if kind != "tenant" {
+                return Err(aggregator::Error::Limits(
+                    "grants are for tenants: aggregator limits tenant grant …".into(),
+                ));
+            }
+            (
+                Call {
+                    method: reqwest::Method::POST,
+                    path: format!("{base}/{}/grants", enc(&name)),
+                    body: Some(serde_json::json!({
+                        "period": period, "extra": extra, "reason": reason,
+                    })),
+                    if_match: None,
+                    create_only: false,
                 },
                 "written",
             )

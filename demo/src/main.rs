@@ -16,12 +16,15 @@
 //! 2. **region limit**: bursty floods eu-west past its region limit (300 per
 //!    minute, sliding log): exactly 300 are allowed there, the rest denied by
 //!    the region tier, while us-east keeps serving bursty normally;
-//! 3. **global limit**: hot pushes in all three regions past its daily limit
+//! 3. **upgrade**: initech moves to plan premium through the aggregator's
+//!    limits API (the tenants are records of the limits topic): every
+//!    region-node applies it, and the demo reports how long that took;
+//! 4. **global limit**: hot pushes in all three regions past its daily limit
 //!    of 2500: every region starts denying it from the broadcast view;
-//! 4. **cut**: ap-south's link to Kafka is blackholed for 10 s: it keeps
+//! 5. **cut**: ap-south's link to Kafka is blackholed for 10 s: it keeps
 //!    serving (node and region tiers are local), the aggregator stops hearing
 //!    from it; then the link heals;
-//! 5. **converge**: traffic stops; the aggregator's global count of every
+//! 6. **converge**: traffic stops; the aggregator's global count of every
 //!    tenant must equal exactly what the clients were allowed minus what they
 //!    refunded, and the regions' Redis truth; us-east's part of it must be
 //!    exactly what its clients kept through Envoy, every check of which its
@@ -31,7 +34,7 @@
 //! process it started (also on Ctrl-C), and exits 1 if any promise failed.
 //!
 //! One module per part: [`world`] starts everything (its processes come from
-//! `testkit`) and reads it back, [`story`] tells the five phases, [`report`]
+//! `testkit`) and reads it back, [`story`] tells the six phases, [`report`]
 //! prints progress, promises and the report; [`traffic`] is the clients and
 //! [`proxy`] each region's link to Kafka. This file only wires them: the
 //! command line, signals, the runtime, and the exit code.

@@ -181,6 +181,23 @@ fn promises(w: &World, o: &Outcome, dead: &[String]) -> Vec<Promise> {
                 ))
         ),
     ));
+    let up = &o.upgrade;
+    promises.push(promise(
+        up.everywhere.is_some(),
+        format!(
+            "initech upgraded through the limits API (version {}): applied by all {} region-nodes {}",
+            up.version,
+            up.nodes,
+            match (up.written, up.everywhere) {
+                (Some(w), Some(e)) => format!(
+                    "{} ms after the request (written in {} ms)",
+                    e.as_millis(),
+                    w.as_millis()
+                ),
+                _ => "NOT within the deadline".into(),
+            }
+        ),
+    ));
     let hot_allowed = tally.totals(Some(HOT), None).allowed;
     let overshoot = hot_allowed.saturating_sub(HOT_DAILY_LIMIT);
     // DESIGN: overshoot ≈ Σ other regions' rate × (flush + broadcast + transport).

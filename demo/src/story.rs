@@ -41,6 +41,7 @@ const PHASE_STEADY: Duration = Duration::from_secs(8);
 const PHASE_BURST: Duration = Duration::from_secs(8);
 const DENY_DEADLINE: Duration = Duration::from_secs(60);
 pub const CONVERGE_DEADLINE: Duration = Duration::from_secs(60);
+const UPGRADE_DEADLINE: Duration = Duration::from_secs(15);
 
 /// What the story measured, for the report.
 pub struct Outcome {
@@ -48,12 +49,25 @@ pub struct Outcome {
     /// bursty in eu-west right after its flood.
     pub bursty_eu: Cell,
     pub global: GlobalLimit,
+    pub upgrade: Upgrade,
     pub cut: Cut,
     pub converge: Converge,
     /// Σ over the region-nodes, at the end.
     pub fail_mode: f64,
     pub deltas_failed: f64,
     pub envoy: ThroughEnvoy,
+}
+
+/// initech's move to another plan through the limits API.
+pub struct Upgrade {
+    /// The record's version (0: the API refused).
+    pub version: u64,
+    /// From the request to its answer (the record written and applied by
+    /// the aggregator).
+    pub written: Option<Duration>,
+    /// From the request until every region-node reported the version.
+    pub everywhere: Option<Duration>,
+    pub nodes: usize,
 }
 
 /// [`ENVOY_REGION`]'s traffic, which went through Envoy.
@@ -136,6 +150,7 @@ pub async fn tell(w: &Arc<World>, cut: Duration) -> anyhow::Result<Outcome> {
     };
     s.steady().await;
     let bursty_eu = s.region_limit().await;
+    let upgrade = s.upgrade().await;
     let global = s.global_limit().await;
     let cut = s.cut(cut).await;
     let converge = s.converge(&cut, day).await?;
@@ -184,6 +199,7 @@ pub async fn tell(w: &Arc<World>, cut: Duration) -> anyhow::Result<Outcome> {
         tally: s.tally,
         bursty_eu,
         global,
+        upgrade,
         cut,
         converge,
         fail_mode,
@@ -259,7 +275,83 @@ impl Story<'_> {
         bursty_eu
     }
 
-    /// Phase 3, global limit: one tenant over its daily limit; every region
+    /// Phase 3, upgrade: initech moves to another plan through the limits
+    /// API while its traffic runs; how long until every region-node of
+    /// every region applied it.
+    async fn upgrade(&mut self) -> Upgrade {
+        let w = self.w;
+        self.progress.set_phase(
+            "upgrade",
+            "initech moves from plan standard to premium: PUT /v1/limits/tenants/initech on the \
+             aggregator, no file edited, no process signalled",
+        );
+        let nodes: usize = w.regions.iter().map(|r| r.nodes.len()).sum();
+        let started = Instant::now();
+        let answer = w
+            .http
+            .put(format!("{}/v1/limits/tenants/initech", w.aggregator))
+            .bearer_auth(crate::world::OPS_KEY)
+            .json(&serde_json::json!({ "plan": "premium" }))
+            .send()
+            .await;
+        let body: serde_json::Value = match answer {
+            Ok(r) if r.status().is_success() => r.json().await.unwrap_or_default(),
+            Ok(r) => {
+                say(format!("upgrade: the API answered {}", r.status()));
+                serde_json::Value::Null
+            }
+            Err(e) => {
+                say(format!("upgrade: the API did not answer: {e}"));
+                serde_json::Value::Null
+            }
+        };
+        let written = started.elapsed();
+        let version = body["version"].as_u64().unwrap_or(0);
+        let mut everywhere = None;
+        while version > 0 && started.elapsed() < UPGRADE_DEADLINE {
+            let status: Option<serde_json::Value> = async {
+                w.http
+                    .get(format!(
+                        "{}/v1/limits/status?version={version}",
+                        w.aggregator
+                    ))
+                    .send()
+                    .await
+                    .ok()?
+                    .json()
+                    .await
+                    .ok()
+            }
+            .await;
+            let reached = status.as_ref().is_some_and(|s| {
+                s["reached"] == true && s["nodes"].as_array().is_some_and(|n| n.len() == nodes)
+            });
+            if reached {
+                everywhere = Some(started.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        match everywhere {
+            Some(d) => say(format!(
+                "initech on premium (limits version {version}): written in {} ms, applied by all {nodes} \
+                 region-nodes of the 3 regions {} ms after the request",
+                written.as_millis(),
+                d.as_millis()
+            )),
+            None => say(format!(
+                "initech's upgrade (version {version}) NOT applied by every region-node within {UPGRADE_DEADLINE:?}"
+            )),
+        }
+        Upgrade {
+            version,
+            written: (version > 0).then_some(written),
+            everywhere,
+            nodes,
+        }
+    }
+
+    /// Phase 4, global limit: one tenant over its daily limit; every region
     /// denies it.
     async fn global_limit(&mut self) -> GlobalLimit {
         self.progress.set_phase(
@@ -316,7 +408,7 @@ impl Story<'_> {
         }
     }
 
-    /// Phase 4, cut: one region cut off from Kafka, then healed; traffic
+    /// Phase 5, cut: one region cut off from Kafka, then healed; traffic
     /// stops just before the heal.
     async fn cut(&mut self, cut: Duration) -> Cut {
         let w = self.w;
@@ -408,7 +500,7 @@ impl Story<'_> {
         }
     }
 
-    /// Phase 5, converge: waits after the heal until aggregator = clients'
+    /// Phase 6, converge: waits after the heal until aggregator = clients'
     /// allowed − refunded (= Redis truth).
     async fn converge(&self, cut: &Cut, day: u32) -> anyhow::Result<Converge> {
         let w = self.w;

@@ -199,6 +199,29 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
         loaded.config.kafka.partitions,
         config.display()
     ));
+    // The tenants, as a fleet's first import: straight to the limits topic
+    // with the limits key, before any process follows it.
+    let tenants = state.join("tenants.toml");
+    std::fs::write(&tenants, TENANTS_TOML)?;
+    let out = Command::new(&aggregator)
+        .args(["limits", "import", "--config"])
+        .arg(&config)
+        .arg("--file")
+        .arg(&tenants)
+        .env("RUST_LOG", "warn")
+        .output()
+        .context("running aggregator limits import")?;
+    if !out.status.success() {
+        bail!(
+            "aggregator limits import failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    say(format!(
+        "tenants on the limits topic {}: {}",
+        loaded.config.kafka.limits_topic,
+        String::from_utf8_lossy(&out.stdout).trim()
+    ));
 
     let agg_port = free_port();
     let agg_admin = free_port();
@@ -384,6 +407,23 @@ where
 
 /// The configuration every process reads (regions.example.toml documents
 /// every key): one plan per kind of tenant in the story.
+/// The demo operator's API key (`limits:write`): the story upgrades a
+/// tenant with it.
+pub const OPS_KEY: &str = "tl-demo-ops-5c2e8a1f7b3d9e4c6a0f2b8d1e7c3a95";
+
+/// The tenants, imported to the limits topic at the start.
+const TENANTS_TOML: &str = r#"[tenants.acme]
+plan = "standard"
+[tenants.globex]
+plan = "standard"
+[tenants.initech]
+plan = "standard"
+[tenants.bursty]
+plan = "metered"
+[tenants.hot]
+plan = "capped"
+"#;
+
 fn config_text(tansu: u16, redis: &[(&str, String)]) -> String {
     let mut t = format!(
         r#"# Written by the demo (demo/src/world.rs). regions.example.toml documents every key.
@@ -404,7 +444,20 @@ max_staleness = "30s"
 [aggregator]
 group_id = "tierlimit-demo"
 broadcast_interval = "250ms"
-"#
+
+# Tenants are records of the limits topic (imported at the start from
+# tenants.toml, changed through the aggregator's limits API during the
+# story); the plans below stay in this file.
+[limits]
+source = "topic"
+status_interval = "250ms"
+
+# The operator's key of the story's upgrade: it may write limits.
+[auth.keys.demo-ops]
+sha256 = "{ops}"
+scopes = ["read", "limits:write"]
+"#,
+        ops = tierlimit_shared::auth::KeyDigest::of(OPS_KEY.as_bytes()).to_hex()
     );
     for (name, url) in redis {
         let _ = write!(
@@ -437,16 +490,12 @@ global = {{ limit = {HOT_DAILY_LIMIT} }}
 node = {{ limit = 200, window = "1s", algorithm = "token_bucket", burst = 50 }}
 region = {{ limit = 100000, window = "1m" }}
 
-[tenants.acme]
-plan = "standard"
-[tenants.globex]
-plan = "standard"
-[tenants.initech]
-plan = "standard"
-[tenants.bursty]
-plan = "metered"
-[tenants.hot]
-plan = "capped"
+# initech moves here through the limits API in the middle of the story.
+[plans.premium]
+on_store_error = "local"
+global = {{ day = 500000, month = 10000000 }}
+node = {{ limit = 100, window = "1s", algorithm = "fixed_window" }}
+region = {{ limit = 6000, window = "1m", algorithm = "sliding_window" }}
 
 [unknown_tenants]
 policy = "deny"

@@ -79,6 +79,7 @@ pub fn decode_field(field: &str, value: &str) -> Option<LimitsRecord> {
             region: None,
             global: None,
             on_store_error: None,
+            grants: Vec::new(),
         }),
         None => serde_json::from_str(body).ok()?,
     };
@@ -212,6 +213,7 @@ mod tests {
             region: None,
             global: None,
             on_store_error: None,
+            grants: Vec::new(),
         });
         let v = format!("17|{}", encode_body(&plain));
         assert_eq!(v, "17|=pro");

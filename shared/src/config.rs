@@ -831,6 +831,75 @@ pub struct TenantConfig {
     pub region: Option<LimitOverride>,
     pub global: Option<GlobalLimitConfig>,
     pub on_store_error: Option<StoreErrorMode>,
+    /// Extra units for one period of a global tier (the limits API's
+    /// support operation; `limits.source = "topic"` only). Absent from a
+    /// record without grants, so such records read as before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub grants: Vec<Grant>,
+}
+
+/// Extra units granted to a tenant for one period of one of its global
+/// tiers: that period's limit is raised by `extra`, and the grant ends
+/// with the period. A PN-counter cannot be reset safely (a reset is a
+/// decrement that another region's merge would undo or double), so a
+/// support case raises the limit instead.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    /// The tier: `hour`, `day`, `week` or `month` (UTC).
+    pub period: PeriodKind,
+    /// The start of the period it is for (Unix ms): it never outlives it.
+    pub period_start_ms: u64,
+    pub extra: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl Grant {
+    /// The end (exclusive, Unix ms) of the period the grant is for.
+    pub fn until_ms(&self) -> u64 {
+        self.period.at(self.period_start_ms).end_ms().max(0) as u64
+    }
+
+    /// Whether it raises the limit at `now_ms`.
+    pub fn active_at(&self, now_ms: u64) -> bool {
+        self.period.at(self.period_start_ms).start_ms() as u64 <= now_ms && now_ms < self.until_ms()
+    }
+}
+
+impl Policy {
+    /// This policy with the grants active at `now_ms` added to their
+    /// tiers' limits, and until when that holds (the earliest end of those
+    /// grants, or of a grant still to start); `None`: no grant is active.
+    pub fn with_grants(&self, grants: &[Grant], now_ms: u64) -> Option<(Policy, u64)> {
+        let mut p = self.clone();
+        let mut until = u64::MAX;
+        let mut any = false;
+        for g in grants {
+            let start = g.period.at(g.period_start_ms).start_ms().max(0) as u64;
+            if now_ms < start {
+                until = until.min(start);
+                continue;
+            }
+            if !g.active_at(now_ms) {
+                continue;
+            }
+            let raised = match g.period {
+                PeriodKind::Day => p.global.as_mut(),
+                kind => p
+                    .global_periods
+                    .iter_mut()
+                    .find(|t| t.kind == kind)
+                    .map(|t| &mut t.limit),
+            };
+            if let Some(limit) = raised {
+                *limit = limit.saturating_add(g.extra);
+                any = true;
+                until = until.min(g.until_ms());
+            }
+        }
+        any.then_some((p, until))
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -1235,6 +1304,7 @@ impl TenantConfig {
             && self.region.is_none()
             && self.global.is_none()
             && self.on_store_error.is_none()
+            && self.grants.is_empty()
     }
 }
 
@@ -1342,6 +1412,12 @@ impl Config {
         let mut tenants = BTreeMap::new();
         for (id, t) in &self.tenants {
             let at = format!("tenants.{id}");
+            if !t.grants.is_empty() {
+                return Err(ConfigError::invalid(
+                    format!("{at}.grants"),
+                    "grants are written through the limits API (limits.source = \"topic\"), not in a file",
+                ));
+            }
             validate::tenant(id).map_err(|e| ConfigError::invalid(&at, e.to_string()))?;
             let base = plans.get(&t.plan).ok_or_else(|| {
                 ConfigError::invalid(

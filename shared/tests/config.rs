@@ -1703,6 +1703,7 @@ fn a_reload_keeps_the_limits_table_and_refuses_a_source_change() {
                 region: None,
                 global: None,
                 on_store_error: None,
+                grants: Vec::new(),
             }),
         })
         .unwrap();

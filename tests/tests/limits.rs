@@ -137,6 +137,7 @@ region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
                     region: None,
                     global: None,
                     on_store_error: None,
+                    grants: Vec::new(),
                 }),
             )])
             .await
@@ -354,6 +355,7 @@ async fn records_apply_in_every_region_at_once_and_forgeries_change_nothing() {
                 region: None,
                 global: None,
                 on_store_error: None,
+                grants: Vec::new(),
             }),
         };
         let wrong_key = ed25519_dalek::SigningKey::from_bytes(&[9; 32]);

@@ -64,6 +64,9 @@ view_wait = "1s"
 [aggregator]
 broadcast_interval = "100ms"
 group_id = "agg-limits-api"
+# Every limited tenant is broadcast: a node's global tier is exact from
+# the first unit (the grant's count below).
+broadcast_fraction = 0.0
 [limits]
 source = "topic"
 status_interval = "200ms"
@@ -383,7 +386,67 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
     );
     assert_eq!(changes[0]["writer"], "key:ops");
 
-    // 6. A plan with tenants cannot be deleted; the tenant can, and is
+    // 6. A grant: a tenant at its month limit gets extra units for the
+    //    current month (its plan unchanged), through the CLI; every region
+    //    lets them through; the record says until when.
+    let monthly = json!({"global": {"month": 4}});
+    let (s, _, p) = send(ops.put(agg.url("/v1/limits/plans/monthly")).json(&monthly)).await;
+    assert_eq!(s, 201, "{p}");
+    let (s, v, p) = send(
+        ops.put(agg.url("/v1/limits/tenants/gm"))
+            .json(&json!({"plan": "monthly"})),
+    )
+    .await;
+    assert_eq!(s, 201, "{p}");
+    reached(&agg, v.unwrap(), 2).await;
+    assert_eq!(allowed_until_refused(&eu, "gm", 10).await, (4, 429));
+    let (s, _, p) = send(
+        ops.post(agg.url("/v1/limits/tenants/gm/grants"))
+            .json(&json!({"period": "hour", "extra": 3})),
+    )
+    .await;
+    assert_eq!(
+        (s, p["field"].as_str()),
+        (400, Some("period")),
+        "no hour tier: {p}"
+    );
+    let out = cli(
+        &agg,
+        &[
+            "limits",
+            "tenant",
+            "grant",
+            "gm",
+            "--period",
+            "month",
+            "--extra",
+            "3",
+            "--reason",
+            "support case 42",
+        ],
+    )
+    .unwrap();
+    assert!(out.contains("limit is now 7"), "{out}");
+    let v_grant: u64 = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+    reached(&agg, v_grant, 2).await;
+    assert_eq!(allowed_until_refused(&eu, "gm", 10).await, (3, 429));
+    let (_, _, t) = send(ops.get(agg.url("/v1/limits/tenants/gm"))).await;
+    let grant = &t["grants"][0];
+    assert_eq!(
+        (grant["extra"].as_u64(), grant["period"].as_str()),
+        (Some(3), Some("month")),
+        "{t}"
+    );
+    assert_eq!(grant["reason"], "support case 42");
+    let month_end = {
+        let start = grant["period_start_ms"].as_u64().unwrap();
+        tierlimit_shared::period::PeriodKind::Month
+            .at(start)
+            .end_ms() as u64
+    };
+    assert!(month_end > tierlimit_shared::messages::now_ms());
+
+    // 7. A plan with tenants cannot be deleted; the tenant can, and is
     //    then unknown (denied) everywhere.
     let (s, _, p) = send(ops.delete(agg.url("/v1/limits/plans/pro"))).await;
     assert_eq!((s, p["tenants"].as_u64()), (409, Some(1)), "{p}");

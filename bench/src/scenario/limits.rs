@@ -255,6 +255,7 @@ pub fn tenant(i: u64) -> (String, TenantConfig) {
             region,
             global: None,
             on_store_error: None,
+            grants: Vec::new(),
         },
     )
 }

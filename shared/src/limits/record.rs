@@ -129,6 +129,7 @@ mod tests {
                 region: None,
                 global: None,
                 on_store_error: None,
+                grants: Vec::new(),
             }),
         };
         let json = r.to_json();

@@ -25,7 +25,9 @@ use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::config::{resolve_plan, resolve_tenant, ConfigError, PlanConfig, Policy, TenantConfig};
+use crate::config::{
+    resolve_plan, resolve_tenant, ConfigError, Grant, PlanConfig, Policy, TenantConfig,
+};
 use crate::limits::record::{Body, LimitsRecord, Subject};
 
 const SHARDS: usize = 64;
@@ -104,6 +106,22 @@ pub struct LimitsTable {
     positions: Mutex<HashMap<i32, i64>>,
     /// Notified on every record applied and every end reached.
     moved: tokio::sync::Notify,
+    /// Tenants with grants (`config::Grant`), few: a lookup reads this
+    /// map only while it is not empty.
+    granted: RwLock<HashMap<Box<str>, Granted>>,
+    granted_len: std::sync::atomic::AtomicUsize,
+}
+
+/// A tenant's grants and the policy they give, computed for the base
+/// policy and the time it was computed at.
+#[derive(Debug, Clone)]
+struct Granted {
+    grants: Vec<Grant>,
+    /// What it was computed from (the tenant's policy then), and the
+    /// result (`None`: no grant active), valid until `until_ms`.
+    base: Option<Arc<Policy>>,
+    policy: Option<Arc<Policy>>,
+    until_ms: u64,
 }
 
 /// A tenant as its latest applied record says it, for reading back.
@@ -164,7 +182,79 @@ impl LimitsTable {
             ready_notify: tokio::sync::Notify::new(),
             positions: Mutex::new(HashMap::new()),
             moved: tokio::sync::Notify::new(),
+            granted: RwLock::new(HashMap::new()),
+            granted_len: std::sync::atomic::AtomicUsize::new(0),
         }
+    }
+
+    /// The policy a tenant's grants give at `now_ms` on top of `base` (its
+    /// registered policy): `base` itself when none is active.
+    fn granted_at(&self, tenant: &str, base: Arc<Policy>, now_ms: u64) -> Arc<Policy> {
+        {
+            let map = self.granted.read().unwrap_or_else(|e| e.into_inner());
+            let Some(g) = map.get(tenant) else {
+                return base;
+            };
+            if now_ms < g.until_ms && g.base.as_ref().is_some_and(|b| Arc::ptr_eq(b, &base)) {
+                return g.policy.clone().unwrap_or(base);
+            }
+        }
+        // Computed again: the first lookup, the base changed (a plan
+        // change), or a grant started or ended.
+        let mut map = self.granted.write().unwrap_or_else(|e| e.into_inner());
+        let Some(g) = map.get_mut(tenant) else {
+            return base;
+        };
+        let (policy, until) = match base.with_grants(&g.grants, now_ms) {
+            Some((p, until)) => (Some(Arc::new(p)), until),
+            None => {
+                // None active: until the next one starts, if any.
+                let next = g
+                    .grants
+                    .iter()
+                    .map(|x| x.period.at(x.period_start_ms).start_ms().max(0) as u64)
+                    .filter(|s| *s > now_ms)
+                    .min()
+                    .unwrap_or(u64::MAX);
+                (None, next)
+            }
+        };
+        g.base = Some(Arc::clone(&base));
+        g.policy = policy.clone();
+        g.until_ms = until;
+        policy.unwrap_or(base)
+    }
+
+    /// Records a tenant's grants (none: forgets them).
+    fn set_grants(&self, id: &str, grants: &[Grant]) {
+        let mut map = self.granted.write().unwrap_or_else(|e| e.into_inner());
+        if grants.is_empty() {
+            map.remove(id);
+        } else {
+            map.insert(
+                id.into(),
+                Granted {
+                    grants: grants.to_vec(),
+                    base: None,
+                    policy: None,
+                    until_ms: 0,
+                },
+            );
+        }
+        self.granted_len.store(map.len(), Ordering::Release);
+    }
+
+    /// [`LimitsTable::tenant`] at `now_ms` (grants are time-bound).
+    pub fn tenant_at(&self, tenant: &str, now_ms: u64) -> Option<Arc<Policy>> {
+        let base = self.shards[shard_of(tenant)]
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(tenant)
+            .map(|e| Arc::clone(&e.policy))?;
+        if self.granted_len.load(Ordering::Acquire) == 0 {
+            return Some(base);
+        }
+        Some(self.granted_at(tenant, base, now_ms))
     }
 
     /// The follower handled every record of `partition` before `next`.
@@ -318,13 +408,17 @@ impl LimitsTable {
         ids.iter().filter_map(|id| self.tenant_view(id)).collect()
     }
 
-    /// The policy of a registered tenant (not pending, not deleted).
+    /// The policy of a registered tenant (not pending, not deleted), its
+    /// grants active now included.
     pub fn tenant(&self, tenant: &str) -> Option<Arc<Policy>> {
-        self.shards[shard_of(tenant)]
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(tenant)
-            .map(|e| Arc::clone(&e.policy))
+        if self.granted_len.load(Ordering::Acquire) == 0 {
+            return self.shards[shard_of(tenant)]
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(tenant)
+                .map(|e| Arc::clone(&e.policy));
+        }
+        self.tenant_at(tenant, crate::messages::now_ms())
     }
 
     /// The applied version of a tenant's record (0: none).
@@ -506,6 +600,7 @@ impl LimitsTable {
             cat.custom.insert(id.into(), (version, t.clone()));
         }
         self.insert(id, Entry { version, policy });
+        self.set_grants(id, &t.grants);
         Ok(Applied::Changed(Subject::Tenant(id.to_owned())))
     }
 
@@ -533,6 +628,9 @@ impl LimitsTable {
         cat.custom.remove(id);
         cat.pending.remove(id);
         cat.deleted.remove(id);
+        if self.granted_len.load(Ordering::Acquire) > 0 {
+            self.set_grants(id, &[]);
+        }
     }
 
     /// Recomputes plan `name`'s effective policy and moves its tenants.
@@ -598,6 +696,7 @@ impl LimitsTable {
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         for (id, (version, t)) in custom.into_iter().chain(waiting) {
+            let grants = t.grants.clone();
             self.remove(cat, &id);
             let resolved = match &effective {
                 Some(plan) if t.is_plain() => Some(Arc::clone(plan)),
@@ -612,6 +711,7 @@ impl LimitsTable {
                         cat.custom.insert(id.clone(), (version, t));
                     }
                     self.insert(&id, Entry { version, policy });
+                    self.set_grants(&id, &grants);
                 }
                 None => {
                     cat.pending.insert(id, (version, t));
@@ -629,6 +729,7 @@ fn plain(plan: &str) -> TenantConfig {
         region: None,
         global: None,
         on_store_error: None,
+        grants: Vec::new(),
     }
 }
 
@@ -661,6 +762,7 @@ mod tests {
             region: None,
             global: None,
             on_store_error: None,
+            grants: Vec::new(),
         }
     }
 
@@ -686,6 +788,77 @@ mod tests {
         table
             .tenant(id)
             .and_then(|p| p.region.as_ref().map(|l| l.limit))
+    }
+
+    #[test]
+    fn a_grant_raises_its_period_limit_until_the_period_ends() {
+        use crate::config::Grant;
+        use crate::period::PeriodKind;
+        let table = LimitsTable::new();
+        table
+            .apply(&rec(p("pro"), 1, Body::Plan(plan(100))))
+            .unwrap();
+        // Noon of day 10; the plan's day limit is 1000.
+        let noon = 10 * 86_400_000 + 43_200_000;
+        let mut t = tenant("pro");
+        t.grants = vec![Grant {
+            period: PeriodKind::Day,
+            period_start_ms: PeriodKind::Day.at(noon).start_ms() as u64,
+            extra: 500,
+            reason: Some("support case".into()),
+        }];
+        table
+            .apply(&rec(p("pro"), 1, Body::Plan(plan(100))))
+            .unwrap();
+        table
+            .apply(&rec(self::t("acme"), 2, Body::Tenant(t)))
+            .unwrap();
+        table
+            .apply(&rec(self::t("other"), 3, Body::Tenant(tenant("pro"))))
+            .unwrap();
+        let day_limit = |id: &str, at: u64| table.tenant_at(id, at).unwrap().global;
+        assert_eq!(day_limit("acme", noon), Some(1500));
+        assert_eq!(
+            day_limit("acme", noon + 43_199_999),
+            Some(1500),
+            "the last ms of the day"
+        );
+        assert_eq!(
+            day_limit("acme", noon + 43_200_000),
+            Some(1000),
+            "the next day: expired"
+        );
+        assert_eq!(
+            day_limit("other", noon),
+            Some(1000),
+            "only the granted tenant"
+        );
+        // The plan changes under it: the grant applies to the new limit.
+        let mut bigger = plan(100);
+        bigger.global = Some(crate::config::GlobalLimitConfig::daily(2000));
+        table.apply(&rec(p("pro"), 4, Body::Plan(bigger))).unwrap();
+        assert_eq!(day_limit("acme", noon), Some(2500));
+        // Replaced by a record without grants: gone.
+        table
+            .apply(&rec(self::t("acme"), 5, Body::Tenant(tenant("pro"))))
+            .unwrap();
+        assert_eq!(day_limit("acme", noon), Some(2000));
+        // A grant for a tier the tenant does not have changes nothing.
+        let mut hourly = tenant("pro");
+        hourly.grants = vec![Grant {
+            period: PeriodKind::Hour,
+            period_start_ms: PeriodKind::Hour.at(noon).start_ms() as u64,
+            extra: 9,
+            reason: None,
+        }];
+        table
+            .apply(&rec(self::t("acme"), 6, Body::Tenant(hourly)))
+            .unwrap();
+        assert_eq!(
+            table.tenant_at("acme", noon).unwrap().global_periods,
+            vec![]
+        );
+        assert_eq!(day_limit("acme", noon), Some(2000));
     }
 
     #[test]
