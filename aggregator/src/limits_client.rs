@@ -106,6 +106,75 @@ pub fn ok(a: Answer) -> Result<Value, Error> {
     Err(Error::Limits(format!("{}: {detail}", a.status)))
 }
 
+/// A tenant's counters everywhere: the aggregator's global view (each
+/// period's count and each region's part) and, for each region given, one
+/// of its region-nodes' view of the node and region windows (from the
+/// region's Redis). Every call with the environment's key (`read`).
+pub async fn inspect(agg: &str, tenant: &str, nodes: &[(String, String)]) -> Result<Value, Error> {
+    let global = ok(call(agg, Call::get(format!("/v1/global/{tenant}"))).await?)?;
+    let mut regions = serde_json::Map::new();
+    for (region, url) in nodes {
+        let usage = ok(call(url, Call::get(format!("/v1/tenants/{tenant}"))).await?)
+            .map_err(|e| Error::Limits(format!("{region} ({url}): {e}")))?;
+        regions.insert(region.clone(), usage);
+    }
+    Ok(serde_json::json!({"tenant": tenant, "global": global, "regions": regions}))
+}
+
+/// The rows of [`inspect`]'s answer: one per region and tier, then one per
+/// global period with each region's part.
+fn inspect_rows(body: &Value) -> Vec<Vec<String>> {
+    let mut rows = Vec::new();
+    if let Some(regions) = body["regions"].as_object() {
+        for (region, usage) in regions {
+            for t in usage["tiers"].as_array().into_iter().flatten() {
+                let (limit, remaining) = (t["limit"].as_u64(), t["remaining"].as_u64());
+                let used = limit.zip(remaining).map(|(l, r)| l.saturating_sub(r));
+                rows.push(vec![
+                    region.clone(),
+                    cell(t.get("tier")),
+                    cell(t.get("period")),
+                    cell(t.get("limit")),
+                    used.map_or("-".into(), |u| u.to_string()),
+                    "-".into(),
+                ]);
+            }
+        }
+    }
+    let g = &body["global"];
+    let periods = std::iter::once(("day".to_owned(), &g["today"])).chain(
+        g["periods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|p| (p["kind"].as_str().unwrap_or("?").to_owned(), p)),
+    );
+    for (kind, p) in periods {
+        if p.is_null() {
+            continue;
+        }
+        let parts = p["regions"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(r, n)| format!("{r} {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "-".into());
+        rows.push(vec![
+            "global".into(),
+            "global".into(),
+            kind,
+            cell(p.get("limit")),
+            cell(p.get("total")),
+            parts,
+        ]);
+    }
+    rows
+}
+
 /// A value for a table cell.
 fn cell(v: Option<&Value>) -> String {
     match v {
@@ -231,6 +300,10 @@ pub fn render(kind: &str, body: &Value) -> String {
                 })
                 .collect(),
         ),
+        "inspect" => table(
+            &["where", "tier", "period", "limit", "used", "by region"],
+            inspect_rows(body),
+        ),
         "written" => format!(
             "version {}{}{}",
             cell(body.get("version")),
@@ -273,6 +346,36 @@ mod tests {
         assert!(lines[1].contains("region.limit=5"), "{out}");
         assert_eq!(lines[1].find("pro"), lines[2].find("free"), "{out}");
         assert!(out.ends_with("(more: --after globex-long-name)"), "{out}");
+    }
+
+    #[test]
+    fn inspect_shows_each_region_s_windows_and_the_global_parts() {
+        let body = serde_json::json!({
+            "tenant": "acme",
+            "regions": {"eu": {"tiers": [
+                {"tier": "region", "limit": 5, "remaining": 1},
+                {"tier": "global", "period": "day", "limit": 100, "remaining": 90},
+            ]}},
+            "global": {
+                "today": {"total": 10, "limit": 100, "regions": {"eu": 4, "us": 6}},
+                "periods": [{"kind": "month", "total": 30, "limit": null, "regions": {"eu": 30}}],
+            },
+        });
+        let out = render("inspect", &body);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 5, "{out}");
+        assert!(
+            lines[1].starts_with("eu") && lines[1].contains("region") && lines[1].contains(" 4 "),
+            "{out}"
+        );
+        assert!(
+            lines[3].contains("day") && lines[3].contains("eu 4, us 6"),
+            "{out}"
+        );
+        assert!(
+            lines[4].contains("month") && lines[4].contains("eu 30"),
+            "{out}"
+        );
     }
 
     #[test]

@@ -229,6 +229,17 @@ enum Op {
         #[command(flatten)]
         api: Api,
     },
+    /// Tenants only: its counters in every tier and region (the global
+    /// count and each region's part from the aggregator; node and region
+    /// windows from a region-node of each `--node REGION=URL`).
+    Inspect {
+        name: String,
+        /// A region-node of each region: `eu-west=http://10.0.1.5:9000`.
+        #[arg(long = "node", value_parser = region_url)]
+        nodes: Vec<(String, String)>,
+        #[command(flatten)]
+        api: Api,
+    },
     /// Tenants only: extra units for the current period of one of its
     /// global tiers (the limit is raised until the period ends).
     Grant {
@@ -244,6 +255,14 @@ enum Op {
         #[command(flatten)]
         api: Api,
     },
+}
+
+/// `REGION=URL`.
+fn region_url(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .filter(|(r, u)| !r.is_empty() && u.starts_with("http"))
+        .map(|(r, u)| (r.to_owned(), u.to_owned()))
+        .ok_or_else(|| format!("expected REGION=URL (eu-west=http://10.0.1.5:9000), got {s:?}"))
 }
 
 /// Runs one API command; prints its answer.
@@ -262,8 +281,23 @@ async fn api_command(kind: &str, op: Op) -> Result<(), aggregator::Error> {
         | Op::Delete { api, .. }
         | Op::List { api, .. }
         | Op::History { api, .. }
-        | Op::Grant { api, .. } => api.clone(),
+        | Op::Grant { api, .. }
+        | Op::Inspect { api, .. } => api.clone(),
     };
+    if let Op::Inspect { name, nodes, .. } = &op {
+        if kind != "tenant" {
+            return Err(aggregator::Error::Limits(
+                "inspect is for tenants: aggregator limits tenant inspect …".into(),
+            ));
+        }
+        let body = aggregator::limits_client::inspect(&api.url, name, nodes).await?;
+        if api.json {
+            println!("{body}");
+        } else {
+            println!("{}", render("inspect", &body));
+        }
+        return Ok(());
+    }
     let (c, shape) = match op {
         Op::Get { name, .. } => (Call::get(format!("{base}/{}", enc(&name))), kind),
         Op::History { name, .. } => (
@@ -325,6 +359,7 @@ async fn api_command(kind: &str, op: Op) -> Result<(), aggregator::Error> {
                 "written",
             )
         }
+        Op::Inspect { .. } => unreachable!("answered above"),
         Op::Grant {
             name,
             period,

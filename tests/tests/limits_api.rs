@@ -446,7 +446,68 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
     };
     assert!(month_end > tierlimit_shared::messages::now_ms());
 
-    // 7. A plan with tenants cannot be deleted; the tenant can, and is
+    // 7. Inspected across the regions: acme spent its region limit (5) in
+    //    each; the aggregator counts 10, 5 from each region.
+    wait_for("acme's global count", DEADLINE, || {
+        let (http, url) = (agg.http.clone(), agg.url("/v1/global/acme"));
+        async move {
+            let v: Value = http.get(url).send().await.ok()?.json().await.ok()?;
+            (v["today"]["total"] == 10).then_some(())
+        }
+    })
+    .await;
+    let out = cli(
+        &agg,
+        &[
+            "limits",
+            "tenant",
+            "inspect",
+            "acme",
+            "--json",
+            "--node",
+            &format!("eu={}", eu.url("")),
+            "--node",
+            &format!("us={}", us.url("")),
+        ],
+    )
+    .unwrap();
+    let seen: Value = serde_json::from_str(&out).unwrap();
+    for region in ["eu", "us"] {
+        let region_tier = seen["regions"][region]["tiers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tier"] == "region")
+            .cloned()
+            .unwrap_or_else(|| panic!("{seen}"));
+        assert_eq!(
+            (
+                region_tier["limit"].as_u64(),
+                region_tier["remaining"].as_u64()
+            ),
+            (Some(5), Some(0)),
+            "{region}: {seen}"
+        );
+        assert_eq!(seen["global"]["today"]["regions"][region], 5, "{seen}");
+    }
+    let table = cli(
+        &agg,
+        &[
+            "limits",
+            "tenant",
+            "inspect",
+            "acme",
+            "--node",
+            &format!("eu={}", eu.url("")),
+        ],
+    )
+    .unwrap();
+    assert!(
+        table.starts_with("WHERE") && table.contains("global") && table.contains("eu 5"),
+        "{table}"
+    );
+
+    // 8. A plan with tenants cannot be deleted; the tenant can, and is
     //    then unknown (denied) everywhere.
     let (s, _, p) = send(ops.delete(agg.url("/v1/limits/plans/pro"))).await;
     assert_eq!((s, p["tenants"].as_u64()), (409, Some(1)), "{p}");
