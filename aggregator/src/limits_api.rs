@@ -331,6 +331,12 @@ impl History {
 #[derive(Default)]
 pub struct WriterSlot(tokio::sync::Mutex<Option<Writer>>);
 
+/// A handler's result: its answer, or a refusal counted and answered as
+/// problem+json.
+fn answer(state: &State, r: Result<Response, Problem>) -> Response {
+    r.unwrap_or_else(|p| problem(state, p))
+}
+
 fn problem(state: &State, p: Problem) -> Response {
     state
         .metrics
@@ -555,22 +561,23 @@ async fn get_tenant(
     Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Response {
-    if let Err(e) = who.require(Scope::Read, Some(&id)) {
-        return problem(&state, e.into());
-    }
-    let table = match table_of(&state) {
-        Ok(t) => t,
-        Err(p) => return problem(&state, p),
-    };
-    match table.tenant_view(&id) {
-        Some(v) => {
-            let version = v.version;
-            let mut r = Json(TenantOut::from(v)).into_response();
-            r.headers_mut().insert(header::ETAG, etag(version));
-            r
+    answer(
+        &state,
+        async {
+            who.require(Scope::Read, Some(&id))?;
+            let table = table_of(&state)?;
+            match table.tenant_view(&id) {
+                Some(v) => {
+                    let version = v.version;
+                    let mut r = Json(TenantOut::from(v)).into_response();
+                    r.headers_mut().insert(header::ETAG, etag(version));
+                    Ok(r)
+                }
+                None => Err(not_found("tenant", &id)),
+            }
         }
-        None => problem(&state, not_found("tenant", &id)),
-    }
+        .await,
+    )
 }
 
 fn not_found(kind: &str, name: &str) -> Problem {
@@ -590,39 +597,34 @@ async fn put_tenant(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(e) = who.require(Scope::LimitsWrite, Some(&id)) {
-        return problem(&state, e.into());
-    }
-    let pre = match precondition(&headers) {
-        Ok(p) => p,
-        Err(p) => return problem(&state, p),
-    };
-    let config: TenantConfig = match parse_body(&body) {
-        Ok(c) => c,
-        Err(p) => return problem(&state, p),
-    };
-    let mut existed = false;
-    let subject = Subject::Tenant(id.clone());
-    let result = write(&state, &who, |table| {
-        check_tenant(table, &id, &config)?;
-        let view = table.tenant_view(&id);
-        existed = view.is_some();
-        check_precondition(pre, view.map_or(0, |v| v.version), existed)?;
-        Ok(vec![(subject.clone(), Body::Tenant(config.clone()))])
-    })
-    .await;
-    match result {
-        Ok(w) => {
-            let status = if existed {
-                StatusCode::OK
-            } else {
-                StatusCode::CREATED
-            };
-            let body = serde_json::json!({"tenant": id, "config": config});
-            written_response(status, &w, body)
+    answer(
+        &state,
+        async {
+            who.require(Scope::LimitsWrite, Some(&id))?;
+            let pre = precondition(&headers)?;
+            let config: TenantConfig = parse_body(&body)?;
+            let mut existed = false;
+            let subject = Subject::Tenant(id.clone());
+            let w = write(&state, &who, |table| {
+                check_tenant(table, &id, &config)?;
+                let view = table.tenant_view(&id);
+                existed = view.is_some();
+                check_precondition(pre, view.map_or(0, |v| v.version), existed)?;
+                Ok(vec![(subject.clone(), Body::Tenant(config.clone()))])
+            })
+            .await?;
+            Ok({
+                let status = if existed {
+                    StatusCode::OK
+                } else {
+                    StatusCode::CREATED
+                };
+                let body = serde_json::json!({"tenant": id, "config": config});
+                written_response(status, &w, body)
+            })
         }
-        Err(p) => problem(&state, p),
-    }
+        .await,
+    )
 }
 
 async fn delete_tenant(
@@ -631,30 +633,28 @@ async fn delete_tenant(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(e) = who.require(Scope::LimitsWrite, Some(&id)) {
-        return problem(&state, e.into());
-    }
-    let pre = match precondition(&headers) {
-        Ok(p) => p,
-        Err(p) => return problem(&state, p),
-    };
-    let subject = Subject::Tenant(id.clone());
-    let result = write(&state, &who, |table| {
-        let Some(view) = table.tenant_view(&id) else {
-            return Err(not_found("tenant", &id));
-        };
-        check_precondition(pre, view.version, true)?;
-        Ok(vec![(subject.clone(), Body::Deleted)])
-    })
-    .await;
-    match result {
-        Ok(w) => written_response(
-            StatusCode::OK,
-            &w,
-            serde_json::json!({"tenant": id, "deleted": true}),
-        ),
-        Err(p) => problem(&state, p),
-    }
+    answer(
+        &state,
+        async {
+            who.require(Scope::LimitsWrite, Some(&id))?;
+            let pre = precondition(&headers)?;
+            let subject = Subject::Tenant(id.clone());
+            let w = write(&state, &who, |table| {
+                let Some(view) = table.tenant_view(&id) else {
+                    return Err(not_found("tenant", &id));
+                };
+                check_precondition(pre, view.version, true)?;
+                Ok(vec![(subject.clone(), Body::Deleted)])
+            })
+            .await?;
+            Ok(written_response(
+                StatusCode::OK,
+                &w,
+                serde_json::json!({"tenant": id, "deleted": true}),
+            ))
+        }
+        .await,
+    )
 }
 
 /// A grant's request body.
@@ -681,92 +681,87 @@ async fn grant_tenant(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    use tierlimit_shared::config::Grant;
-    if let Err(e) = who.require(Scope::LimitsWrite, Some(&id)) {
-        return problem(&state, e.into());
-    }
-    let pre = match precondition(&headers) {
-        Ok(p) => p,
-        Err(p) => return problem(&state, p),
-    };
-    let g: GrantBody = match parse_body(&body) {
-        Ok(g) => g,
-        Err(p) => return problem(&state, p),
-    };
-    if g.extra == 0 {
-        return problem(&state, Problem::bad_field("extra", "must be at least 1"));
-    }
-    if g.reason.as_ref().is_some_and(|r| r.len() > 500) {
-        return problem(&state, Problem::bad_field("reason", "at most 500 bytes"));
-    }
-    let now = tierlimit_shared::messages::now_ms();
-    let start = g.period.at(now).start_ms().max(0) as u64;
-    let mut granted = None;
-    let subject = Subject::Tenant(id.clone());
-    let result = write(&state, &who, |table| {
-        let Some(view) = table.tenant_view(&id) else {
-            return Err(not_found("tenant", &id));
-        };
-        check_precondition(pre, view.version, true)?;
-        let has_tier = table
-            .tenant_at(&id, now)
-            .is_some_and(|p| p.global_limit(g.period).is_some());
-        if !has_tier {
-            return Err(Problem::bad_field(
-                "period",
-                format!("tenant {id:?} has no {:?} tier to raise", g.period),
-            ));
-        }
-        let mut config = view.config;
-        // Ended grants go; one for the same period adds up.
-        config.grants.retain(|x| x.until_ms() > now);
-        match config
-            .grants
-            .iter_mut()
-            .find(|x| x.period == g.period && x.period_start_ms == start)
-        {
-            Some(x) => {
-                x.extra = x.extra.saturating_add(g.extra);
-                if g.reason.is_some() {
-                    x.reason = g.reason.clone();
-                }
+    answer(
+        &state,
+        async {
+            use tierlimit_shared::config::Grant;
+            who.require(Scope::LimitsWrite, Some(&id))?;
+            let pre = precondition(&headers)?;
+            let g: GrantBody = parse_body(&body)?;
+            if g.extra == 0 {
+                return Err(Problem::bad_field("extra", "must be at least 1"));
             }
-            None => config.grants.push(Grant {
-                period: g.period,
-                period_start_ms: start,
-                extra: g.extra,
-                reason: g.reason.clone(),
-            }),
+            if g.reason.as_ref().is_some_and(|r| r.len() > 500) {
+                return Err(Problem::bad_field("reason", "at most 500 bytes"));
+            }
+            let now = tierlimit_shared::messages::now_ms();
+            let start = g.period.at(now).start_ms().max(0) as u64;
+            let mut granted = None;
+            let subject = Subject::Tenant(id.clone());
+            let w = write(&state, &who, |table| {
+                let Some(view) = table.tenant_view(&id) else {
+                    return Err(not_found("tenant", &id));
+                };
+                check_precondition(pre, view.version, true)?;
+                let has_tier = table
+                    .tenant_at(&id, now)
+                    .is_some_and(|p| p.global_limit(g.period).is_some());
+                if !has_tier {
+                    return Err(Problem::bad_field(
+                        "period",
+                        format!("tenant {id:?} has no {:?} tier to raise", g.period),
+                    ));
+                }
+                let mut config = view.config;
+                // Ended grants go; one for the same period adds up.
+                config.grants.retain(|x| x.until_ms() > now);
+                match config
+                    .grants
+                    .iter_mut()
+                    .find(|x| x.period == g.period && x.period_start_ms == start)
+                {
+                    Some(x) => {
+                        x.extra = x.extra.saturating_add(g.extra);
+                        if g.reason.is_some() {
+                            x.reason = g.reason.clone();
+                        }
+                    }
+                    None => config.grants.push(Grant {
+                        period: g.period,
+                        period_start_ms: start,
+                        extra: g.extra,
+                        reason: g.reason.clone(),
+                    }),
+                }
+                granted = config
+                    .grants
+                    .iter()
+                    .find(|x| x.period == g.period && x.period_start_ms == start)
+                    .cloned();
+                check_tenant(table, &id, &config)?;
+                Ok(vec![(subject.clone(), Body::Tenant(config))])
+            })
+            .await?;
+            Ok({
+                let table = table_of(&state).ok();
+                let limit = table
+                    .and_then(|t| t.tenant(&id))
+                    .and_then(|p| p.global_limit(g.period));
+                let grant = granted.map(|x| {
+                    serde_json::json!({
+                        "period": x.period, "period_start_ms": x.period_start_ms,
+                        "extra": x.extra, "until_ms": x.until_ms(), "reason": x.reason,
+                    })
+                });
+                written_response(
+                    StatusCode::OK,
+                    &w,
+                    serde_json::json!({"tenant": id, "grant": grant, "limit_now": limit}),
+                )
+            })
         }
-        granted = config
-            .grants
-            .iter()
-            .find(|x| x.period == g.period && x.period_start_ms == start)
-            .cloned();
-        check_tenant(table, &id, &config)?;
-        Ok(vec![(subject.clone(), Body::Tenant(config))])
-    })
-    .await;
-    match result {
-        Ok(w) => {
-            let table = table_of(&state).ok();
-            let limit = table
-                .and_then(|t| t.tenant(&id))
-                .and_then(|p| p.global_limit(g.period));
-            let grant = granted.map(|x| {
-                serde_json::json!({
-                    "period": x.period, "period_start_ms": x.period_start_ms,
-                    "extra": x.extra, "until_ms": x.until_ms(), "reason": x.reason,
-                })
-            });
-            written_response(
-                StatusCode::OK,
-                &w,
-                serde_json::json!({"tenant": id, "grant": grant, "limit_now": limit}),
-            )
-        }
-        Err(p) => problem(&state, p),
-    }
+        .await,
+    )
 }
 
 #[derive(Debug, Deserialize)]
@@ -782,60 +777,58 @@ async fn list_tenants(
     Extension(who): Extension<Principal>,
     query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
-    if let Err(e) = who.require(Scope::Read, None) {
-        return problem(&state, e.into());
-    }
-    let Query(q) = match query {
-        Ok(q) => q,
-        Err(e) => {
-            return problem(
-                &state,
-                Problem::bad_field(
-                    "query",
-                    format!(
+    answer(
+        &state,
+        async {
+            who.require(Scope::Read, None)?;
+            let Query(q) = match query {
+                Ok(q) => q,
+                Err(e) => {
+                    return Err(Problem::bad_field(
+                        "query",
+                        format!(
                         "{e} (plan=<name>, overrides=true|false, after=<id>, limit=1..{MAX_PAGE})"
                     ),
-                ),
-            )
+                    ))
+                }
+            };
+            let limit = q.limit.unwrap_or(100);
+            if limit == 0 || limit > MAX_PAGE {
+                return Err(Problem::bad_field(
+                    "limit",
+                    format!("between 1 and {MAX_PAGE}"),
+                ));
+            }
+            let table = table_of(&state)?;
+            let filter = TenantFilter {
+                plan: q.plan,
+                overrides: q.overrides,
+            };
+            // A key restricted to tenants lists only those (read one by one).
+            let page: Vec<TenantView> = match &who.tenants {
+                Some(mine) => mine
+                    .iter()
+                    .filter(|t| q.after.as_ref().is_none_or(|a| *t > a))
+                    .filter_map(|t| table.tenant_view(t))
+                    .filter(|v| {
+                        filter.plan.as_ref().is_none_or(|p| *p == v.config.plan)
+                            && filter.overrides.is_none_or(|o| o != v.config.is_plain())
+                    })
+                    .take(limit)
+                    .collect(),
+                None => table.list_tenants(q.after.as_deref(), limit, &filter),
+            };
+            let next = (page.len() == limit).then(|| page.last().map(|v| v.id.clone()));
+            let tenants: Vec<TenantOut> = page.into_iter().map(TenantOut::from).collect();
+            Ok(Json(serde_json::json!({
+                "tenants": tenants,
+                "next": next.flatten(),
+                "applied_version": table.applied_version(),
+            }))
+            .into_response())
         }
-    };
-    let limit = q.limit.unwrap_or(100);
-    if limit == 0 || limit > MAX_PAGE {
-        return problem(
-            &state,
-            Problem::bad_field("limit", format!("between 1 and {MAX_PAGE}")),
-        );
-    }
-    let table = match table_of(&state) {
-        Ok(t) => t,
-        Err(p) => return problem(&state, p),
-    };
-    let filter = TenantFilter {
-        plan: q.plan,
-        overrides: q.overrides,
-    };
-    // A key restricted to tenants lists only those (read one by one).
-    let page: Vec<TenantView> = match &who.tenants {
-        Some(mine) => mine
-            .iter()
-            .filter(|t| q.after.as_ref().is_none_or(|a| *t > a))
-            .filter_map(|t| table.tenant_view(t))
-            .filter(|v| {
-                filter.plan.as_ref().is_none_or(|p| *p == v.config.plan)
-                    && filter.overrides.is_none_or(|o| o != v.config.is_plain())
-            })
-            .take(limit)
-            .collect(),
-        None => table.list_tenants(q.after.as_deref(), limit, &filter),
-    };
-    let next = (page.len() == limit).then(|| page.last().map(|v| v.id.clone()));
-    let tenants: Vec<TenantOut> = page.into_iter().map(TenantOut::from).collect();
-    Json(serde_json::json!({
-        "tenants": tenants,
-        "next": next.flatten(),
-        "applied_version": table.applied_version(),
-    }))
-    .into_response()
+        .await,
+    )
 }
 
 async fn tenant_history(
@@ -843,14 +836,13 @@ async fn tenant_history(
     Extension(who): Extension<Principal>,
     Path(id): Path<String>,
 ) -> Response {
-    if let Err(e) = who.require(Scope::Read, Some(&id)) {
-        return problem(&state, e.into());
+    answer(&state, async {
+        who.require(Scope::Read, Some(&id))?;
+        table_of(&state)?;
+        Ok(Json(serde_json::json!({"tenant": id, "changes": state.limits_history.of("tenant", &id)}))
+            .into_response())
     }
-    if let Err(p) = table_of(&state) {
-        return problem(&state, p);
-    }
-    Json(serde_json::json!({"tenant": id, "changes": state.limits_history.of("tenant", &id)}))
-        .into_response()
+    .await)
 }
 
 async fn plan_history(
@@ -858,14 +850,13 @@ async fn plan_history(
     Extension(who): Extension<Principal>,
     Path(name): Path<String>,
 ) -> Response {
-    if let Err(e) = who.require(Scope::Read, None) {
-        return problem(&state, e.into());
+    answer(&state, async {
+        who.require(Scope::Read, None)?;
+        table_of(&state)?;
+        Ok(Json(serde_json::json!({"plan": name, "changes": state.limits_history.of("plan", &name)}))
+            .into_response())
     }
-    if let Err(p) = table_of(&state) {
-        return problem(&state, p);
-    }
-    Json(serde_json::json!({"plan": name, "changes": state.limits_history.of("plan", &name)}))
-        .into_response()
+    .await)
 }
 
 /// A plan as the API shows it.
@@ -906,46 +897,50 @@ async fn get_plan(
     Extension(who): Extension<Principal>,
     Path(name): Path<String>,
 ) -> Response {
-    if let Err(e) = who.require(Scope::Read, None) {
-        return problem(&state, e.into());
-    }
-    let table = match table_of(&state) {
-        Ok(t) => t,
-        Err(p) => return problem(&state, p),
-    };
-    match plan_out(&state, &table, &name) {
-        Some(p) => {
-            let version = p.version;
-            let mut r = Json(p).into_response();
-            r.headers_mut().insert(header::ETAG, etag(version));
-            r
+    answer(
+        &state,
+        async {
+            who.require(Scope::Read, None)?;
+            let table = table_of(&state)?;
+            match plan_out(&state, &table, &name) {
+                Some(p) => {
+                    let version = p.version;
+                    let mut r = Json(p).into_response();
+                    r.headers_mut().insert(header::ETAG, etag(version));
+                    Ok(r)
+                }
+                None => Err(not_found("plan", &name)),
+            }
         }
-        None => problem(&state, not_found("plan", &name)),
-    }
+        .await,
+    )
 }
 
 async fn list_plans(
     AxumState(state): AxumState<AppState>,
     Extension(who): Extension<Principal>,
 ) -> Response {
-    if let Err(e) = who.require(Scope::Read, None) {
-        return problem(&state, e.into());
-    }
-    let table = match table_of(&state) {
-        Ok(t) => t,
-        Err(p) => return problem(&state, p),
-    };
-    let (topic, _) = table.export();
-    let mut names: Vec<String> = topic.into_keys().collect();
-    names.extend(table.file_plan_names());
-    names.sort();
-    names.dedup();
-    let plans: Vec<PlanOut> = names
-        .iter()
-        .filter_map(|n| plan_out(&state, &table, n))
-        .collect();
-    Json(serde_json::json!({"plans": plans, "applied_version": table.applied_version()}))
-        .into_response()
+    answer(
+        &state,
+        async {
+            who.require(Scope::Read, None)?;
+            let table = table_of(&state)?;
+            let (topic, _) = table.export();
+            let mut names: Vec<String> = topic.into_keys().collect();
+            names.extend(table.file_plan_names());
+            names.sort();
+            names.dedup();
+            let plans: Vec<PlanOut> = names
+                .iter()
+                .filter_map(|n| plan_out(&state, &table, n))
+                .collect();
+            Ok(Json(
+                serde_json::json!({"plans": plans, "applied_version": table.applied_version()}),
+            )
+            .into_response())
+        }
+        .await,
+    )
 }
 
 async fn put_plan(
@@ -955,44 +950,37 @@ async fn put_plan(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(e) = who.require(Scope::LimitsWrite, None) {
-        return problem(&state, e.into());
-    }
-    let pre = match precondition(&headers) {
-        Ok(p) => p,
-        Err(p) => return problem(&state, p),
-    };
-    let config: PlanConfig = match parse_body(&body) {
-        Ok(c) => c,
-        Err(p) => return problem(&state, p),
-    };
-    if let Err(p) = check_plan(&name, &config) {
-        return problem(&state, p);
-    }
-    let mut existed = false;
-    let subject = Subject::Plan(name.clone());
-    let result = write(&state, &who, |table| {
-        let current = table.topic_plan(&name);
-        existed = matches!(current, Some((_, Some(_))));
-        check_precondition(pre, current.map_or(0, |(v, _)| v), existed)?;
-        Ok(vec![(subject.clone(), Body::Plan(config.clone()))])
-    })
-    .await;
-    match result {
-        Ok(w) => {
-            let status = if existed {
-                StatusCode::OK
-            } else {
-                StatusCode::CREATED
-            };
-            written_response(
-                status,
-                &w,
-                serde_json::json!({"plan": name, "limits": config}),
-            )
+    answer(
+        &state,
+        async {
+            who.require(Scope::LimitsWrite, None)?;
+            let pre = precondition(&headers)?;
+            let config: PlanConfig = parse_body(&body)?;
+            check_plan(&name, &config)?;
+            let mut existed = false;
+            let subject = Subject::Plan(name.clone());
+            let w = write(&state, &who, |table| {
+                let current = table.topic_plan(&name);
+                existed = matches!(current, Some((_, Some(_))));
+                check_precondition(pre, current.map_or(0, |(v, _)| v), existed)?;
+                Ok(vec![(subject.clone(), Body::Plan(config.clone()))])
+            })
+            .await?;
+            Ok({
+                let status = if existed {
+                    StatusCode::OK
+                } else {
+                    StatusCode::CREATED
+                };
+                written_response(
+                    status,
+                    &w,
+                    serde_json::json!({"plan": name, "limits": config}),
+                )
+            })
         }
-        Err(p) => problem(&state, p),
-    }
+        .await,
+    )
 }
 
 async fn delete_plan(
@@ -1001,36 +989,34 @@ async fn delete_plan(
     Path(name): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(e) = who.require(Scope::LimitsWrite, None) {
-        return problem(&state, e.into());
-    }
-    let pre = match precondition(&headers) {
-        Ok(p) => p,
-        Err(p) => return problem(&state, p),
-    };
-    let subject = Subject::Plan(name.clone());
-    let file_defines = state.live().load().config.plans.contains_key(&name);
-    let result = write(&state, &who, |table| {
-        let Some((version, Some(_))) = table.topic_plan(&name) else {
-            return Err(not_found("plan", &name));
-        };
-        check_precondition(pre, version, true)?;
-        // The file's definition takes over when the topic's goes: only a
-        // plan no one else defines must be unused.
-        if !file_defines {
-            check_plan_unused(table, &name)?;
+    answer(
+        &state,
+        async {
+            who.require(Scope::LimitsWrite, None)?;
+            let pre = precondition(&headers)?;
+            let subject = Subject::Plan(name.clone());
+            let file_defines = state.live().load().config.plans.contains_key(&name);
+            let w = write(&state, &who, |table| {
+                let Some((version, Some(_))) = table.topic_plan(&name) else {
+                    return Err(not_found("plan", &name));
+                };
+                check_precondition(pre, version, true)?;
+                // The file's definition takes over when the topic's goes: only a
+                // plan no one else defines must be unused.
+                if !file_defines {
+                    check_plan_unused(table, &name)?;
+                }
+                Ok(vec![(subject.clone(), Body::Deleted)])
+            })
+            .await?;
+            Ok(written_response(
+                StatusCode::OK,
+                &w,
+                serde_json::json!({"plan": name, "deleted": true}),
+            ))
         }
-        Ok(vec![(subject.clone(), Body::Deleted)])
-    })
-    .await;
-    match result {
-        Ok(w) => written_response(
-            StatusCode::OK,
-            &w,
-            serde_json::json!({"plan": name, "deleted": true}),
-        ),
-        Err(p) => problem(&state, p),
-    }
+        .await,
+    )
 }
 
 #[derive(Debug, Deserialize)]
@@ -1048,57 +1034,52 @@ async fn export(
     Extension(who): Extension<Principal>,
     query: Result<Query<ExportQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
-    use crate::limits_import::Tables;
-    if let Err(e) = who.require(Scope::Read, None) {
-        return problem(&state, e.into());
-    }
-    if who.tenants.is_some() {
-        return problem(
-            &state,
-            Problem::new(
-                StatusCode::FORBIDDEN,
-                "forbidden",
-                "Not allowed",
-                format!(
-                    "{} is restricted to some tenants: it cannot export all of them",
-                    who.name
-                ),
-            ),
-        );
-    }
-    let format = match query.as_ref().ok().and_then(|q| q.0.format.as_deref()) {
-        None | Some("jsonl") => "jsonl",
-        Some("toml") => "toml",
-        Some(other) => {
-            return problem(
-                &state,
-                Problem::bad_field("format", format!("{other:?}: jsonl or toml")),
-            )
+    answer(
+        &state,
+        async {
+            use crate::limits_import::Tables;
+            who.require(Scope::Read, None)?;
+            if who.tenants.is_some() {
+                return Err(Problem::new(
+                    StatusCode::FORBIDDEN,
+                    "forbidden",
+                    "Not allowed",
+                    format!(
+                        "{} is restricted to some tenants: it cannot export all of them",
+                        who.name
+                    ),
+                ));
+            }
+            let format = match query.as_ref().ok().and_then(|q| q.0.format.as_deref()) {
+                None | Some("jsonl") => "jsonl",
+                Some("toml") => "toml",
+                Some(other) => {
+                    return Err(Problem::bad_field(
+                        "format",
+                        format!("{other:?}: jsonl or toml"),
+                    ))
+                }
+            };
+            let table = table_of(&state)?;
+            let (plans, tenants) = table.export();
+            let tables = Tables { plans, tenants };
+            if format == "toml" {
+                let text = toml::to_string(&tables).map_err(|e| {
+                    Problem::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "export-failed",
+                        "Export failed",
+                        e.to_string(),
+                    )
+                })?;
+                return Ok(([(header::CONTENT_TYPE, "application/toml")], text).into_response());
+            }
+            let mut text = tables.to_jsonl().join("\n");
+            text.push('\n');
+            Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], text).into_response())
         }
-    };
-    let table = match table_of(&state) {
-        Ok(t) => t,
-        Err(p) => return problem(&state, p),
-    };
-    let (plans, tenants) = table.export();
-    let tables = Tables { plans, tenants };
-    if format == "toml" {
-        return match toml::to_string(&tables) {
-            Ok(text) => ([(header::CONTENT_TYPE, "application/toml")], text).into_response(),
-            Err(e) => problem(
-                &state,
-                Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "export-failed",
-                    "Export failed",
-                    e.to_string(),
-                ),
-            ),
-        };
-    }
-    let mut text = tables.to_jsonl().join("\n");
-    text.push('\n');
-    ([(header::CONTENT_TYPE, "application/x-ndjson")], text).into_response()
+        .await,
+    )
 }
 
 #[derive(Debug, Deserialize)]
@@ -1117,67 +1098,61 @@ async fn import(
     query: Result<Query<ImportQuery>, axum::extract::rejection::QueryRejection>,
     body: Bytes,
 ) -> Response {
-    use crate::limits_import::{plan_import, Action, Tables};
-    if let Err(e) = who.require(Scope::LimitsWrite, None) {
-        return problem(&state, e.into());
-    }
-    let Ok(Query(q)) = query else {
-        return problem(&state, Problem::bad_field("dry_run", "true or false"));
-    };
-    let tables = match std::str::from_utf8(&body)
-        .map_err(|e| e.to_string())
-        .and_then(Tables::from_jsonl)
-    {
-        Ok(t) => t,
-        Err(e) => return problem(&state, Problem::bad_field("body", e)),
-    };
-    let total = tables.len();
-    let summary = |changes: &[(Action, Subject, Body)]| {
-        let created = changes.iter().filter(|c| c.0 == Action::Create).count();
-        let updated = changes.len() - created;
-        (created, updated)
-    };
-    if q.dry_run {
-        let table = match table_of(&state) {
-            Ok(t) => t,
-            Err(p) => return problem(&state, p),
-        };
-        return match plan_import(&table, &tables) {
-            Ok(changes) => {
+    answer(
+        &state,
+        async {
+            use crate::limits_import::{plan_import, Action, Tables};
+            who.require(Scope::LimitsWrite, None)?;
+            let Ok(Query(q)) = query else {
+                return Err(Problem::bad_field("dry_run", "true or false"));
+            };
+            let tables = match std::str::from_utf8(&body)
+                .map_err(|e| e.to_string())
+                .and_then(Tables::from_jsonl)
+            {
+                Ok(t) => t,
+                Err(e) => return Err(Problem::bad_field("body", e)),
+            };
+            let total = tables.len();
+            let summary = |changes: &[(Action, Subject, Body)]| {
+                let created = changes.iter().filter(|c| c.0 == Action::Create).count();
+                let updated = changes.len() - created;
+                (created, updated)
+            };
+            if q.dry_run {
+                let table = table_of(&state)?;
+                let changes = plan_import(&table, &tables)?;
                 let (created, updated) = summary(&changes);
                 let list: Vec<Value> = changes
                     .iter()
                     .take(1000)
                     .map(|(a, s, _)| serde_json::json!({"action": a, "subject": s.key()}))
                     .collect();
-                Json(serde_json::json!({
+                return Ok(Json(serde_json::json!({
                     "dry_run": true, "subjects": total, "created": created,
                     "updated": updated, "unchanged": total - created - updated,
                     "changes": list,
                 }))
-                .into_response()
+                .into_response());
             }
-            Err(p) => problem(&state, p),
-        };
-    }
-    let mut counts = (0, 0);
-    let result = write(&state, &who, |table| {
-        let changes = plan_import(table, &tables)?;
-        counts = summary(&changes);
-        Ok(changes.into_iter().map(|(_, s, b)| (s, b)).collect())
-    })
-    .await;
-    match result {
-        Ok(w) => Json(serde_json::json!({
-            "dry_run": false, "subjects": total, "created": counts.0,
-            "updated": counts.1, "unchanged": total - counts.0 - counts.1,
-            "first_version": w.records.first().map(|r| r.version),
-            "last_version": w.records.last().map(|r| r.version),
-            "applied": w.applied,
-        }))
-        .into_response(),
-        Err(p) => problem(&state, p),
-    }
+            let mut counts = (0, 0);
+            let w = write(&state, &who, |table| {
+                let changes = plan_import(table, &tables)?;
+                counts = summary(&changes);
+                Ok(changes.into_iter().map(|(_, s, b)| (s, b)).collect())
+            })
+            .await?;
+            Ok(Json(serde_json::json!({
+                "dry_run": false, "subjects": total, "created": counts.0,
+                "updated": counts.1, "unchanged": total - counts.0 - counts.1,
+                "first_version": w.records.first().map(|r| r.version),
+                "last_version": w.records.last().map(|r| r.version),
+                "applied": w.applied,
+            }))
+            .into_response())
+        }
+        .await,
+    )
 }
 
 #[cfg(test)]

@@ -11,6 +11,8 @@
 //! - [`cluster`]: a whole deployment on a topology, with its faults;
 //! - [`load`]: paced per-region traffic recorded into a history, and
 //!   metric samples taken while it runs;
+//! - [`limits`]: a node's readiness, a check's status, a limits version
+//!   reaching every node (the limits suites);
 //! - [`history`]: the history checker (no tier over its limit beyond what
 //!   the faults explain, the global count exact once drained);
 //! - [`lua`]: the decision script on a clock the test sets.
@@ -20,6 +22,7 @@ pub use testkit::*;
 pub mod cluster;
 pub mod config;
 pub mod history;
+pub mod limits;
 pub mod load;
 pub mod lua;
 pub mod topology;

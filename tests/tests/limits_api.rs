@@ -12,6 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use harness::limits::{allowed_until_refused, check, reached, ready};
 use harness::{temp_dir, wait_for, write_config, Aggregator, Redis, RegionNode, Tansu};
 use serde_json::{json, Value};
 use tierlimit_shared::auth::KeyDigest;
@@ -177,57 +178,6 @@ fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-async fn ready(n: &RegionNode) {
-    let url = n.url("/readyz");
-    harness::wait_until(&format!("{} ready", n.node_id), DEADLINE, || {
-        let url = url.clone();
-        async move {
-            reqwest::get(url)
-                .await
-                .map(|r| r.status() == 200)
-                .unwrap_or(false)
-        }
-    })
-    .await;
-}
-
-/// Waits until every one of `nodes` region-nodes applied `version`.
-async fn reached(agg: &Aggregator, version: u64, nodes: usize) {
-    let url = agg.url(&format!("/v1/limits/status?version={version}"));
-    wait_for(
-        &format!("version {version} on {nodes} nodes"),
-        DEADLINE,
-        || {
-            let (http, url) = (agg.http.clone(), url.clone());
-            async move {
-                let v: Value = http.get(url).send().await.ok()?.json().await.ok()?;
-                (v["reached"] == true && v["nodes"].as_array()?.len() == nodes).then_some(())
-            }
-        },
-    )
-    .await;
-}
-
-async fn check(n: &RegionNode, tenant: &str) -> u16 {
-    n.http
-        .post(n.url("/v1/check"))
-        .json(&json!({ "tenant": tenant }))
-        .send()
-        .await
-        .map(|r| r.status().as_u16())
-        .unwrap_or(0)
-}
-
-async fn allowed_until_refused(n: &RegionNode, tenant: &str, max: u32) -> (u32, u16) {
-    for i in 0..max {
-        let s = check(n, tenant).await;
-        if s != 200 {
-            return (i, s);
-        }
-    }
-    (max, 200)
-}
-
 async fn applied_version(agg: &Aggregator) -> u64 {
     let (_, _, v) = send(agg.http.get(agg.url("/v1/limits/status"))).await;
     v["aggregator"]["applied_version"].as_u64().unwrap()
@@ -237,12 +187,14 @@ const PRO: &str = r#"{"region": {"limit": 3, "window": "1h", "algorithm": "fixed
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it() {
-    let w = World::new(&["eu", "us"]).await;
+    let w = World::new(&["eu", "us", "ap"]).await;
     let agg = Aggregator::start(&w.cfg).await;
     let eu = RegionNode::start(&w.cfg, "eu", "e1").await;
     let us = RegionNode::start(&w.cfg, "us", "u1").await;
+    let ap = RegionNode::start(&w.cfg, "ap", "a1").await;
     ready(&eu).await;
     ready(&us).await;
+    ready(&ap).await;
     let ops = client(OPS_KEY);
     let pro: Value = serde_json::from_str(PRO).unwrap();
 
@@ -260,8 +212,8 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
     let v1 = v1.unwrap();
     assert!(v1 > v_plan.unwrap());
     assert_eq!(body["applied"], true, "{body}");
-    reached(&agg, v1, 2).await;
-    for n in [&eu, &us] {
+    reached(&agg, v1, 3).await;
+    for n in [&eu, &us, &ap] {
         assert_eq!(allowed_until_refused(n, "acme", 10).await, (3, 429));
     }
     let (s, etag, t) = send(ops.get(agg.url("/v1/limits/tenants/acme"))).await;
@@ -340,8 +292,8 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
         .nth(1)
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no version in {out:?}"));
-    reached(&agg, v2, 2).await;
-    for n in [&eu, &us] {
+    reached(&agg, v2, 3).await;
+    for n in [&eu, &us, &ap] {
         assert_eq!(allowed_until_refused(n, "acme", 10).await, (2, 429));
     }
     let stale = cli(
@@ -398,7 +350,7 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
     )
     .await;
     assert_eq!(s, 201, "{p}");
-    reached(&agg, v.unwrap(), 2).await;
+    reached(&agg, v.unwrap(), 3).await;
     assert_eq!(allowed_until_refused(&eu, "gm", 10).await, (4, 429));
     let (s, _, p) = send(
         ops.post(agg.url("/v1/limits/tenants/gm/grants"))
@@ -428,7 +380,7 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
     .unwrap();
     assert!(out.contains("limit is now 7"), "{out}");
     let v_grant: u64 = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-    reached(&agg, v_grant, 2).await;
+    reached(&agg, v_grant, 3).await;
     assert_eq!(allowed_until_refused(&eu, "gm", 10).await, (3, 429));
     let (_, _, t) = send(ops.get(agg.url("/v1/limits/tenants/gm"))).await;
     let grant = &t["grants"][0];
@@ -446,13 +398,13 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
     };
     assert!(month_end > tierlimit_shared::messages::now_ms());
 
-    // 7. Inspected across the regions: acme spent its region limit (5) in
-    //    each; the aggregator counts 10, 5 from each region.
+    // 7. Inspected across the three regions: acme spent its region limit
+    //    (5) in each; the aggregator counts 15, 5 from each region.
     wait_for("acme's global count", DEADLINE, || {
         let (http, url) = (agg.http.clone(), agg.url("/v1/global/acme"));
         async move {
             let v: Value = http.get(url).send().await.ok()?.json().await.ok()?;
-            (v["today"]["total"] == 10).then_some(())
+            (v["today"]["total"] == 15).then_some(())
         }
     })
     .await;
@@ -468,11 +420,13 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
             &format!("eu={}", eu.url("")),
             "--node",
             &format!("us={}", us.url("")),
+            "--node",
+            &format!("ap={}", ap.url("")),
         ],
     )
     .unwrap();
     let seen: Value = serde_json::from_str(&out).unwrap();
-    for region in ["eu", "us"] {
+    for region in ["eu", "us", "ap"] {
         let region_tier = seen["regions"][region]["tiers"]
             .as_array()
             .unwrap()
@@ -524,9 +478,10 @@ async fn the_api_and_the_cli_write_read_and_delete_and_every_region_applies_it()
     )
     .unwrap();
     let v3: u64 = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-    reached(&agg, v3, 2).await;
+    reached(&agg, v3, 3).await;
     assert_eq!(check(&eu, "acme").await, 403);
     assert_eq!(check(&us, "acme").await, 403);
+    assert_eq!(check(&ap, "acme").await, 403);
     let (s, _, _) = send(ops.get(agg.url("/v1/limits/tenants/acme"))).await;
     assert_eq!(s, 404);
 }
