@@ -1588,9 +1588,41 @@ impl Decider {
             denied_by: Some(Tier::Global),
             denied_period: Some(period.kind),
             retry_after_ms: Some(period.left_ms(now).max(1)),
-            tiers: vec![global_status((period, limit), 0, now)],
+            tiers: self.view_tiers(req.tenant, policy, (period, limit), now),
             refund_handle: None,
         }
+    }
+
+    /// Every global tier of `policy` as the broadcast view shows it (the
+    /// denying one at 0 left), so a denial from the view reports the same
+    /// policies (`RateLimit-Policy`) as one from the script. Node and
+    /// region tiers are not known without Redis, and are left out.
+    fn view_tiers(
+        &self,
+        tenant: &str,
+        policy: &Policy,
+        (denying, limit): (Period, u64),
+        now: u64,
+    ) -> Vec<TierStatus> {
+        let day = Period::day(day::of_unix_secs(now / 1000));
+        let tiers = policy.global.map(|l| (day, l)).into_iter().chain(
+            policy
+                .global_periods
+                .iter()
+                .map(|t| (t.kind.at(now), t.limit)),
+        );
+        tiers
+            .map(|(p, l)| {
+                if p.kind == denying.kind {
+                    return global_status((denying, limit), 0, now);
+                }
+                let spent = self
+                    .view
+                    .with_period(tenant, p, |e| e.map(|e| e.total()))
+                    .unwrap_or(0);
+                global_status((p, l), l.saturating_sub(spent), now)
+            })
+            .collect()
     }
 
     fn open_decision(&self, req: &Request<'_>, policy: &Policy, key: &str) -> Decision {
