@@ -114,7 +114,7 @@ fn on_reject(state: &Arc<State>) -> tierlimit_shared::serve::OnReject {
 }
 
 /// A counted problem response.
-fn refuse(state: &State, p: Problem) -> Response {
+pub(crate) fn refuse(state: &State, p: Problem) -> Response {
     state
         .metrics
         .http_rejections

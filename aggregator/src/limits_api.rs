@@ -337,13 +337,9 @@ fn answer(state: &State, r: Result<Response, Problem>) -> Response {
     r.unwrap_or_else(|p| problem(state, p))
 }
 
+/// A counted refusal (the API's one: `http::refuse`).
 fn problem(state: &State, p: Problem) -> Response {
-    state
-        .metrics
-        .http_rejections
-        .with_label_values(&[p.slug()])
-        .inc();
-    p.into_response()
+    crate::http::refuse(state, p)
 }
 
 /// The table, or 404 when tenants come from the file.
