@@ -124,7 +124,7 @@ impl ConsumerContext for RebuildContext {
                         now_ms(),
                         config.config.aggregator.retention_days,
                         &kinds,
-                    );
+                    ) - retention::zone_margin_ms(&config.config);
                     retention::start_offsets(
                         consumer,
                         &self.topic,

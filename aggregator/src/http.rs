@@ -236,14 +236,20 @@ async fn tenant_view(
     if let Err(e) = who.require(Scope::Read, Some(&tenant)) {
         return refuse(&state, e.into());
     }
-    let limit = state.limit_of(&tenant, PeriodKind::Day);
+    let zone = state.zone_of(&tenant);
+    // The UTC day's limit: none when the tenant's day is another zone's.
+    let limit = state
+        .limit_of(&tenant, PeriodKind::Day)
+        .filter(|_| zone.is_utc());
     let now = now_ms();
     let today = day::today();
     let yesterday = today.saturating_sub(1);
+    // In a zone other than UTC the day's tier is one of these, on the
+    // zone's calendar; `today` stays the UTC day every tenant counts.
     let others: Vec<(Period, Option<u64>)> = PeriodKind::ALL
         .into_iter()
-        .filter(|k| *k != PeriodKind::Day)
-        .map(|k| (k.at(now), state.limit_of(&tenant, k)))
+        .filter(|k| *k != PeriodKind::Day || !zone.is_utc())
+        .map(|k| (k.at_in(zone, now), state.limit_of(&tenant, k)))
         .collect();
     let partition = partition_of(&tenant, state.kafka().partitions);
     let core = state.lock();
@@ -376,9 +382,9 @@ async fn over_limit(
         // most one broadcast interval ago), so this never walks every
         // counter under the lock.
         let core = state.lock();
-        PeriodKind::ALL
+        core.merged
+            .current(now)
             .into_iter()
-            .map(|k| k.at(now))
             .flat_map(|period| {
                 let core = &core;
                 let config = &config;

@@ -85,9 +85,10 @@ impl LimitChanges {
     /// Marks the concerned counters of the current period of every kind at
     /// `now_ms` dirty; returns how many.
     pub fn mark(&self, merged: &mut Merged, now_ms: u64) -> usize {
-        PeriodKind::ALL
+        merged
+            .current(now_ms)
             .into_iter()
-            .map(|kind| self.mark_period(merged, kind.at(now_ms)))
+            .map(|period| self.mark_period(merged, period))
             .sum()
     }
 

@@ -691,17 +691,21 @@ async fn grant_tenant(
                 return Err(Problem::bad_field("reason", "at most 500 bytes"));
             }
             let now = tierlimit_shared::messages::now_ms();
-            let start = g.period.at(now).start_ms().max(0) as u64;
             let mut granted = None;
+            let mut zone = tierlimit_shared::zone::Zone::UTC;
             let subject = Subject::Tenant(id.clone());
             let w = write(&state, &who, |table| {
                 let Some(view) = table.tenant_view(&id) else {
                     return Err(not_found("tenant", &id));
                 };
                 check_precondition(pre, view.version, true)?;
-                let has_tier = table
-                    .tenant_at(&id, now)
+                let policy = table.tenant_at(&id, now);
+                let has_tier = policy
+                    .as_ref()
                     .is_some_and(|p| p.global_limit(g.period).is_some());
+                // The period now on the tenant's own calendar.
+                zone = policy.map_or(zone, |p| p.time_zone);
+                let start = g.period.at_in(zone, now).start_ms().max(0) as u64;
                 if !has_tier {
                     return Err(Problem::bad_field(
                         "period",
@@ -710,7 +714,7 @@ async fn grant_tenant(
                 }
                 let mut config = view.config;
                 // Ended grants go; one for the same period adds up.
-                config.grants.retain(|x| x.until_ms() > now);
+                config.grants.retain(|x| x.until_ms(zone) > now);
                 match config
                     .grants
                     .iter_mut()
@@ -746,7 +750,7 @@ async fn grant_tenant(
                 let grant = granted.map(|x| {
                     serde_json::json!({
                         "period": x.period, "period_start_ms": x.period_start_ms,
-                        "extra": x.extra, "until_ms": x.until_ms(), "reason": x.reason,
+                        "extra": x.extra, "until_ms": x.until_ms(zone), "reason": x.reason,
                     })
                 });
                 written_response(

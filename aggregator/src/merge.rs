@@ -54,6 +54,7 @@ use crdts::{CmRDT, Dot, PNCounter};
 use num_traits::{Signed, ToPrimitive};
 use tierlimit_shared::messages::{actor_region, ActorPart, Delta};
 use tierlimit_shared::period::{Period, PeriodKind};
+use tierlimit_shared::zone::Zone;
 
 /// Identifies one counter: a tenant in one period. Ordered by period
 /// (kind, then index) first, as the groups of [`Merged`] are.
@@ -95,8 +96,8 @@ impl TenantPeriod {
 /// A delta of an older period is dropped as expired, one of a later period
 /// as future (no correct clock produces it; keeping it would hold memory
 /// past any retention).
-pub fn kept(kind: PeriodKind, now_ms: u64, retention_days: u32) -> (u32, u32) {
-    let current = kind.at(now_ms).index;
+pub fn kept(kind: PeriodKind, zone: Zone, now_ms: u64, retention_days: u32) -> (u32, u32) {
+    let current = kind.at_in(zone, now_ms).index;
     let back = match kind {
         PeriodKind::Day => retention_days.max(1) - 1,
         PeriodKind::Hour => 2,
@@ -529,15 +530,16 @@ impl Merged {
         self.retention_days = retention_days.max(1);
     }
 
-    /// The periods of `kind` kept at `now_ms` (see [`kept`]).
-    pub fn kept(&self, kind: PeriodKind, now_ms: u64) -> (u32, u32) {
-        kept(kind, now_ms, self.retention_days)
+    /// The periods of `kind` on `zone`'s calendar kept at `now_ms` (see
+    /// [`kept`]).
+    pub fn kept(&self, kind: PeriodKind, zone: Zone, now_ms: u64) -> (u32, u32) {
+        kept(kind, zone, now_ms, self.retention_days)
     }
 
     /// Merges a delta read from `partition`, at wall-clock `now_ms` (which
     /// only decides the retention). Changed counters become dirty.
     pub fn apply(&mut self, partition: i32, delta: &Delta, now_ms: u64) -> Applied {
-        let (oldest, newest) = self.kept(delta.period.kind, now_ms);
+        let (oldest, newest) = self.kept(delta.period.kind, delta.period.zone, now_ms);
         if delta.period.index < oldest {
             return Applied::Expired;
         }
@@ -609,6 +611,17 @@ impl Merged {
         self.periods.get(&period)
     }
 
+    /// The periods held that `now_ms` falls in: of every kind, and of
+    /// every zone some tenant counts in (a handful; `kind.at(now)` alone
+    /// would miss the zones).
+    pub fn current(&self, now_ms: u64) -> Vec<Period> {
+        self.periods
+            .keys()
+            .filter(|p| p.contains(now_ms))
+            .copied()
+            .collect()
+    }
+
     /// The periods held, oldest first within each kind (hour, day, week,
     /// month), with their counters.
     pub fn periods(&self) -> impl Iterator<Item = (Period, &PeriodCounters)> {
@@ -662,7 +675,7 @@ impl Merged {
         let gone: Vec<Period> = self
             .periods
             .keys()
-            .filter(|p| p.index < kept(p.kind, now_ms, retention_days).0)
+            .filter(|p| p.index < kept(p.kind, p.zone, now_ms, retention_days).0)
             .copied()
             .collect();
         Expired {
@@ -1303,17 +1316,18 @@ mod tests {
     fn retention_per_kind() {
         let now = ms(2026, 11, 27, 15);
         let h = PeriodKind::Hour.at(now).index;
-        assert_eq!(kept(PeriodKind::Hour, now, 2), (h - 2, h + 1));
+        assert_eq!(kept(PeriodKind::Hour, Zone::UTC, now, 2), (h - 2, h + 1));
         let d = PeriodKind::Day.at(now).index;
-        assert_eq!(kept(PeriodKind::Day, now, 2), (d - 1, d + 1));
-        assert_eq!(kept(PeriodKind::Day, now, 7), (d - 6, d + 1));
+        assert_eq!(kept(PeriodKind::Day, Zone::UTC, now, 2), (d - 1, d + 1));
+        assert_eq!(kept(PeriodKind::Day, Zone::UTC, now, 7), (d - 6, d + 1));
         let w = PeriodKind::Week.at(now).index;
-        assert_eq!(kept(PeriodKind::Week, now, 7), (w - 1, w + 1));
+        assert_eq!(kept(PeriodKind::Week, Zone::UTC, now, 7), (w - 1, w + 1));
         let mo = PeriodKind::Month.at(now).index;
-        assert_eq!(kept(PeriodKind::Month, now, 2), (mo - 1, mo + 1));
+        assert_eq!(kept(PeriodKind::Month, Zone::UTC, now, 2), (mo - 1, mo + 1));
         // A month two ahead is no clock's.
         let mut m = Merged::new(2);
         let p = Period {
+            zone: tierlimit_shared::zone::Zone::UTC,
             kind: PeriodKind::Month,
             index: mo + 2,
         };

@@ -82,6 +82,7 @@ fn name(n: &str) -> String {
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
+        tierlimit_shared::register_build_info(&registry);
         let counter = |n: &str, help: &str| {
             let c = IntCounter::new(name(n), help).expect("valid metric");
             registry
@@ -307,8 +308,15 @@ mod tests {
         assert!(text.contains("tierlimit_aggregator_delta_age_seconds_bucket"));
         m.forget_partitions(&[3]);
         assert!(!m.render().contains("consumer_lag{partition=\"3\"}"));
+        // The one shared metric: the release and its zone database.
+        let build = format!("tzdb=\"{}\"", tierlimit_shared::zone::tzdb_version());
+        assert!(m.render().contains(&build), "{build}");
         for line in m.render().lines().filter(|l| !l.starts_with('#')) {
-            assert!(line.starts_with("tierlimit_aggregator_"), "{line}");
+            assert!(
+                line.starts_with("tierlimit_aggregator_")
+                    || line.starts_with("tierlimit_build_info{"),
+                "{line}"
+            );
         }
     }
 }

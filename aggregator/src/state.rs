@@ -148,6 +148,14 @@ impl State {
         configured_limit(&self.live.load(), tenant, kind)
     }
 
+    /// The zone `tenant`'s global tiers count in (UTC if unknown).
+    pub fn zone_of(&self, tenant: &str) -> tierlimit_shared::zone::Zone {
+        self.live
+            .load()
+            .policy(tenant)
+            .map_or(tierlimit_shared::zone::Zone::UTC, |p| p.time_zone)
+    }
+
     /// Which changed counters the regions need (see [`Merged::take_dirty`]):
     /// those with a global limit (carried by the deltas, else configured)
     /// whose total reached `aggregator.broadcast_fraction` of it. Built
@@ -519,8 +527,7 @@ impl State {
         // Tenants at or over any of their tiers in its current period,
         // each counted once.
         let mut over = std::collections::BTreeSet::new();
-        for kind in PeriodKind::ALL {
-            let period = kind.at(now);
+        for period in core.merged.current(now) {
             let Some(g) = core.merged.on(period) else {
                 continue;
             };

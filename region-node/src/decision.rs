@@ -581,7 +581,7 @@ impl Decider {
         if let Some((period, limit)) = self.over_in_view(req.tenant, &policy, today, now) {
             let d = self.view_denial(&req, &policy, key, (period, limit), self.redis_now(now));
             let denied = match period.kind {
-                PeriodKind::Day => Denied::Global,
+                PeriodKind::Day if period.zone.is_utc() => Denied::Global,
                 kind => Denied::Period(
                     policy
                         .global_periods
@@ -1214,7 +1214,7 @@ impl Decider {
             .global_periods
             .iter()
             .map(|t| {
-                let period = t.kind.at(at);
+                let period = t.at(at);
                 let (total, own_parts) = self
                     .view
                     .with_period(tenant, period, |e| {
@@ -1270,7 +1270,7 @@ impl Decider {
         policy
             .global_periods
             .iter()
-            .find_map(|t| over(t.kind.at(at), t.limit))
+            .find_map(|t| over(t.at(at), t.limit))
     }
 
     /// This node's clock (ms), and the day of a decision by Redis' clock:
@@ -1605,15 +1605,14 @@ impl Decider {
         now: u64,
     ) -> Vec<TierStatus> {
         let day = Period::day(day::of_unix_secs(now / 1000));
-        let tiers = policy.global.map(|l| (day, l)).into_iter().chain(
-            policy
-                .global_periods
-                .iter()
-                .map(|t| (t.kind.at(now), t.limit)),
-        );
+        let tiers = policy
+            .global
+            .map(|l| (day, l))
+            .into_iter()
+            .chain(policy.global_periods.iter().map(|t| (t.at(now), t.limit)));
         tiers
             .map(|(p, l)| {
-                if p.kind == denying.kind {
+                if p.kind == denying.kind && p.zone == denying.zone {
                     return global_status((denying, limit), 0, now);
                 }
                 let spent = self
@@ -1867,11 +1866,16 @@ fn global_status((period, limit): (Period, u64), remaining: u64, now: u64) -> Ti
         remaining,
         reset_ms: period.left_ms(now),
         window_ms: period.len_ms(),
-        algorithm: match period.kind {
-            PeriodKind::Hour => "utc_hour",
-            PeriodKind::Day => "utc_day",
-            PeriodKind::Week => "utc_iso_week",
-            PeriodKind::Month => "utc_month",
+        algorithm: match (period.kind, period.zone.is_utc()) {
+            (PeriodKind::Hour, true) => "utc_hour",
+            (PeriodKind::Day, true) => "utc_day",
+            (PeriodKind::Week, true) => "utc_iso_week",
+            (PeriodKind::Month, true) => "utc_month",
+            // On the tenant's zone's calendar (`time_zone`).
+            (PeriodKind::Hour, false) => "zoned_hour",
+            (PeriodKind::Day, false) => "zoned_day",
+            (PeriodKind::Week, false) => "zoned_iso_week",
+            (PeriodKind::Month, false) => "zoned_month",
         },
     }
 }

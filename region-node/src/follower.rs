@@ -58,6 +58,7 @@ const VIEW_DAYS_BACK: u32 = 2;
 /// the configuration has, whichever is earlier (`retention`).
 pub fn since_ms(config: &Config, now_ms: u64) -> i64 {
     retention::rebuild_since_ms(now_ms, VIEW_DAYS_BACK, &retention::kinds_in_use(config))
+        - retention::zone_margin_ms(config)
 }
 
 pub async fn run(config: Config, node: String, view: Arc<View>, metrics: Arc<Metrics>) {

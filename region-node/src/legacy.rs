@@ -87,7 +87,9 @@ impl LegacyDrain {
         for (m, score) in &members {
             // Scheme 1 knew only days.
             let parsed_member = tierlimit_shared::keys::parse_dirty_member(m)
-                .filter(|(_, p)| p.kind == tierlimit_shared::period::PeriodKind::Day)
+                .filter(|(_, p)| {
+                    p.kind == tierlimit_shared::period::PeriodKind::Day && p.zone.is_utc()
+                })
                 .map(|(t, p)| (t, p.index));
             if let Some((t, d)) = parsed_member {
                 pipe.cmd("HMGET")

@@ -74,6 +74,7 @@ pub fn decode_field(field: &str, value: &str) -> Option<LimitsRecord> {
     let (version, body) = value.split_once('|')?;
     let body = match body.strip_prefix('=') {
         Some(plan) => Body::Tenant(TenantConfig {
+            time_zone: Default::default(),
             plan: plan.to_owned(),
             node: None,
             region: None,
@@ -208,6 +209,7 @@ mod tests {
     #[test]
     fn fields_round_trip_compactly() {
         let plain = Body::Tenant(TenantConfig {
+            time_zone: Default::default(),
             plan: "pro".into(),
             node: None,
             region: None,

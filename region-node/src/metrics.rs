@@ -117,6 +117,7 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Metrics {
         let r = Registry::new();
+        tierlimit_shared::register_build_info(&r);
         fn reg<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
             r.register(Box::new(c.clone()))
                 .expect("metric names are unique");

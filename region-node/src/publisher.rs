@@ -491,7 +491,7 @@ impl Publisher {
         let cfg = self.live.load();
         let part = vec![(epoch.to_string(), p, n)];
         let (day, global, periods) = match period.kind {
-            PeriodKind::Day => (
+            PeriodKind::Day if period.zone.is_utc() => (
                 period.index,
                 Some(GlobalArgs {
                     own_parts: part,

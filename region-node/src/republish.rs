@@ -224,7 +224,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<Report> {
                         // Retained: a day from `oldest` to tomorrow; another
                         // period that has not ended before `oldest` began.
                         let retained = match c.period.kind {
-                            PeriodKind::Day => {
+                            PeriodKind::Day if c.period.zone.is_utc() => {
                                 (oldest..=today.saturating_add(1)).contains(&c.period.index)
                             }
                             _ => {

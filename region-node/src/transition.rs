@@ -326,6 +326,7 @@ mod tests {
         key_scoped: bool,
     ) -> Arc<Policy> {
         Arc::new(Policy {
+            time_zone: Default::default(),
             plan: plan.into(),
             node,
             region,

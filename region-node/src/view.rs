@@ -236,8 +236,8 @@ impl View {
     pub fn prune(&self, oldest: u32) {
         let from = u64::from(oldest) * 86_400_000;
         let keep = |p: Period| match p.kind {
-            PeriodKind::Day => p.index >= oldest,
-            kind => p.index >= kind.at(from).index,
+            PeriodKind::Day if p.zone.is_utc() => p.index >= oldest,
+            kind => p.index >= kind.at_in(p.zone, from).index,
         };
         let dropped: Vec<Arc<DayView>> = {
             let mut days = self.days.write().expect("view lock poisoned");

@@ -24,6 +24,7 @@ use thiserror::Error;
 use crate::duration::serde_human;
 use crate::period::PeriodKind;
 use crate::validate;
+use crate::zone::Zone;
 
 /// A configuration that could not be loaded, naming the key and the reason.
 #[derive(Debug, Error)]
@@ -791,11 +792,21 @@ impl GlobalLimitConfig {
     }
 }
 
-/// One global tier of a resolved [`Policy`] other than the day's.
+/// One global tier of a resolved [`Policy`] other than the UTC day's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct GlobalTier {
     pub kind: PeriodKind,
     pub limit: u64,
+    /// The calendar its periods follow (the policy's `time_zone`).
+    #[serde(skip_serializing_if = "Zone::is_utc_ref")]
+    pub zone: Zone,
+}
+
+impl GlobalTier {
+    /// The period of this tier containing `ms`.
+    pub fn at(&self, ms: u64) -> crate::period::Period {
+        self.kind.at_in(self.zone, ms)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -821,6 +832,11 @@ pub struct PlanConfig {
     /// switches leasing off for the plan. Absent: `node.lease_max` alone.
     #[serde(default)]
     pub lease_max: Option<u64>,
+    /// The IANA zone whose calendar the global tiers count in (`"UTC"`
+    /// when absent): a day starts at local midnight and lasts 23 or 25
+    /// hours when clocks change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -831,6 +847,9 @@ pub struct TenantConfig {
     pub region: Option<LimitOverride>,
     pub global: Option<GlobalLimitConfig>,
     pub on_store_error: Option<StoreErrorMode>,
+    /// The zone of the tenant's global tiers, over its plan's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
     /// Extra units for one period of a global tier (the limits API's
     /// support operation; `limits.source = "topic"` only). Absent from a
     /// record without grants, so such records read as before.
@@ -856,14 +875,20 @@ pub struct Grant {
 }
 
 impl Grant {
+    /// The period the grant is for, on the calendar of `zone` (the
+    /// tenant's `time_zone`).
+    pub fn period_in(&self, zone: Zone) -> crate::period::Period {
+        self.period.at_in(zone, self.period_start_ms)
+    }
+
     /// The end (exclusive, Unix ms) of the period the grant is for.
-    pub fn until_ms(&self) -> u64 {
-        self.period.at(self.period_start_ms).end_ms().max(0) as u64
+    pub fn until_ms(&self, zone: Zone) -> u64 {
+        self.period_in(zone).end_ms().max(0) as u64
     }
 
     /// Whether it raises the limit at `now_ms`.
-    pub fn active_at(&self, now_ms: u64) -> bool {
-        self.period.at(self.period_start_ms).start_ms() as u64 <= now_ms && now_ms < self.until_ms()
+    pub fn active_at(&self, zone: Zone, now_ms: u64) -> bool {
+        self.period_in(zone).contains(now_ms)
     }
 }
 
@@ -875,17 +900,18 @@ impl Policy {
         let mut p = self.clone();
         let mut until = u64::MAX;
         let mut any = false;
+        let zone = self.time_zone;
         for g in grants {
-            let start = g.period.at(g.period_start_ms).start_ms().max(0) as u64;
+            let start = g.period_in(zone).start_ms().max(0) as u64;
             if now_ms < start {
                 until = until.min(start);
                 continue;
             }
-            if !g.active_at(now_ms) {
+            if !g.active_at(zone, now_ms) {
                 continue;
             }
             let raised = match g.period {
-                PeriodKind::Day => p.global.as_mut(),
+                PeriodKind::Day if zone.is_utc() => p.global.as_mut(),
                 kind => p
                     .global_periods
                     .iter_mut()
@@ -895,7 +921,7 @@ impl Policy {
             if let Some(limit) = raised {
                 *limit = limit.saturating_add(g.extra);
                 any = true;
-                until = until.min(g.until_ms());
+                until = until.min(g.until_ms(zone));
             }
         }
         any.then_some((p, until))
@@ -1012,10 +1038,15 @@ pub struct Policy {
     pub region: Option<Limit>,
     /// Units per UTC day across all regions: the day's global tier, whose
     /// counter every tenant has (it is the usage the dashboard shows).
+    /// `None` in a zone other than UTC, whose day is in `global_periods`.
     pub global: Option<u64>,
-    /// The other global tiers (hour, week, month), in that order: each a
-    /// counter of its own, decided together with the day's.
+    /// The other global tiers (hour, week, month; and the day in a zone
+    /// other than UTC), hour → month: each a counter of its own, decided
+    /// together with the UTC day's.
     pub global_periods: Vec<GlobalTier>,
+    /// The zone of the global tiers' calendar.
+    #[serde(skip_serializing_if = "Zone::is_utc_ref")]
+    pub time_zone: Zone,
     pub on_store_error: StoreErrorMode,
     pub key_scoped: bool,
     /// The plan's cap on leases (`plans.<name>.lease_max`; 0 = none).
@@ -1028,12 +1059,42 @@ impl Policy {
     /// `None` without such a tier.
     pub fn global_limit(&self, kind: PeriodKind) -> Option<u64> {
         match kind {
-            PeriodKind::Day => self.global,
+            PeriodKind::Day if self.time_zone.is_utc() => self.global,
             kind => self
                 .global_periods
                 .iter()
                 .find(|t| t.kind == kind)
                 .map(|t| t.limit),
+        }
+    }
+
+    /// Every global tier with its limit, the day's first, in the policy's
+    /// zone.
+    pub fn global_tiers(&self) -> impl Iterator<Item = GlobalTier> + '_ {
+        let day = self.global.map(|limit| GlobalTier {
+            kind: PeriodKind::Day,
+            limit,
+            zone: Zone::UTC,
+        });
+        day.into_iter().chain(self.global_periods.iter().copied())
+    }
+
+    /// Places the global tiers `limits` (by kind) on `zone`'s calendar: in
+    /// UTC the day's is [`Policy::global`] (its Redis fields and Kafka keys
+    /// unchanged since before periods), in another zone every tier is a
+    /// [`GlobalTier`] of that zone.
+    fn place_global(&mut self, limits: &[(PeriodKind, u64)], zone: Zone) {
+        self.time_zone = zone;
+        self.global = None;
+        self.global_periods.clear();
+        let mut kinds: Vec<_> = limits.to_vec();
+        kinds.sort();
+        for (kind, limit) in kinds {
+            if kind == PeriodKind::Day && zone.is_utc() {
+                self.global = Some(limit);
+            } else {
+                self.global_periods.push(GlobalTier { kind, limit, zone });
+            }
         }
     }
 }
@@ -1246,16 +1307,20 @@ pub fn resolve_plan(name: &str, p: &PlanConfig) -> Result<Policy, ConfigError> {
     if let Some(g) = &p.global {
         g.check(&format!("plans.{name}.global"))?;
     }
-    let policy = Policy {
+    let zone = time_zone(&format!("plans.{name}.time_zone"), p.time_zone.as_deref())?;
+    let mut policy = Policy {
         plan: name.to_owned(),
         node: p.node.as_ref().map(Limit::from_config),
         region: p.region.as_ref().map(Limit::from_config),
-        global: p.global.as_ref().and_then(|g| g.of(PeriodKind::Day)),
-        global_periods: global_periods(p.global.as_ref(), &[]),
+        global: None,
+        global_periods: Vec::new(),
+        time_zone: Zone::UTC,
         on_store_error: p.on_store_error,
         key_scoped: p.key_scoped,
         lease_max: p.lease_max,
     };
+    policy.place_global(&global_limits(p.global.as_ref(), &[]), zone);
+    check_zone(&format!("plans.{name}.time_zone"), &policy)?;
     if p.lease_max.is_some_and(|m| m > 1_000_000) {
         return Err(ConfigError::invalid(
             format!("plans.{name}.lease_max"),
@@ -1284,11 +1349,14 @@ pub fn resolve_tenant(at: &str, t: &TenantConfig, base: &Policy) -> Result<Polic
     }
     if let Some(g) = &t.global {
         g.check(&format!("{at}.global"))?;
-        if let Some(day) = g.of(PeriodKind::Day) {
-            policy.global = Some(day);
-        }
-        policy.global_periods = global_periods(Some(g), &policy.global_periods);
     }
+    let zone = match &t.time_zone {
+        Some(z) => time_zone(&format!("{at}.time_zone"), Some(z))?,
+        None => base.time_zone,
+    };
+    let inherited: Vec<_> = base.global_tiers().map(|t| (t.kind, t.limit)).collect();
+    policy.place_global(&global_limits(t.global.as_ref(), &inherited), zone);
+    check_zone(&format!("{at}.time_zone"), &policy)?;
     if let Some(m) = t.on_store_error {
         policy.on_store_error = m;
     }
@@ -1304,6 +1372,7 @@ impl TenantConfig {
             && self.region.is_none()
             && self.global.is_none()
             && self.on_store_error.is_none()
+            && self.time_zone.is_none()
             && self.grants.is_empty()
     }
 }
@@ -1588,12 +1657,25 @@ impl Config {
                         .map(|k| format!("tenants.{id}.global.{k}"))
                 })
             });
-            if let Some(at) = periodic {
+            let zoned = || {
+                let plans = self.plans.iter().filter(|(_, p)| p.global.is_some());
+                let plans = plans
+                    .filter_map(|(n, p)| Some((format!("plans.{n}"), p.time_zone.as_deref()?)));
+                let tenants = self
+                    .tenants
+                    .iter()
+                    .filter_map(|(id, t)| Some((format!("tenants.{id}"), t.time_zone.as_deref()?)));
+                plans
+                    .chain(tenants)
+                    .find(|(_, z)| !Zone::named(z).is_ok_and(Zone::is_utc))
+                    .map(|(at, _)| format!("{at}.time_zone"))
+            };
+            if let Some(at) = periodic.or_else(zoned) {
                 return Err(ConfigError::invalid(
                     "wire.version",
                     format!(
-                        "{at} is a global tier of a period other than a UTC day, which only wire \
-                         version 3 carries: set wire.version = 3 (once no process of the previous \
+                        "{at} is a global tier of a period other than a UTC day (or in a time zone), \
+                         which only wire version 3 carries: set wire.version = 3 (once no process of the previous \
                          release runs) or remove the tier"
                     ),
                 ));
@@ -2031,19 +2113,46 @@ fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// The non-day global tiers of `table` over `inherited` (a tenant's
-/// override names some kinds; the plan's others stay), hour → month.
-fn global_periods(table: Option<&GlobalLimitConfig>, inherited: &[GlobalTier]) -> Vec<GlobalTier> {
+/// The global limits of `table` over `inherited` (a tenant's override
+/// names some kinds; the plan's others stay), hour → month.
+fn global_limits(
+    table: Option<&GlobalLimitConfig>,
+    inherited: &[(PeriodKind, u64)],
+) -> Vec<(PeriodKind, u64)> {
     PeriodKind::ALL
         .into_iter()
-        .filter(|k| *k != PeriodKind::Day)
         .filter_map(|kind| {
             let limit = table
                 .and_then(|t| t.of(kind))
-                .or_else(|| inherited.iter().find(|t| t.kind == kind).map(|t| t.limit))?;
-            Some(GlobalTier { kind, limit })
+                .or_else(|| inherited.iter().find(|t| t.0 == kind).map(|t| t.1))?;
+            Some((kind, limit))
         })
         .collect()
+}
+
+/// A `time_zone` key's zone (`at` names the key).
+fn time_zone(at: &str, name: Option<&str>) -> Result<Zone, ConfigError> {
+    match name {
+        None => Ok(Zone::UTC),
+        Some(n) => Zone::named(n).map_err(|e| ConfigError::invalid(at, e.to_string())),
+    }
+}
+
+/// An hour tier counts the zone's clock hours, which have one length only
+/// where the zone never shifts by part of an hour.
+fn check_zone(at: &str, p: &Policy) -> Result<(), ConfigError> {
+    let hourly = p.global_periods.iter().any(|t| t.kind == PeriodKind::Hour);
+    if hourly && !p.time_zone.has_whole_hour_shifts() {
+        return Err(ConfigError::invalid(
+            at,
+            format!(
+                "{} shifts its clocks by part of an hour, so its clock hours differ in length: \
+                 an hour tier cannot count in it (count the hour in UTC, or drop the hour tier)",
+                p.time_zone
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Applies one `TIERLIMIT__A__B__C=value` variable to the TOML tree.

@@ -35,5 +35,25 @@ pub mod serve;
 pub mod tls;
 pub mod validate;
 pub mod wire;
+pub mod zone;
 
 pub use config::{Config, ConfigError};
+
+/// Registers `tierlimit_build_info{version, tzdb} 1`: which release runs
+/// and which IANA time zone database it carries (`zone.rs`), so an operator
+/// sees two databases in one deployment before their zones disagree.
+pub fn register_build_info(registry: &prometheus::Registry) {
+    let g = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            "tierlimit_build_info",
+            "The running release and its bundled IANA time zone database",
+        ),
+        &["version", "tzdb"],
+    )
+    .expect("valid metric");
+    g.with_label_values(&[env!("CARGO_PKG_VERSION"), zone::tzdb_version()])
+        .set(1);
+    registry
+        .register(Box::new(g))
+        .expect("tierlimit_build_info is registered once");
+}

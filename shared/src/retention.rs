@@ -87,6 +87,24 @@ pub fn kinds_in_use(config: &Config) -> Vec<PeriodKind> {
         .collect()
 }
 
+/// How much earlier than [`rebuild_since_ms`] a rebuild starts when some
+/// plan or tenant counts in a time zone: a zone's period starts up to 14
+/// hours before the UTC one of the same date (Pacific/Kiritimati, +14),
+/// so its previous period does too. 0 when every tier is UTC's.
+pub fn zone_margin_ms(config: &Config) -> i64 {
+    let zoned = |z: &Option<String>| {
+        z.as_deref()
+            .is_some_and(|z| !crate::zone::Zone::named(z).is_ok_and(crate::zone::Zone::is_utc))
+    };
+    let any = config.plans.values().any(|p| zoned(&p.time_zone))
+        || config.tenants.values().any(|t| zoned(&t.time_zone));
+    if any {
+        14 * 3_600_000
+    } else {
+        0
+    }
+}
+
 /// Where a rebuild of the deltas (or of a view of the broadcasts) starts,
 /// at wall-clock `now_ms`: the earliest of [`since_ms`] for `days_back`
 /// days and the start of the previous period of every kind of `kinds` (an

@@ -1174,10 +1174,12 @@ fn global_tiers_take_calendar_periods() {
         p.global_periods,
         vec![
             GlobalTier {
+                zone: Default::default(),
                 kind: PeriodKind::Hour,
                 limit: 100
             },
             GlobalTier {
+                zone: Default::default(),
                 kind: PeriodKind::Month,
                 limit: 50000
             },
@@ -1207,6 +1209,68 @@ fn global_tiers_take_calendar_periods() {
     let mut t = with(&["plans", "free", "global"], v("{ month = 7 }"));
     set(&mut t, &["wire", "version"], v("2"));
     refused(&t, "wire.version", "plans.free.global.month");
+}
+
+#[test]
+fn time_zones_put_every_global_tier_on_the_zone_calendar() {
+    use tierlimit_shared::config::GlobalTier;
+    use tierlimit_shared::period::PeriodKind;
+    let with_acme = |path: &[&str], value: toml::Value| {
+        let mut t = with(path, value);
+        set(&mut t, &["tenants", "acme", "plan"], s("free"));
+        t
+    };
+    let berlin = tierlimit_shared::zone::Zone::named("Europe/Berlin").unwrap();
+    let mut t = with_acme(
+        &["plans", "free", "global"],
+        v("{ hour = 100, day = 1000 }"),
+    );
+    set(&mut t, &["plans", "free", "time_zone"], s("Europe/Berlin"));
+    let l = ok(&t);
+    let p = l.policy("acme").unwrap();
+    // In a zone the day is a tier of that zone, not the UTC day's field.
+    assert_eq!((p.global, p.time_zone), (None, berlin));
+    assert_eq!(
+        p.global_periods,
+        vec![
+            GlobalTier {
+                kind: PeriodKind::Hour,
+                limit: 100,
+                zone: berlin
+            },
+            GlobalTier {
+                kind: PeriodKind::Day,
+                limit: 1000,
+                zone: berlin
+            },
+        ]
+    );
+    assert_eq!(p.global_limit(PeriodKind::Day), Some(1000));
+    // A tenant's zone wins over its plan's, and spelling UTC out is UTC.
+    set(&mut t, &["tenants", "acme", "time_zone"], s("UTC"));
+    let l = ok(&t);
+    let p = l.policy("acme").unwrap();
+    assert_eq!((p.global, p.global_periods.len()), (Some(1000), 1));
+    assert!(p.time_zone.is_utc());
+    // Refusals name the key.
+    set(&mut t, &["tenants", "acme", "time_zone"], s("Mars/Olympus"));
+    refused(&t, "tenants.acme.time_zone", "unknown time zone");
+    let mut t = with_acme(&["plans", "free", "global"], v("{ hour = 100 }"));
+    set(
+        &mut t,
+        &["plans", "free", "time_zone"],
+        s("Australia/Lord_Howe"),
+    );
+    refused(&t, "plans.free.time_zone", "part of an hour");
+    // Wire v2 carries UTC days only.
+    let mut t = with_acme(&["plans", "free", "global"], v("{ day = 10 }"));
+    set(
+        &mut t,
+        &["plans", "free", "time_zone"],
+        s("America/New_York"),
+    );
+    set(&mut t, &["wire", "version"], v("2"));
+    refused(&t, "wire.version", "plans.free.time_zone");
 }
 
 #[test]
@@ -1698,6 +1762,7 @@ fn a_reload_keeps_the_limits_table_and_refuses_a_source_change() {
             writer: "t".into(),
             ts_ms: 0,
             body: Body::Tenant(tierlimit_shared::config::TenantConfig {
+                time_zone: Default::default(),
                 plan: "free".into(),
                 node: None,
                 region: None,

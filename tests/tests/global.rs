@@ -344,12 +344,18 @@ async fn two_regions_push_past_the_daily_limit_then_both_deny() {
 /// counter, the limit carried by the nodes' deltas), both regions then deny
 /// from the month's broadcast alone, and a refund comes off the month. The
 /// overshoot past 200 is the global tier's documented one (each region may
-/// spend `L − (θ − 1)` before the first broadcast reaches it), printed.
+/// spend `L − (θ − 1)` before the first broadcast reaches it), printed. The
+/// plan counts on New York's calendar (issue 35): the month and day are
+/// that zone's periods (`m<index>@America/New_York`) through every layer,
+/// and the UTC day still holds the same units.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_monthly_tier_beside_the_daily_one_is_shared_by_every_region() {
     const MONTHLY: &str = r#"
 [plans.m]
 global = { day = 100000, month = 200 }
+# On New York's calendar (issue 35): the zoned periods go through the
+# deltas, the aggregator's merge, the broadcast and the view like UTC's.
+time_zone = "America/New_York"
 [tenants.mo]
 plan = "m"
 "#;
@@ -449,7 +455,9 @@ plan = "m"
     let v: Value = harness::get_json(&agg.http, &agg.url("/v1/global/mo")).await;
     let m = month(&v).unwrap();
     let now = tierlimit_shared::messages::now_ms();
-    let this_month = tierlimit_shared::period::PeriodKind::Month.at(now);
+    let ny = tierlimit_shared::zone::Zone::named("America/New_York").unwrap();
+    let this_month = tierlimit_shared::period::PeriodKind::Month.at_in(ny, now);
+    assert_eq!(this_month.zone, ny);
     assert_eq!(m["name"], this_month.human(), "{v}");
     assert_eq!(
         (m["limit"].as_u64(), m["over_limit"].as_bool()),

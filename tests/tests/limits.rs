@@ -133,6 +133,7 @@ region = {{ limit = 100, window = "1h", algorithm = "fixed_window" }}
             .publish(vec![(
                 Subject::Tenant(tenant.into()),
                 Body::Tenant(tierlimit_shared::config::TenantConfig {
+                    time_zone: Default::default(),
                     plan: plan.into(),
                     node: None,
                     region: None,
@@ -297,6 +298,7 @@ async fn records_apply_in_every_region_at_once_and_forgeries_change_nothing() {
             writer: "mallory".into(),
             ts_ms: 0,
             body: Body::Tenant(tierlimit_shared::config::TenantConfig {
+                time_zone: Default::default(),
                 plan: "free".into(),
                 node: None,
                 region: None,

@@ -1290,6 +1290,70 @@ async fn period_counter(
         .unwrap()
 }
 
+/// Issue 35: periods in time zones are counters of their own zone: a
+/// Berlin day's first counter forgets Berlin days before the previous one,
+/// never another zone's day, although both labels are bare day numbers
+/// (`<index>@<zone>`). At 23:30 UTC on 2027-01-11 Berlin is on the 12th
+/// (its 10th goes) while New York is on the 11th (its 10th, the previous
+/// day, stays). Fails if the script reads a zoned label's kind without its
+/// zone.
+#[tokio::test]
+async fn zoned_periods_are_kept_and_forgotten_per_zone() {
+    use tierlimit_shared::period::{days_from_civil, PeriodKind};
+    use tierlimit_shared::zone::Zone;
+    let redis = Redis::start();
+    let mut con = redis.client().await;
+    let sha = harness::lua::load_with_fake_clock(&mut con).await;
+    let (berlin, ny) = (
+        Zone::named("Europe/Berlin").unwrap(),
+        Zone::named("America/New_York").unwrap(),
+    );
+    let call_at = |ms: u64| {
+        let mut c = check("tz", 1);
+        c.global = global(100);
+        c.periods = [berlin, ny]
+            .into_iter()
+            .map(|z| region_node::storage::script::PeriodArgs {
+                period: PeriodKind::Day.at_in(z, ms),
+                ..period_tier(PeriodKind::Day, 100, ms)
+            })
+            .collect();
+        c.day = (ms / 86_400_000) as u32;
+        c.now_ms = ms;
+        c
+    };
+    let jan = |d: u32, h: u64, m: u64| {
+        (days_from_civil(2027, 1, d) as u64) * 86_400_000 + h * 3_600_000 + m * 60_000
+    };
+    let t0 = jan(10, 12, 0);
+    harness::lua::set_fake_clock_us(&mut con, t0 * 1000).await;
+    let c0 = call_at(t0);
+    let (berlin10, ny10) = (c0.periods[0].period, c0.periods[1].period);
+    assert_eq!(
+        (berlin10.human(), ny10.human()),
+        ("2027-01-10".into(), "2027-01-10".into())
+    );
+    assert!(harness::lua::decide_by(&mut con, &sha, &c0).await.allowed);
+    let t1 = jan(11, 23, 30);
+    harness::lua::set_fake_clock_us(&mut con, t1 * 1000).await;
+    let c1 = call_at(t1);
+    assert_eq!(c1.periods[0].period.human(), "2027-01-12");
+    assert_eq!(c1.periods[1].period.human(), "2027-01-11");
+    let r = harness::lua::decide_by(&mut con, &sha, &c1).await;
+    assert!(r.allowed);
+    assert_eq!(r.periods_remaining, vec![99, 99], "each zone's day is new");
+    assert_eq!(period_counter(&mut con, "tz", berlin10).await, (None, None));
+    assert_eq!(
+        period_counter(&mut con, "tz", ny10).await,
+        (Some(1), Some(0)),
+        "New York's previous day is kept"
+    );
+    assert_eq!(
+        period_counter(&mut con, "tz", c1.periods[0].period).await,
+        (Some(1), Some(0))
+    );
+}
+
 /// Issue 33: a tenant with a day, an hour and a month tier, decided in one
 /// call on the script's clock across the end of an hour, a leap day and a
 /// month (2028-02-29 → 2028-03-01): each tier denies alone, nothing is

@@ -1975,6 +1975,117 @@ plan = "g"
     assert_eq!(s, 200, "a new day of Redis' clock: {body}");
 }
 
+/// Issue 35 item 1: a plan counting in Europe/Berlin starts its day at
+/// Berlin's midnight (22:00 or 23:00 UTC), by Redis' clock. Redis runs
+/// under libfaketime a few seconds before that midnight. A Berlin tenant
+/// and a UTC tenant spend their day's 5 units and are denied; past Berlin's
+/// midnight the Berlin tenant is admitted again (a new day, whose Redis
+/// field is the zone's: `g:<local day>@Europe/Berlin:`) while the UTC
+/// tenant, whose day goes on, stays denied. Each denial's reset is its own
+/// midnight. Fails if the zone is ignored (both stay denied, or the Berlin
+/// reset points at UTC's midnight).
+#[tokio::test]
+async fn a_berlin_day_ends_at_berlin_midnight_while_the_utc_day_goes_on() {
+    use tierlimit_shared::period::PeriodKind;
+    use tierlimit_shared::zone::Zone;
+    let berlin = Zone::named("Europe/Berlin").unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let mut day = PeriodKind::Day.at_in(berlin, now);
+    // Berlin's midnight is never UTC's: keep at least a minute before UTC's
+    // own midnight so that only Berlin's day ends in the test.
+    if (day.end_ms() as u64) - now < 60_000 {
+        day = day.next();
+    }
+    let berlin_midnight = day.end_ms();
+    assert_ne!(berlin_midnight % DAY_MS, 0);
+    let offset = (berlin_midnight - now as i64) / 1000 - 10;
+    let redis = Redis::start_with_clock_offset(offset);
+    let dir = temp_dir();
+    let cfg = write_config(
+        dir.path(),
+        &config(
+            &redis,
+            r#"
+[plans.berlin]
+region = { limit = 1000, window = "1h", algorithm = "fixed_window" }
+global = { day = 5 }
+time_zone = "Europe/Berlin"
+[plans.utc]
+region = { limit = 1000, window = "1h", algorithm = "fixed_window" }
+global = { day = 5 }
+[tenants.b]
+plan = "berlin"
+[tenants.u]
+plan = "utc"
+"#,
+        ),
+    );
+    let n = RegionNode::start(&cfg, "eu", "a").await;
+    let day_tier = |body: &Value| {
+        body["tiers"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|t| t["tier"] == "global").cloned())
+            .unwrap_or_else(|| panic!("a global tier in {body}"))
+    };
+    for t in ["b", "u"] {
+        // Spend until the day's tier denies (without a view, the others'
+        // spend is taken to be the broadcast threshold: a few units).
+        let mut allowed = 0;
+        let body = loop {
+            let (s, body) = check(&n, t, 1).await;
+            if s == 429 {
+                break body;
+            }
+            assert_eq!(s, 200, "{t}: {body}");
+            allowed += 1;
+            assert!(allowed <= 5, "{t}: more than the day's 5 allowed");
+        };
+        assert!(allowed >= 1, "{t}: nothing allowed");
+        assert_eq!(body["violated-policy"], "global", "{body}");
+        let tier = day_tier(&body);
+        let reset = tier["reset_ms"].as_i64().unwrap();
+        let midnight = if t == "b" {
+            assert_eq!(tier["algorithm"], "zoned_day", "{body}");
+            berlin_midnight
+        } else {
+            assert_eq!(tier["algorithm"], "utc_day", "{body}");
+            (redis_ms(&redis) / DAY_MS + 1) * DAY_MS
+        };
+        let expected = midnight - redis_ms(&redis);
+        assert!(
+            (reset - expected).abs() < 2_000,
+            "{t}: reset in {reset} ms, its midnight is {expected} ms away: {body}"
+        );
+    }
+    assert!(
+        redis_ms(&redis) < berlin_midnight - 500,
+        "the spending must end before Berlin's midnight (the setup was slow)"
+    );
+    // The count is in the zone's field, beside the UTC day's every tenant
+    // has.
+    let hash = tierlimit_shared::keys::tenant_hash("b");
+    let fields: Vec<String> = harness::query(redis.port(), redis::cmd("HKEYS").arg(&hash)).unwrap();
+    let label = day.label();
+    assert!(
+        fields.iter().any(|f| f.contains(&format!("g:{label}:"))),
+        "no field of {label} in {fields:?}"
+    );
+
+    wait_until(
+        "Redis' clock past Berlin's midnight",
+        Duration::from_secs(30),
+        || async { redis_ms(&redis) >= berlin_midnight + 300 },
+    )
+    .await;
+    let (s, body) = check(&n, "b", 1).await;
+    assert_eq!(s, 200, "Berlin's new day: {body}");
+    let (s, body) = check(&n, "u", 1).await;
+    assert_eq!(s, 429, "the UTC day goes on: {body}");
+}
+
 /// One of `name`'s samples in the node's `/metrics` (label set included in
 /// `name`, e.g. `x_total{reason="oom"}`); 0 when absent.
 async fn metric(n: &RegionNode, name: &str) -> f64 {

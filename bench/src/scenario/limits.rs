@@ -250,6 +250,7 @@ pub fn tenant(i: u64) -> (String, TenantConfig) {
     (
         format!("t{i:07}"),
         TenantConfig {
+            time_zone: Default::default(),
             plan: plan.into(),
             node: None,
             region,

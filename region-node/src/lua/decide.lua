@@ -763,6 +763,10 @@ end
 -- until the period has ended plus the day counters' TTL: a month tier keeps
 -- its tenant's hash for the month, while day fields still go as `gd` says.
 local x_keep = 0
+-- The periods listed in `gx`, as this call leaves them: read once and
+-- written once, so two periods new in one call (an hour and a month at a
+-- month's first hour; two zones' days) each see the other's changes.
+local gx = false
 for j = 1, E do
   local x = xs[j]
   if x[XCHANGED] then
@@ -773,22 +777,30 @@ for j = 1, E do
     local label = prefix:sub(3, -2)
     if x[XNEW] then
       hs[nh + 1] = fields[f + 1]; hs[nh + 2] = x[XEPOCH]; nh = nh + 2
-      local kind, index = label:sub(1, 1), label:sub(2) + 0
+      -- A label is <letter?><index><@zone?>: periods of one kind and zone
+      -- (the letter and the zone) replace each other.
+      local letter, digits, zone = label:match('^(%a?)(%d+)(.*)$')
+      local kind, index = letter .. zone, tonumber(digits)
+      if not gx then
+        gx = {}
+        local listed = call('HGET', KEYS[1], 'gx')
+        if listed then
+          for l in string.gmatch(listed, '[^,]+') do gx[#gx + 1] = l end
+        end
+      end
       local kept = { label }
-      local listed = call('HGET', KEYS[1], 'gx')
-      if listed then
-        for l in string.gmatch(listed, '[^,]+') do
-          if l ~= label then
-            if l:sub(1, 1) == kind and l:sub(2) + 0 < index - 1 then
-              local g = 'g:' .. l .. ':'
-              call('HDEL', KEYS[1], g .. 'e', g .. 'p', g .. 'n', g .. 'd', g .. 's')
-            else
-              kept[#kept + 1] = l
-            end
+      for _, l in ipairs(gx) do
+        if l ~= label then
+          local ll, ld, lz = l:match('^(%a?)(%d+)(.*)$')
+          if ll and ll .. lz == kind and tonumber(ld) < index - 1 then
+            local g = 'g:' .. l .. ':'
+            call('HDEL', KEYS[1], g .. 'e', g .. 'p', g .. 'n', g .. 'd', g .. 's')
+          else
+            kept[#kept + 1] = l
           end
         end
       end
-      hs[nh + 1] = 'gx'; hs[nh + 2] = table.concat(kept, ','); nh = nh + 2
+      gx = kept
       local keep = x[XEND] - now_ms + ttl * 1000
       if keep > x_keep then x_keep = keep end
     end
@@ -807,6 +819,7 @@ for j = 1, E do
     changed = true
   end
 end
+if gx then hs[nh + 1] = 'gx'; hs[nh + 2] = table.concat(gx, ','); nh = nh + 2 end
 -- The tenant's day just became busy (a charge took the counter past
 -- BUSY_DAY): the tenant hash is rewritten in the order its readers want, the
 -- day's counter, then the region's tiers, then the rest (node tiers, `gd`,

@@ -124,6 +124,7 @@ mod tests {
             writer: "ops".into(),
             ts_ms: 1,
             body: Body::Tenant(TenantConfig {
+                time_zone: Default::default(),
                 plan: "pro".into(),
                 node: None,
                 region: None,

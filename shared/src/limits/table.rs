@@ -729,6 +729,7 @@ fn plain(plan: &str) -> TenantConfig {
         region: None,
         global: None,
         on_store_error: None,
+        time_zone: None,
         grants: Vec::new(),
     }
 }
@@ -740,6 +741,7 @@ mod tests {
 
     fn plan(limit: u64) -> PlanConfig {
         PlanConfig {
+            time_zone: Default::default(),
             node: None,
             region: Some(LimitConfig {
                 limit,
@@ -757,6 +759,7 @@ mod tests {
 
     fn tenant(plan: &str) -> TenantConfig {
         TenantConfig {
+            time_zone: Default::default(),
             plan: plan.into(),
             node: None,
             region: None,

@@ -22,14 +22,15 @@
 //! period of v2), the **limit the node enforced** for that period (so the
 //! aggregator never resolves a tenant through its own table to judge it)
 //! and the **limits version** both sides judged under. The zone is a name,
-//! empty for UTC: time zones need no further wire change, and this release
-//! refuses a record with one. Heartbeats are the same body in both.
+//! empty for UTC, `name#fingerprint` in a zone (`zone.rs`): time zones
+//! needed no further wire change. Heartbeats are the same body in both.
 
 use serde::{Deserialize, Serialize};
 
 use crate::messages::{ActorPart, DecodeError, Delta, GlobalUpdate};
 use crate::period::{Period, PeriodKind};
 use crate::wire::merkle::Hash;
+use crate::zone::Zone;
 
 /// The version byte of v2.
 pub const V2: u8 = 2;
@@ -148,12 +149,15 @@ struct DeltaBody<'a> {
 }
 
 /// A counter's period on the wire (v3): the kind's code, the index in that
-/// kind's calendar and the zone (empty: UTC).
+/// kind's calendar and the zone (empty: UTC; else `name#fingerprint`, so a
+/// process whose zone database has other rules for that zone refuses the
+/// record instead of merging two calendars: `zone.rs`).
 #[derive(Serialize, Deserialize)]
 struct PeriodBody<'a> {
     kind: u8,
     index: u32,
-    zone: &'a str,
+    #[serde(borrow)]
+    zone: std::borrow::Cow<'a, str>,
 }
 
 impl<'a> PeriodBody<'a> {
@@ -161,22 +165,22 @@ impl<'a> PeriodBody<'a> {
         PeriodBody {
             kind: p.kind.code(),
             index: p.index,
-            zone: "",
+            zone: if p.zone.is_utc() {
+                std::borrow::Cow::Borrowed("")
+            } else {
+                std::borrow::Cow::Owned(p.zone.wire())
+            },
         }
     }
 
     fn period(&self) -> Result<Period, DecodeError> {
         let kind = PeriodKind::from_code(self.kind)
             .ok_or_else(|| DecodeError::Field(format!("unknown period kind {}", self.kind)))?;
-        if !self.zone.is_empty() {
-            return Err(DecodeError::Field(format!(
-                "period in time zone {:?}: this release counts in UTC only",
-                self.zone
-            )));
-        }
+        let zone = Zone::from_wire(&self.zone).map_err(|e| DecodeError::Field(e.to_string()))?;
         Ok(Period {
             kind,
             index: self.index,
+            zone,
         })
     }
 }
@@ -260,7 +264,7 @@ fn split_actor(actor: &str) -> (&str, &str) {
 /// caller asked (the configuration refuses such tiers under `wire.version
 /// = 2`, so this is a last guard, not a path).
 pub fn delta_body(d: &Delta) -> Vec<u8> {
-    if d.period.kind != PeriodKind::Day {
+    if d.period.kind != PeriodKind::Day || !d.period.zone.is_utc() {
         return delta_body_v3(d);
     }
     let (region, epoch) = split_actor(&d.actor);
@@ -324,7 +328,7 @@ fn interned(u: &GlobalUpdate) -> (Vec<&str>, Vec<PartBody<'_>>) {
 /// The signed part of a v2 global update (header and body, no auth yet);
 /// v3 for a period other than a UTC day (see [`delta_body`]).
 pub fn global_body(u: &GlobalUpdate) -> Vec<u8> {
-    if u.period.kind != PeriodKind::Day {
+    if u.period.kind != PeriodKind::Day || !u.period.zone.is_utc() {
         return global_body_v3(u);
     }
     let (regions, parts) = interned(u);
@@ -658,32 +662,50 @@ mod tests {
     }
 
     #[test]
-    fn v3_refuses_unknown_period_kinds_and_zones() {
+    fn v3_refuses_unknown_period_kinds_and_zones_of_other_rules() {
         let mut bytes = delta_body_v3(&delta());
         // tenant "acme" is 1 + 4 bytes after the header: the kind follows.
         assert_eq!(bytes[2 + 5], PeriodKind::Day.code());
         bytes[2 + 5] = 9;
         let e = decode_delta(&seal(bytes, &Auth::None)).unwrap_err();
         assert!(e.to_string().contains("unknown period kind 9"), "{e}");
-        let body = DeltaBodyV3 {
-            tenant: "acme",
-            period: PeriodBody {
-                kind: 2,
-                index: 1,
-                zone: "Europe/Berlin",
-            },
-            region: "eu",
-            epoch: "e",
-            node: None,
-            p: 1,
-            n: 0,
-            ts_ms: 0,
-            limit: None,
-            limits_version: 0,
+        let zoned = |zone: &str| {
+            let body = DeltaBodyV3 {
+                tenant: "acme",
+                period: PeriodBody {
+                    kind: 2,
+                    index: 1,
+                    zone: zone.into(),
+                },
+                region: "eu",
+                epoch: "e",
+                node: None,
+                p: 1,
+                n: 0,
+                ts_ms: 0,
+                limit: None,
+                limits_version: 0,
+            };
+            let bytes = postcard::to_extend(&body, header(V3, Kind::Delta)).unwrap();
+            decode_delta(&seal(bytes, &Auth::None))
+                .map(|f| f.message.period)
+                .map_err(|e| e.to_string())
         };
-        let bytes = postcard::to_extend(&body, header(V3, Kind::Delta)).unwrap();
-        let e = decode_delta(&seal(bytes, &Auth::None)).unwrap_err();
-        assert!(e.to_string().contains("UTC only"), "{e}");
+        // Another database's rules for the zone, or none named: refused.
+        let e = zoned("Europe/Berlin#00000000").unwrap_err();
+        assert!(e.contains("other rules"), "{e}");
+        assert!(zoned("Europe/Berlin").is_err());
+        assert!(zoned("Nowhere/Else#1").is_err());
+        // This process's own rules: the period is Berlin's.
+        let berlin = Zone::named("Europe/Berlin").unwrap();
+        assert_eq!(zoned(&berlin.wire()).unwrap().zone, berlin);
+        // And a zoned delta round-trips through the encoder.
+        let mut d = delta();
+        d.period = PeriodKind::Month.at_in(berlin, 1_800_000_000_000);
+        let back = decode_delta(&seal(delta_body_v3(&d), &Auth::None))
+            .unwrap()
+            .message;
+        assert_eq!(back.period, d.period);
     }
 
     #[test]
