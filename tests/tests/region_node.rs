@@ -1665,6 +1665,14 @@ async fn refusals(node: &RegionNode, reason: &str) -> f64 {
 }
 
 /// Redis' clock (`TIME`), ms.
+/// Waits (at most `secs`) until Redis' clock reads at least `at_ms`.
+async fn wait_redis_clock(redis: &Redis, at_ms: i64, what: &str, secs: u64) {
+    wait_until(what, Duration::from_secs(secs), || async {
+        redis_ms(redis) >= at_ms
+    })
+    .await;
+}
+
 fn redis_ms(redis: &Redis) -> i64 {
     let (s, us): (i64, i64) = harness::query(redis.port(), &redis::cmd("TIME")).expect("TIME");
     s * 1000 + us / 1000
@@ -1844,10 +1852,11 @@ plan = "p"
     );
 
     // Redis' day ended and so did every 2 s window of the charges.
-    wait_until(
+    wait_redis_clock(
+        &redis,
+        midnight + 2500,
         "Redis' clock 2.5 s past its midnight",
-        Duration::from_secs(20),
-        || async { redis_ms(&redis) >= midnight + 2500 },
+        20,
     )
     .await;
     let (s, r) = post_refund(&n, json!({ "handle": handles[1] })).await;
@@ -1916,10 +1925,11 @@ plan = "g"
     );
 
     // The node's clock is past its midnight, Redis' is not: still denied.
-    wait_until(
+    wait_redis_clock(
+        &redis,
+        node_midnight + 300,
         "the node's clock past its midnight",
-        Duration::from_secs(20),
-        || async { redis_ms(&redis) >= node_midnight + 300 },
+        20,
     )
     .await;
     let mut checks = 0;
@@ -1965,12 +1975,7 @@ plan = "g"
     );
 
     // Redis' new day: the global count starts again.
-    wait_until(
-        "Redis' clock past its midnight",
-        Duration::from_secs(20),
-        || async { redis_ms(&redis) >= midnight + 200 },
-    )
-    .await;
+    wait_redis_clock(&redis, midnight + 200, "Redis' clock past its midnight", 20).await;
     let (s, body) = check(&n, "g", 1).await;
     assert_eq!(s, 200, "a new day of Redis' clock: {body}");
 }
@@ -2074,10 +2079,11 @@ plan = "utc"
         "no field of {label} in {fields:?}"
     );
 
-    wait_until(
+    wait_redis_clock(
+        &redis,
+        berlin_midnight + 300,
         "Redis' clock past Berlin's midnight",
-        Duration::from_secs(30),
-        || async { redis_ms(&redis) >= berlin_midnight + 300 },
+        30,
     )
     .await;
     let (s, body) = check(&n, "b", 1).await;
