@@ -213,7 +213,9 @@ impl Broadcaster {
                     "limits changed: their counters are broadcast again"
                 );
             }
-            let Core { merged, progress } = &mut *core;
+            let Core {
+                merged, progress, ..
+            } = &mut *core;
             let (taken, withheld) =
                 merged.take_dirty(scope == Scope::Urgent, |p| progress.is_caught_up(p), wanted);
             state.metrics.broadcasts_withheld.inc_by(withheld as u64);

@@ -46,6 +46,8 @@ pub fn router(state: Arc<State>, http: &HttpSettings) -> Router {
     let api = Router::new()
         .route("/v1/global/{tenant}", get(tenant_view))
         .route("/v1/over-limit", get(over_limit))
+        .route("/v1/usage/export", get(crate::usage::export))
+        .route("/v1/usage/{tenant}", get(crate::usage::tenant_usage))
         .route("/v1/limits/status", get(limits_status))
         .merge(crate::limits_api::routes(Arc::clone(&state)));
     let api = tierlimit_shared::auth::require_auth(

@@ -38,6 +38,7 @@ pub mod metrics;
 pub mod nodes;
 pub mod progress;
 pub mod state;
+pub mod usage;
 
 use std::future::Future;
 use std::net::SocketAddr;

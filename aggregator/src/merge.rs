@@ -513,6 +513,10 @@ pub struct Merged {
     actors: Actors,
     /// Days kept (see [`kept`]); the other kinds' retention is fixed.
     retention_days: u32,
+    /// Closed periods' counters as late deltas would have made them
+    /// (`usage.rs`: a closed figure never changes). Only counters that got
+    /// a late delta are here.
+    late: HashMap<TenantPeriod, Counter>,
 }
 
 impl Merged {
@@ -521,7 +525,35 @@ impl Merged {
             periods: BTreeMap::new(),
             actors: Actors::default(),
             retention_days: retention_days.max(1),
+            late: HashMap::new(),
         }
+    }
+
+    /// Merges a delta of a **closed** period beside its counter instead of
+    /// into it (`usage.rs`): the closed figure stays final, and what late
+    /// deltas would have added is kept apart. Returns the counter's late
+    /// units now (0: the delta added nothing, e.g. a duplicate).
+    pub fn apply_late(&mut self, partition: i32, delta: &Delta) -> u64 {
+        let actor = self.actors.intern(&delta.actor);
+        let held = self.get(&delta.tenant, delta.period).cloned();
+        let base = held.as_ref().map_or(0, Counter::total);
+        let key = TenantPeriod::new(delta.tenant.as_str(), delta.period);
+        let shadow = self
+            .late
+            .entry(key)
+            .or_insert_with(|| held.unwrap_or_else(|| Counter::new(partition)));
+        shadow.apply(actor, delta.p, delta.n.min(delta.p));
+        shadow.total().saturating_sub(base)
+    }
+
+    /// Units late deltas tried to add to (tenant, period) after it closed.
+    pub fn late_units(&self, tenant: &str, period: Period) -> u64 {
+        let key = TenantPeriod::new(tenant, period);
+        let Some(shadow) = self.late.get(&key) else {
+            return 0;
+        };
+        let base = self.get(tenant, period).map_or(0, Counter::total);
+        shadow.total().saturating_sub(base)
     }
 
     /// Applies a new retention (from a reloaded configuration); takes effect
@@ -662,6 +694,7 @@ impl Merged {
             g.units = counters.values().map(|c| i128::from(c.total())).sum();
         }
         self.periods.retain(|_, g| !g.is_empty());
+        self.late.retain(|_, c| !partitions.contains(&c.partition));
         dropped
     }
 
@@ -678,6 +711,10 @@ impl Merged {
             .filter(|p| p.index < kept(p.kind, p.zone, now_ms, retention_days).0)
             .copied()
             .collect();
+        // Few (only counters that got a late delta): walked whole.
+        self.late.retain(|k, _| {
+            k.period.index >= kept(k.period.kind, k.period.zone, now_ms, retention_days).0
+        });
         Expired {
             periods: gone
                 .into_iter()
@@ -1335,6 +1372,29 @@ mod tests {
             m.apply(0, &of("a", p, &actor("eu", "e"), 1), now),
             Applied::Future
         );
+    }
+
+    #[test]
+    fn a_late_delta_leaves_the_closed_figure_and_is_kept_apart() {
+        let mut m = Merged::new(2);
+        let now = ms(2026, 11, 27, 15);
+        let hour = PeriodKind::Hour.at(now);
+        let (eu, us) = (actor("eu", "e"), actor("us", "u"));
+        m.apply(0, &of("a", hour, &eu, 10), now);
+        // Closed: a higher P from eu and a first one from us are late.
+        assert_eq!(m.apply_late(0, &of("a", hour, &eu, 14)), 4);
+        assert_eq!(m.apply_late(0, &of("a", hour, &us, 3)), 7);
+        // A duplicate adds nothing; the figure never moved.
+        assert_eq!(m.apply_late(0, &of("a", hour, &eu, 14)), 7);
+        assert_eq!(m.get("a", hour).unwrap().total(), 10);
+        assert_eq!(m.late_units("a", hour), 7);
+        assert_eq!(m.late_units("b", hour), 0);
+        // They go with their partition and with their period.
+        m.drop_partitions(&[0]);
+        assert_eq!(m.late_units("a", hour), 0);
+        m.apply_late(0, &of("a", hour, &eu, 1));
+        m.expire(now + 10 * 3_600_000);
+        assert!(m.late.is_empty());
     }
 
     fn limited(period: Period, p: u64, limit: Option<u64>, version: u64, ts_ms: u64) -> Delta {

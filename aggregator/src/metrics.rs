@@ -27,6 +27,8 @@ pub struct Metrics {
     pub undecodable: IntCounter,
     /// Records refused by the wire layer, by `Reject::reason`.
     pub deltas_rejected: IntCounterVec,
+    /// Deltas that would have raised a closed period's figure (`usage.rs`).
+    pub late_deltas: IntCounter,
     pub heartbeats_produced: IntCounter,
     /// Limits from the topic (`limits.source = "topic"`).
     pub limits: tierlimit_shared::limits::metrics::LimitsMetrics,
@@ -128,6 +130,10 @@ impl Metrics {
         let heartbeats_produced = counter(
             "heartbeats_produced_total",
             "Signed heartbeats (\"partition caught up, merged through offset X\") acknowledged by the broker.",
+        );
+        let late_deltas = counter(
+            "late_deltas_total",
+            "Deltas that would have raised a period every region had reported past (a closed, final figure); kept apart as the period's late_units.",
         );
         let deltas_rejected = counter_vec(
             "deltas_rejected_total",
@@ -252,6 +258,7 @@ impl Metrics {
             deltas_ignored,
             undecodable,
             deltas_rejected,
+            late_deltas,
             heartbeats_produced,
             misrouted,
             stale_deltas,

@@ -214,6 +214,7 @@ mod tests {
 
     fn status(node: &str, version: u64, ts_ms: u64) -> NodeStatus {
         NodeStatus {
+            published_before_ms: Default::default(),
             region: "eu".into(),
             node: node.into(),
             limits_version: version,

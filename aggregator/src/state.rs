@@ -45,6 +45,9 @@ use crate::progress::{Progress, Readiness};
 pub struct Core {
     pub merged: Merged,
     pub progress: Progress,
+    /// The regions' watermarks per partition (`usage.rs`): which periods
+    /// are closed.
+    pub watermarks: crate::usage::Watermarks,
 }
 
 /// Shared by the consumer, the broadcaster, the HTTP handlers and the
@@ -102,6 +105,7 @@ impl State {
             core: Mutex::new(Core {
                 merged: Merged::new(retention),
                 progress: Progress::new(),
+                watermarks: Default::default(),
             }),
             urgent: Notify::new(),
             limits_changed: AtomicBool::new(false),
@@ -237,6 +241,7 @@ impl State {
     pub fn on_assign_from(&self, partitions: &[i32], starts: &[retention::Start]) -> u64 {
         let mut core = self.lock();
         let dropped = core.merged.drop_partitions(partitions);
+        core.watermarks.forget(partitions);
         let generation = core.progress.assign(partitions);
         if partitions.contains(&crate::limits_api::WRITER_PARTITION) {
             let mut since = self.writer_since.lock().unwrap_or_else(|e| e.into_inner());
@@ -286,6 +291,7 @@ impl State {
             *self.writer_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
         let dropped = core.merged.drop_partitions(&revoked);
+        core.watermarks.forget(&revoked);
         self.metrics
             .assigned_partitions
             .set(core.progress.assigned_partitions().len() as i64);
@@ -366,6 +372,14 @@ impl State {
         status: &tierlimit_shared::wire::NodeStatus,
     ) {
         self.nodes.heard(status, now_ms());
+        {
+            let config = self.live.load();
+            let mut core = self.lock();
+            if core.progress.is_assigned(partition) {
+                let regions = config.config.regions.keys().map(String::as_str);
+                core.watermarks.heard(partition, status, regions);
+            }
+        }
         self.on_skipped(partition, offset);
     }
 
@@ -393,6 +407,17 @@ impl State {
         let live_traffic = core.progress.is_caught_up(partition);
         if !live_traffic {
             m.rebuild_records.inc();
+        }
+        if core.watermarks.is_closed(partition, delta.period) {
+            // Every region reported past this period's end: its figure is
+            // final, and what this delta adds is kept apart (`usage.rs`).
+            if core.merged.apply_late(partition, delta) > 0 {
+                m.late_deltas.inc();
+            }
+            if core.progress.consumed(partition, offset) {
+                self.caught_up(&mut core, partition);
+            }
+            return;
         }
         let (mut wake, mut epoch_changed) = (false, false);
         let key = || TenantPeriod::new(delta.tenant.as_str(), delta.period);
@@ -623,7 +648,9 @@ accept_unsigned = true
             // Replayed history is not in the dirty set every flush walks:
             // its partition is marked whole at catch-up.
             assert_eq!(core.merged.dirty_len(), 0);
-            let Core { merged, progress } = &mut *core;
+            let Core {
+                merged, progress, ..
+            } = &mut *core;
             assert!(!merged.has_urgent());
             assert!(merged
                 .take_dirty(false, |p| progress.is_caught_up(p), |_, _| true)
@@ -633,7 +660,9 @@ accept_unsigned = true
         s.on_watermarks(p, g, 0, 2);
         assert_eq!(s.readiness(), Readiness::Ready);
         let mut core = s.lock();
-        let Core { merged, progress } = &mut *core;
+        let Core {
+            merged, progress, ..
+        } = &mut *core;
         let (taken, _) = merged.take_dirty(false, |p| progress.is_caught_up(p), |_, _| true);
         assert_eq!(taken.len(), 1);
         assert_eq!(taken[0].1.total, 505);
@@ -644,7 +673,9 @@ accept_unsigned = true
     pub(crate) fn broadcasts(s: &State) -> Vec<String> {
         let wanted = s.wanted();
         let mut core = s.lock();
-        let Core { merged, progress } = &mut *core;
+        let Core {
+            merged, progress, ..
+        } = &mut *core;
         let (taken, _) = merged.take_dirty(false, |p| progress.is_caught_up(p), wanted);
         taken.into_iter().map(|(k, _)| k.tenant).collect()
     }

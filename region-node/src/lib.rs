@@ -140,6 +140,7 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
         Arc::clone(&metrics),
     )
     .context("creating the Kafka producer")?;
+    let watermark = publisher.watermark();
     tokio::spawn(publisher.run());
     tokio::spawn(follower::run(
         config.clone(),
@@ -214,12 +215,16 @@ pub async fn run(settings: Settings) -> anyhow::Result<()> {
                 copy: copy_tx,
             }),
         ));
+    }
+    {
+        // Whatever the limits' source: the status carries the watermark.
         let following = state.metrics.limits.following.clone();
         tokio::spawn(limits::publish_status(
             config.clone(),
             settings.region.clone(),
             settings.node_id.clone(),
-            Arc::clone(table),
+            limits_table.clone(),
+            watermark,
             move || following.get() == 1,
         ));
     }

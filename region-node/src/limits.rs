@@ -96,14 +96,18 @@ impl Hooks for NodeHooks {
     }
 }
 
-/// Every `limits.status_interval`, writes this node's applied version to
-/// every partition of the deltas topic (signed with the region's delta
-/// key), so every aggregator hears every node.
+/// Every `limits.status_interval`, writes this node's applied limits
+/// version (`table`: with `limits.source = "topic"`) and the region's
+/// watermark it established (`publisher.rs`) to every partition of the
+/// deltas topic (signed with the region's delta key), so every aggregator
+/// hears every node. Each record is written after the deltas its watermark
+/// covers were acknowledged, so on each partition it follows them.
 pub async fn publish_status(
     config: Config,
     region: String,
     node: String,
-    table: Arc<LimitsTable>,
+    table: Option<Arc<LimitsTable>>,
+    watermark: Arc<std::sync::atomic::AtomicU64>,
     following: impl Fn() -> bool + Send + 'static,
 ) {
     let signer = match DeltaSigner::new(&config, &region) {
@@ -131,9 +135,10 @@ pub async fn publish_status(
         let status = NodeStatus {
             region: region.clone(),
             node: node.clone(),
-            limits_version: table.applied_version(),
+            limits_version: table.as_ref().map_or(0, |t| t.applied_version()),
             following: following(),
             ts_ms: now_ms(),
+            published_before_ms: watermark.load(std::sync::atomic::Ordering::Relaxed),
         };
         let key = status.key();
         let payload = signer.encode_status(&status);

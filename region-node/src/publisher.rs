@@ -25,8 +25,22 @@
 //! became dirty (or after its last publication, if charged since). A flush
 //! reads only what is due, urgent first, so the heaviest tenants never wait
 //! behind a backlog. Nothing is lost by waiting: the entry stays in Redis.
+//!
+//! **The watermark.** A flush that read every due entry of every bucket
+//! (none left behind by the batch limit), had each delta acknowledged and
+//! published every local fail-mode count establishes: every unit charged
+//! before `min(cutoff, next_due − relaxed) − WATERMARK_MARGIN` is in an
+//! acknowledged delta, where `cutoff` is Redis' time the flush read up to
+//! and `next_due` the earliest due time of an entry it left (an entry is
+//! due at most `relaxed` after its first unpublished charge, so nothing left
+//! was charged before `next_due − relaxed`). Every node reads every dirty
+//! set, so one node's watermark covers the whole region's Redis; its local
+//! counts are its own, so the aggregator takes the least watermark of a
+//! region's live nodes. Nodes report it in their status records
+//! (`limits::publish_status`).
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -76,6 +90,10 @@ pub struct Publisher {
     local_published: HashMap<(String, Period), (u64, u64)>,
     /// Key scheme 1's dirty entries, left by nodes of the previous version.
     legacy: crate::legacy::LegacyDrain,
+    /// The region's watermark this node established (see the module doc).
+    watermark: Arc<AtomicU64>,
+    /// What this flush may raise it to, once all of it succeeded.
+    candidate: Option<i64>,
     /// (tenant, day, epoch) already reported as a new epoch, so each data
     /// loss is counted once per node; pruned with the day.
     reported_epochs: HashSet<(String, Period, String)>,
@@ -96,8 +114,18 @@ struct BucketRead {
     total: i64,
     /// The earliest due time of a non-urgent entry (Redis clock, ms).
     oldest: Option<i64>,
+    /// The earliest due time of an entry not due at the cutoff (`None`:
+    /// none), and whether every due entry was read (the batch limit left
+    /// none behind): what the watermark needs.
+    next_due: Option<i64>,
+    drained: bool,
     entries: Vec<DirtyEntry>,
 }
+
+/// Taken off a flush's cutoff for the watermark: the node's estimate of
+/// Redis' clock may run ahead of a script's `TIME` by the estimate's error,
+/// and a Cluster's masters keep clocks of their own.
+pub const WATERMARK_MARGIN_MS: i64 = 1_000;
 
 struct DirtyEntry {
     tenant: String,
@@ -135,8 +163,23 @@ async fn read_bucket(
         .arg(0)
         .arg(1)
         .arg("WITHSCORES");
-    let (total, members, oldest): (i64, Vec<String>, Vec<(String, f64)>) =
-        store.pipeline("dirty_read", slot, pipe).await?;
+    pipe.cmd("ZRANGE")
+        .arg(&dirty)
+        .arg(format!("({cutoff}"))
+        .arg("+inf")
+        .arg("BYSCORE")
+        .arg("LIMIT")
+        .arg(0)
+        .arg(1)
+        .arg("WITHSCORES");
+    #[allow(clippy::type_complexity)]
+    let (total, members, oldest, next_due): (
+        i64,
+        Vec<String>,
+        Vec<(String, f64)>,
+        Vec<(String, f64)>,
+    ) = store.pipeline("dirty_read", slot, pipe).await?;
+    let drained = members.len() < limit;
     let mut entries = Vec::with_capacity(members.len());
     let mut pipe = redis::pipe();
     for m in &members {
@@ -175,6 +218,8 @@ async fn read_bucket(
         bucket,
         total,
         oldest: oldest.first().map(|(_, s)| *s as i64),
+        next_due: next_due.first().map(|(_, s)| *s as i64),
+        drained,
         entries,
     })
 }
@@ -210,7 +255,15 @@ impl Publisher {
             local_published: HashMap::new(),
             reported_epochs: HashSet::new(),
             legacy: crate::legacy::LegacyDrain::new(),
+            watermark: Arc::new(AtomicU64::new(0)),
+            candidate: None,
         })
+    }
+
+    /// The region's watermark this node established (Redis ms; 0: not
+    /// yet), shared with the status task that reports it.
+    pub fn watermark(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.watermark)
     }
 
     pub async fn run(mut self) {
@@ -234,11 +287,18 @@ impl Publisher {
     /// One flush. Returns how many deltas Kafka acknowledged.
     pub async fn flush(&mut self) -> Result<usize, PublishError> {
         let mut acked = 0;
-        if self.store.is_up() {
+        self.candidate = None;
+        let up = self.store.is_up();
+        if up {
             acked += self.flush_redis().await?;
             acked += self.flush_legacy().await?;
         }
-        acked += self.flush_local().await;
+        let (local_acked, local_failed) = self.flush_local().await;
+        acked += local_acked;
+        // The watermark moves only on a flush that left nothing behind.
+        if let (true, 0, Some(w)) = (up, local_failed, self.candidate.take()) {
+            self.watermark.fetch_max(w.max(0) as u64, Ordering::Relaxed);
+        }
         if acked > 0 {
             self.metrics.last_publish_ms.set(now_ms() as i64);
         }
@@ -266,6 +326,8 @@ impl Publisher {
         }
         let mut total = 0;
         let mut oldest: Option<i64> = None;
+        let mut drained = true;
+        let mut next_due: Option<i64> = None;
         let mut entries = Vec::new();
         let mut stale: HashMap<u16, Vec<(String, Period, u64)>> = HashMap::new();
         let mut first_error = None;
@@ -273,6 +335,10 @@ impl Publisher {
             match joined {
                 Ok(Ok(read)) => {
                     total += read.total;
+                    drained &= read.drained;
+                    if let Some(d) = read.next_due {
+                        next_due = Some(next_due.map_or(d, |x: i64| x.min(d)));
+                    }
                     if let Some(o) = read.oldest {
                         oldest = Some(oldest.map_or(o, |x: i64| x.min(o)));
                     }
@@ -290,9 +356,13 @@ impl Publisher {
                     }
                 }
                 Ok(Err(e)) => {
+                    drained = false;
                     first_error.get_or_insert(e);
                 }
-                Err(e) => tracing::warn!(error = %e, "bucket read task failed"),
+                Err(e) => {
+                    drained = false;
+                    tracing::warn!(error = %e, "bucket read task failed");
+                }
             }
         }
         self.metrics.dirty_entries.set(total);
@@ -419,6 +489,11 @@ impl Publisher {
         if failures > 0 {
             return Err(PublishError::NotAcknowledged(failures));
         }
+        if drained {
+            let relaxed_ms = relaxed.as_millis() as i64;
+            let left = next_due.map_or(cutoff, |d| d.saturating_sub(relaxed_ms));
+            self.candidate = Some(cutoff.min(left) - WATERMARK_MARGIN_MS);
+        }
         Ok(ok)
     }
 
@@ -535,10 +610,12 @@ impl Publisher {
 
     /// Counts taken in `local` fail mode live in this process only until
     /// Kafka has them; publish every one that changed.
-    async fn flush_local(&mut self) -> usize {
+    /// Publishes the local fail mode's counts; (acknowledged, failed).
+    async fn flush_local(&mut self) -> (usize, u64) {
         let now = now_ms();
         let signer = self.signer(&self.live.load().config);
         let mut ok = 0;
+        let mut failed = 0;
         for (tenant, d, p, n) in self.local.counts() {
             let k = (tenant.clone(), d);
             if self.local_published.get(&k) == Some(&(p, n)) {
@@ -562,7 +639,10 @@ impl Publisher {
                     self.local_published.insert(k, (p, n));
                     self.metrics.deltas_produced.inc();
                 }
-                Err(_) => self.metrics.deltas_failed.inc(),
+                Err(_) => {
+                    failed += 1;
+                    self.metrics.deltas_failed.inc()
+                }
             }
         }
         let oldest = day::today().saturating_sub(2);
@@ -572,7 +652,7 @@ impl Publisher {
         self.reported_epochs
             .retain(|(_, p, _)| p.end_ms() > oldest_ms);
         self.local.prune(oldest, now * 1000);
-        ok
+        (ok, failed)
     }
 
     /// Reports an epoch this region's Redis started for (tenant, day) after

@@ -36,11 +36,28 @@ impl World {
 
     /// The same, with `aggregator` lines added to `[aggregator]`.
     async fn with_aggregator(regions: &[&str], plans: &str, aggregator: &str) -> World {
+        World::with_redis_clock(regions, plans, aggregator, None).await
+    }
+
+    /// The same, every region's Redis `offset_s` seconds off the real
+    /// clock (libfaketime) when given.
+    async fn with_redis_clock(
+        regions: &[&str],
+        plans: &str,
+        aggregator: &str,
+        offset_s: Option<i64>,
+    ) -> World {
         let tansu = Tansu::start();
         tansu.create_topics(&[DELTAS, GLOBAL], PARTITIONS).await;
         let redis: Vec<(String, Redis)> = regions
             .iter()
-            .map(|r| (r.to_string(), Redis::start()))
+            .map(|r| {
+                let redis = match offset_s {
+                    Some(o) => Redis::start_with_clock_offset(o),
+                    None => Redis::start(),
+                };
+                (r.to_string(), redis)
+            })
             .collect();
         let mut toml = format!(
             r#"
@@ -518,6 +535,146 @@ plan = "m"
             .is_some_and(|m| m["total"].as_u64() == Some(allowed - 3))
     })
     .await;
+}
+
+/// Redis' clock (ms) of `redis`.
+fn redis_ms(redis: &Redis) -> i64 {
+    let (s, us): (i64, i64) = harness::query(redis.port(), &redis::cmd("TIME")).expect("TIME");
+    s * 1000 + us / 1000
+}
+
+/// The aggregator's usage of `tenant`'s hour period starting at `start_ms`.
+async fn hour_usage(a: &Aggregator, tenant: &str, start_ms: i64) -> Option<Value> {
+    let v = harness::try_json(&a.http, &a.url(&format!("/v1/usage/{tenant}?kind=hour"))).await?;
+    v["periods"]
+        .as_array()?
+        .iter()
+        .find(|p| p["start_ms"].as_i64() == Some(start_ms))
+        .cloned()
+}
+
+/// Issue 35 item 2: usage per period, and **closed** only once every
+/// region reported past the period's end. Both regions' Redis run under
+/// libfaketime 45 s before the end of a UTC hour; clients spend in both
+/// until 5 s before it. Then the us region is cut off (its one node
+/// SIGSTOPped: it publishes and reports nothing); the hour ends on Redis'
+/// clock, eu's watermark passes the end and the hour stays **open**. On
+/// heal (SIGCONT) us publishes what it held and reports; the hour closes
+/// with exactly what the clients were allowed (their own count: the
+/// history), split by region, and the export (CSV and JSON Lines, twice:
+/// the same bytes) lists that figure. Fails if closure ignores a region,
+/// if the watermark passes the end before us's units are published (the
+/// closed figure would be short), or if the export disagrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_hour_closes_once_every_region_reported_past_it_with_the_clients_count() {
+    const PLANS: &str = r#"
+[plans.billed]
+global = { hour = 1000000 }
+[tenants.bill]
+plan = "billed"
+"#;
+    let now = tierlimit_shared::messages::now_ms() as i64;
+    let end = (now / 3_600_000 + 1) * 3_600_000;
+    // 45 s of Redis' hour left at the start: the processes start in a few
+    // seconds (more on a loaded machine), then clients spend until 5 s
+    // before the end.
+    let w = World::with_redis_clock(&["eu", "us"], PLANS, "", Some((end - now) / 1000 - 45)).await;
+    let agg = Aggregator::start(&w.cfg).await;
+    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
+    let us = RegionNode::start(&w.cfg, "us", "a").await;
+    for n in [&eu, &us] {
+        node_ready(n).await;
+    }
+    agg_ready(&agg).await;
+    let clock = w.redis("eu");
+    let hour = tierlimit_shared::period::PeriodKind::Hour.at(redis_ms(clock) as u64);
+    assert_eq!(
+        hour.end_ms(),
+        end,
+        "Redis' hour is the one ending at {end} (the setup was slow)"
+    );
+
+    let traffic = Traffic::start(&[eu.url("/v1/check"), us.url("/v1/check")], "bill", 2);
+    wait_until(
+        "Redis' clock 5 s before the hour's end",
+        Duration::from_secs(60),
+        || async { redis_ms(clock) >= end - 5_000 },
+    )
+    .await;
+    let allowed = traffic.stop().await;
+    assert!(allowed > 0, "nothing allowed");
+    assert!(
+        redis_ms(clock) < end,
+        "the spending must end before the hour does (the setup was slow)"
+    );
+    let open = hour_usage(&agg, "bill", hour.start_ms()).await;
+    assert!(
+        open.as_ref().is_some_and(|p| p["closed"] == false),
+        "{open:?}"
+    );
+
+    // us is cut off; the hour ends; eu reports past it: still open.
+    us.proc.stop();
+    wait_until("eu's watermark past the hour's end", DEADLINE, || async {
+        let v = harness::try_json(&agg.http, &agg.url("/v1/usage/bill")).await;
+        v.is_some_and(|v| v["watermarks"]["eu"].as_i64().is_some_and(|w| w >= end))
+    })
+    .await;
+    let p = hour_usage(&agg, "bill", hour.start_ms()).await.unwrap();
+    assert_eq!(p["closed"], false, "closed without us: {p}");
+
+    // Healed: us reports, and the hour closes with the clients' count.
+    us.proc.cont();
+    let seen = std::sync::Mutex::new(Value::Null);
+    wait_until("the hour closes", DEADLINE, || async {
+        let p = hour_usage(&agg, "bill", hour.start_ms()).await;
+        let closed = p.as_ref().is_some_and(|p| p["closed"] == true);
+        *seen.lock().unwrap() = p.unwrap_or_default();
+        closed
+    })
+    .await;
+    let p = seen.into_inner().unwrap();
+    assert_eq!(p["total"].as_u64(), Some(allowed), "the closed figure: {p}");
+    let regions = p["regions"].as_object().unwrap();
+    assert_eq!(regions.len(), 2, "{p}");
+    assert_eq!(
+        regions.values().map(|v| v.as_u64().unwrap()).sum::<u64>(),
+        allowed
+    );
+    assert_eq!(p["late_units"], 0, "{p}");
+    assert_eq!(p["zone"], "UTC");
+
+    // The export lists the same figure, and the same bytes again.
+    let csv = harness::get_text(&agg.http, &agg.url("/v1/usage/export?format=csv&kind=hour")).await;
+    let row = csv
+        .lines()
+        .find(|l| l.starts_with("bill,hour,UTC,"))
+        .unwrap_or_else(|| panic!("no row for bill in {csv}"));
+    assert_eq!(
+        row.split(',').nth(7),
+        Some(allowed.to_string().as_str()),
+        "{row}"
+    );
+    let again =
+        harness::get_text(&agg.http, &agg.url("/v1/usage/export?format=csv&kind=hour")).await;
+    assert_eq!(csv, again);
+    let jsonl = harness::get_text(&agg.http, &agg.url("/v1/usage/export")).await;
+    let line: Value = jsonl
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|l| l["tenant"] == "bill" && l["kind"] == "hour")
+        .unwrap_or_else(|| panic!("no line for bill in {jsonl}"));
+    assert_eq!(line["total"].as_u64(), Some(allowed));
+    // A bad format is refused, naming the parameter.
+    let r = agg
+        .http
+        .get(agg.url("/v1/usage/export?format=xml"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert!(body.to_string().contains("format"), "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -67,6 +67,13 @@ pub struct NodeStatus {
     pub following: bool,
     /// The node's wall clock when it wrote the record.
     pub ts_ms: u64,
+    /// The region's **watermark** as this node last established it (Redis'
+    /// clock, ms; 0: not yet): every unit charged in the region's Redis
+    /// before it, and every unit this node charged in its local fail mode
+    /// before it, is in a delta the broker acknowledged before this record
+    /// was written (`publisher.rs`). A period whose end every region's
+    /// watermark passed is **closed** (`aggregator/src/usage.rs`).
+    pub published_before_ms: u64,
 }
 
 impl NodeStatus {
