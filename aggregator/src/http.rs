@@ -116,6 +116,24 @@ fn on_reject(state: &Arc<State>) -> tierlimit_shared::serve::OnReject {
 }
 
 /// A counted problem response.
+/// Refuses a principal restricted to some tenants what reads `what` of
+/// every tenant (an export): 403 problem+json.
+#[allow(clippy::result_large_err)]
+pub(crate) fn require_every_tenant(who: &Principal, what: &str) -> Result<(), Problem> {
+    match who.tenants {
+        None => Ok(()),
+        Some(_) => Err(Problem::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            "Not allowed",
+            format!(
+                "{} is restricted to some tenants: it cannot {what} of all of them",
+                who.name
+            ),
+        )),
+    }
+}
+
 pub(crate) fn refuse(state: &State, p: Problem) -> Response {
     state
         .metrics

@@ -1039,17 +1039,7 @@ async fn export(
         async {
             use crate::limits_import::Tables;
             who.require(Scope::Read, None)?;
-            if who.tenants.is_some() {
-                return Err(Problem::new(
-                    StatusCode::FORBIDDEN,
-                    "forbidden",
-                    "Not allowed",
-                    format!(
-                        "{} is restricted to some tenants: it cannot export all of them",
-                        who.name
-                    ),
-                ));
-            }
+            crate::http::require_every_tenant(&who, "export the limits")?;
             let format = match query.as_ref().ok().and_then(|q| q.0.format.as_deref()) {
                 None | Some("jsonl") => "jsonl",
                 Some("toml") => "toml",

@@ -35,7 +35,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State as AxumState};
-use axum::http::{header, StatusCode};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
@@ -346,17 +346,7 @@ pub async fn export(
 ) -> Response {
     let run = || -> Result<Response, Problem> {
         who.require(Scope::Read, None)?;
-        if who.tenants.is_some() {
-            return Err(Problem::new(
-                StatusCode::FORBIDDEN,
-                "forbidden",
-                "Not allowed",
-                format!(
-                    "{} is restricted to some tenants: it cannot export all of them",
-                    who.name
-                ),
-            ));
-        }
+        crate::http::require_every_tenant(&who, "export the usage")?;
         let query = query.ok();
         let kind = kind_of(&query)?;
         let csv = match query.as_ref().and_then(|q| q.0.format.as_deref()) {

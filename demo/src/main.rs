@@ -28,7 +28,11 @@
 //!    tenant must equal exactly what the clients were allowed minus what they
 //!    refunded, and the regions' Redis truth; us-east's part of it must be
 //!    exactly what its clients kept through Envoy, every check of which its
-//!    nodes answered over gRPC.
+//!    nodes answered over gRPC;
+//! 7. **calendars**: globex counts on Berlin's calendar; the regions' Redis
+//!    clocks run ahead so that an hour ends early in the story, and the
+//!    report shows that hour closed (every region's watermark past its end)
+//!    with globex's hours adding up to its exact count.
 //!
 //! It prints progress while it runs and a report at the end, stops every
 //! process it started (also on Ctrl-C), and exits 1 if any promise failed.

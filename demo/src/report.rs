@@ -255,6 +255,31 @@ fn promises(w: &World, o: &Outcome, dead: &[String]) -> Vec<Promise> {
             months.join(", ")
         ),
     ));
+    let p = &o.periods;
+    let hours: Vec<String> = p
+        .hours
+        .iter()
+        .map(|(name, total, closed, _)| {
+            format!(
+                "{name} {total} ({})",
+                if *closed { "closed" } else { "open" }
+            )
+        })
+        .collect();
+    promises.push(promise(
+        p.exact(c.want["globex"]),
+        match p.hour_end_ms {
+            Some(_) => format!(
+                "globex counts on Berlin's calendar; the hour the Redis clocks crossed is closed (every region's \
+                 watermark past its end) and its hours add up to the clients' allowed − refunded: {} = {}",
+                hours.join(" + "),
+                c.want["globex"]
+            ),
+            None => "no hour ended in the story (it ran too near a midnight of UTC or Berlin: the Redis clocks \
+                     ran true)"
+                .to_string(),
+        },
+    ));
     let e = &o.envoy;
     promises.push(promise(
         e.counted(),
@@ -358,6 +383,29 @@ fn print_report(o: &Outcome, promises: &[Promise]) {
             c.seen[t].map_or("?".into(), |v| v.to_string()),
             c.truth[t],
             if c.exact(t) { "yes" } else { "NO" }
+        );
+    }
+    let p = &o.periods;
+    println!("\nCalendars and usage per period (GET /v1/usage/<tenant> on the aggregator):");
+    for (who, d) in [
+        ("acme, UTC", &p.utc_day),
+        ("globex, Europe/Berlin", &p.berlin_day),
+    ] {
+        match d {
+            Some((name, start, total)) => {
+                println!("  {who:<22} day {name} from {start}: {total}")
+            }
+            None => println!("  {who:<22} day: ?"),
+        }
+    }
+    for (name, total, closed, _) in &p.hours {
+        println!(
+            "  globex hour {name}: {total} ({})",
+            if *closed {
+                "closed: every region reported past its end; the figure is final"
+            } else {
+                "open"
+            }
         );
     }
     println!("\nTimings:");

@@ -56,6 +56,32 @@ pub struct Outcome {
     pub fail_mode: f64,
     pub deltas_failed: f64,
     pub envoy: ThroughEnvoy,
+    pub periods: Periods,
+}
+
+/// globex (on Berlin's calendar) by period, from the aggregator's usage
+/// API once the story is over.
+pub struct Periods {
+    /// The hour the regions' Redis clocks crossed early in the story
+    /// (`World::hour_end_ms`), if they did.
+    pub hour_end_ms: Option<i64>,
+    /// globex's hours, oldest first: (name, total, closed, end ms).
+    pub hours: Vec<(String, u64, bool, i64)>,
+    /// globex's Berlin day and acme's UTC day: (name, local start, total).
+    pub berlin_day: Option<(String, String, u64)>,
+    pub utc_day: Option<(String, String, u64)>,
+}
+
+impl Periods {
+    /// The hour that ended in the story is closed, and globex's hours add
+    /// up to its exact count (`want`); true when no hour ended.
+    pub fn exact(&self, want: u64) -> bool {
+        let Some(end) = self.hour_end_ms else {
+            return true;
+        };
+        let ended = self.hours.iter().find(|h| h.3 == end);
+        ended.is_some_and(|h| h.2) && self.hours.iter().map(|h| h.1).sum::<u64>() == want
+    }
 }
 
 /// initech's move to another plan through the limits API.
@@ -154,6 +180,7 @@ pub async fn tell(w: &Arc<World>, cut: Duration) -> anyhow::Result<Outcome> {
     let global = s.global_limit().await;
     let cut = s.cut(cut).await;
     let converge = s.converge(&cut, day).await?;
+    let periods = s.periods(converge.want["globex"]).await;
     printer.abort();
     match converge.converged {
         Some(d) => say(format!(
@@ -205,6 +232,7 @@ pub async fn tell(w: &Arc<World>, cut: Duration) -> anyhow::Result<Outcome> {
         fail_mode,
         deltas_failed,
         envoy,
+        periods,
     })
 }
 
@@ -502,6 +530,53 @@ impl Story<'_> {
 
     /// Phase 6, converge: waits after the heal until aggregator = clients'
     /// allowed − refunded (= Redis truth).
+    /// globex's periods from the usage API: its hours (waiting, up to 20 s,
+    /// for the one that ended in the story to close, every region's
+    /// watermark past its end, and for the open one to hold the rest of
+    /// `want`: it is published on the relaxed schedule) and its Berlin day
+    /// beside acme's UTC day.
+    async fn periods(&self, want: u64) -> Periods {
+        let w = self.w;
+        let day = |ps: &[serde_json::Value]| {
+            ps.iter().rev().find(|p| p["kind"] == "day").and_then(|p| {
+                Some((
+                    p["name"].as_str()?.to_string(),
+                    p["start"].as_str()?.to_string(),
+                    p["total"].as_u64()?,
+                ))
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ps = w.agg_usage("globex").await;
+            let hours: Vec<(String, u64, bool, i64)> = ps
+                .iter()
+                .filter(|p| p["kind"] == "hour")
+                .filter_map(|p| {
+                    Some((
+                        p["name"].as_str()?.to_string(),
+                        p["total"].as_u64()?,
+                        p["closed"].as_bool()?,
+                        p["end_ms"].as_i64()?,
+                    ))
+                })
+                .collect();
+            let done = w.hour_end_ms.is_none_or(|end| {
+                hours.iter().any(|h| h.3 == end && h.2)
+                    && hours.iter().map(|h| h.1).sum::<u64>() == want
+            });
+            if done || Instant::now() > deadline {
+                return Periods {
+                    hour_end_ms: w.hour_end_ms,
+                    hours,
+                    berlin_day: day(&ps),
+                    utc_day: day(&w.agg_usage("acme").await),
+                };
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     async fn converge(&self, cut: &Cut, day: u32) -> anyhow::Result<Converge> {
         let w = self.w;
         let mut want = BTreeMap::new();

@@ -66,7 +66,37 @@ pub struct World {
     pub http: reqwest::Client,
     pub flush: Duration,
     pub broadcast: Duration,
+    /// The end of the UTC hour the regions' Redis clocks cross early in the
+    /// story (Unix ms), so that the report can show a closed hour; `None`
+    /// when that hour would end a day (UTC's or Berlin's) and the clocks
+    /// run true.
+    pub hour_end_ms: Option<i64>,
 }
+
+/// How far ahead the regions' Redis clocks run: enough that an hour ends
+/// [`HOUR_LEAD_S`] after they start (a few seconds into the story), so the
+/// report can show that hour's usage closed. Decisions follow Redis' clock
+/// (the one clock that decides), the nodes learn the offset from its
+/// replies, and the aggregator keeps an hour's neighbours: everything else
+/// reads as on a real clock. `None` near a midnight of UTC or Berlin (the
+/// story's zones), where the daily counts would start again mid-story.
+fn redis_clock(now_ms: i64) -> Option<(i64, i64)> {
+    const HOUR: i64 = 3_600_000;
+    let end = (now_ms / HOUR + 1) * HOUR;
+    let berlin = tierlimit_shared::zone::Zone::named("Europe/Berlin").ok()?;
+    let day_end = |z| {
+        tierlimit_shared::period::PeriodKind::Day
+            .at_in(z, end as u64 - 1)
+            .end_ms()
+    };
+    if day_end(tierlimit_shared::zone::Zone::UTC) == end || day_end(berlin) == end {
+        return None;
+    }
+    Some(((end - now_ms) / 1000 - HOUR_LEAD_S, end))
+}
+
+/// Seconds from Redis' start to the end of its hour.
+const HOUR_LEAD_S: i64 = 28;
 
 /// Starts everything, in order, and waits until each part answers.
 pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
@@ -117,18 +147,21 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
     );
     spawn(procs, &logs, "tansu", broker)?;
 
-    // One redis-server per region, keeping nothing on disk.
+    // One redis-server per region, keeping nothing on disk, its clock
+    // ahead so that an hour ends early in the story (`redis_clock`).
+    let clock = redis_clock(tierlimit_shared::messages::now_ms() as i64);
     let mut redis = Vec::new();
     for name in REGIONS {
         let port = free_port();
         let dir = state.join(format!("redis-{name}"));
         std::fs::create_dir_all(&dir)?;
-        let server = testkit::redis_server::server_args(
-            Cmd::new(&cli.redis_server),
-            port,
-            "127.0.0.1",
-            &dir,
-        );
+        let mut cmd = Cmd::new(&cli.redis_server);
+        if let Some((offset_s, _)) = clock {
+            for (k, v) in testkit::redis_server::redis_faketime_env(offset_s) {
+                cmd = cmd.env(k, v);
+            }
+        }
+        let server = testkit::redis_server::server_args(cmd, port, "127.0.0.1", &dir);
         spawn(procs, &logs, &format!("redis-{name}"), server)?;
         redis.push((name, port));
     }
@@ -365,6 +398,7 @@ pub async fn start(cli: &Cli, procs: &mut ProcGroup) -> anyhow::Result<World> {
         http,
         flush: loaded.config.node.flush_interval,
         broadcast: loaded.config.aggregator.broadcast_interval,
+        hour_end_ms: clock.map(|c| c.1),
     })
 }
 
@@ -416,6 +450,7 @@ const TENANTS_TOML: &str = r#"[tenants.acme]
 plan = "standard"
 [tenants.globex]
 plan = "standard"
+time_zone = "Europe/Berlin"
 [tenants.initech]
 plan = "standard"
 [tenants.bursty]
@@ -468,11 +503,12 @@ scopes = ["read", "limits:write"]
     let _ = write!(
         t,
         r#"
-# acme, globex, initech: steady traffic, far below every limit; a
-# calendar-month tier beside the daily one (both UTC).
+# acme, globex, initech: steady traffic, far below every limit; an hour
+# and a calendar-month tier beside the daily one (UTC; globex counts its
+# day, hour and month on Berlin's calendar: tenants.toml).
 [plans.standard]
 on_store_error = "local"
-global = {{ day = 100000, month = 2000000 }}
+global = {{ hour = 50000, day = 100000, month = 2000000 }}
 node = {{ limit = 20, window = "1s", algorithm = "fixed_window" }}
 region = {{ limit = 1200, window = "1m", algorithm = "sliding_window" }}
 
@@ -539,6 +575,18 @@ impl World {
 
     /// The aggregator's count of `tenant` this calendar month (its month
     /// tier's counter): the month's name and total.
+    /// `tenant`'s usage per period (`GET /v1/usage/{tenant}`): every
+    /// period the aggregator holds, with `closed`.
+    pub async fn agg_usage(&self, tenant: &str) -> Vec<serde_json::Value> {
+        testkit::try_json(
+            &self.http,
+            &format!("{}/v1/usage/{tenant}", self.aggregator),
+        )
+        .await
+        .and_then(|v| v["periods"].as_array().cloned())
+        .unwrap_or_default()
+    }
+
     pub async fn agg_month(&self, tenant: &str) -> Option<(String, u64)> {
         let v = testkit::try_json(
             &self.http,

@@ -154,24 +154,18 @@ async fn read_bucket(
         .arg("LIMIT")
         .arg(0)
         .arg(limit);
-    pipe.cmd("ZRANGE")
-        .arg(&dirty)
-        .arg("(0")
-        .arg("+inf")
-        .arg("BYSCORE")
-        .arg("LIMIT")
-        .arg(0)
-        .arg(1)
-        .arg("WITHSCORES");
-    pipe.cmd("ZRANGE")
-        .arg(&dirty)
-        .arg(format!("({cutoff}"))
-        .arg("+inf")
-        .arg("BYSCORE")
-        .arg("LIMIT")
-        .arg(0)
-        .arg(1)
-        .arg("WITHSCORES");
+    // The first entry due after 0 (not urgent), and after the cutoff.
+    for above in [0, cutoff] {
+        pipe.cmd("ZRANGE")
+            .arg(&dirty)
+            .arg(format!("({above}"))
+            .arg("+inf")
+            .arg("BYSCORE")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(1)
+            .arg("WITHSCORES");
+    }
     #[allow(clippy::type_complexity)]
     let (total, members, oldest, next_due): (
         i64,

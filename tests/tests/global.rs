@@ -134,7 +134,11 @@ async fn two_regions_with(
     plans: &str,
     aggregator: &str,
 ) -> (World, Aggregator, RegionNode, RegionNode) {
-    let w = World::with_aggregator(&["eu", "us"], plans, aggregator).await;
+    start_two(World::with_aggregator(&["eu", "us"], plans, aggregator).await).await
+}
+
+/// The aggregator and one node in each of eu and us of `w`, all ready.
+async fn start_two(w: World) -> (World, Aggregator, RegionNode, RegionNode) {
     let agg = Aggregator::start(&w.cfg).await;
     let eu = RegionNode::start(&w.cfg, "eu", "a").await;
     let us = RegionNode::start(&w.cfg, "us", "a").await;
@@ -579,13 +583,7 @@ plan = "billed"
     // seconds (more on a loaded machine), then clients spend until 5 s
     // before the end.
     let w = World::with_redis_clock(&["eu", "us"], PLANS, "", Some((end - now) / 1000 - 45)).await;
-    let agg = Aggregator::start(&w.cfg).await;
-    let eu = RegionNode::start(&w.cfg, "eu", "a").await;
-    let us = RegionNode::start(&w.cfg, "us", "a").await;
-    for n in [&eu, &us] {
-        node_ready(n).await;
-    }
-    agg_ready(&agg).await;
+    let (w, agg, eu, us) = start_two(w).await;
     let clock = w.redis("eu");
     let hour = tierlimit_shared::period::PeriodKind::Hour.at(redis_ms(clock) as u64);
     assert_eq!(
