@@ -93,7 +93,10 @@ impl Watermarks {
             .map(|r| self.region(partition, r).unwrap_or(0))
             .min()
             .unwrap_or(0);
-        self.closed_before.insert(partition, least);
+        // Monotone: a node joining a region (watermark 0 until its first
+        // flush) holds the next periods back, never reopens a closed one.
+        let closed = self.closed_before.entry(partition).or_insert(0);
+        *closed = (*closed).max(least);
     }
 
     /// `region`'s watermark on `partition`: the least of its live nodes'.
@@ -446,6 +449,11 @@ mod tests {
         assert_eq!(m.region(0, "eu"), Some(90_000), "b is gone");
         // A region whose only node is silent keeps its old watermark.
         m.heard(0, &status("us", "a", 700, 11_000), REGIONS);
+        assert_eq!(m.closed_before(0), 700);
+        // A node joining us reports 0 until its first flush: what is
+        // closed stays closed.
+        m.heard(0, &status("us", "b", 0, 11_000), REGIONS);
+        assert_eq!(m.region(0, "us"), Some(0));
         assert_eq!(m.closed_before(0), 700);
         m.forget(&[0]);
         assert_eq!(m.closed_before(0), 0);
