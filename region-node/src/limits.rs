@@ -96,6 +96,10 @@ impl Hooks for NodeHooks {
     }
 }
 
+/// How often a node reports when it only has its watermark to report
+/// (`limits.source = "file"`), at most.
+pub const WATERMARK_ONLY_EVERY: Duration = Duration::from_secs(5);
+
 /// Every `limits.status_interval`, writes this node's applied limits
 /// version (`table`: with `limits.source = "topic"`) and the region's
 /// watermark it established (`publisher.rs`) to every partition of the
@@ -128,7 +132,14 @@ pub async fn publish_status(
                 return;
             }
         };
-    let mut tick = tokio::time::interval(config.limits.status_interval);
+    // Without the limits topic only the watermark needs reporting, and
+    // closing a billing period a few seconds later costs nothing: one
+    // record per node and partition every 5 s at most, not every second.
+    let every = match table {
+        Some(_) => config.limits.status_interval,
+        None => config.limits.status_interval.max(WATERMARK_ONLY_EVERY),
+    };
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
