@@ -38,8 +38,8 @@ use crate::report::{Machine, Results};
 use crate::results::{Provenance, RunKind, RunRecord};
 use crate::run::Run;
 use crate::scenario::{
-    accuracy, baseline, ceiling, cluster, crossings, envoy, fast_path, kafka, latency, leases,
-    limits, regions20, rollover, saturation, scale,
+    accuracy, baseline, ceiling, cluster, crossings, envoy, fast_path, flood, kafka, latency,
+    leases, limits, regions20, rollover, saturation, scale,
 };
 use crate::world::{start_node, Region};
 
@@ -295,6 +295,14 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
         match regions20::run(&run, &k).await {
             Ok(r20) => r.regions20 = Some(r20),
             Err(e) => run.say(&format!("the regions20 run failed: {e:#}")),
+        }
+    }
+
+    if k.runs("flood") {
+        // Its own Redis and node, Kafka detached.
+        match flood::run(&run, &k).await {
+            Ok(f) => r.flood = Some(f),
+            Err(e) => run.say(&format!("the flood run failed: {e:#}")),
         }
     }
 

@@ -43,6 +43,8 @@ pub struct Results {
     #[serde(default)]
     pub regions20: Option<crate::scenario::regions20::Regions20>,
     #[serde(default)]
+    pub flood: Option<crate::scenario::flood::Flood>,
+    #[serde(default)]
     pub limits: Option<crate::scenario::limits::LimitsBench>,
     #[serde(default)]
     pub limits_error: Option<String>,
@@ -87,6 +89,7 @@ impl Results {
             ("crossings", self.crossings.is_some()),
             ("scale", self.scale.is_some()),
             ("regions20", self.regions20.is_some()),
+            ("flood", self.flood.is_some()),
             (
                 "limits",
                 self.limits.is_some() || self.limits_error.is_some(),
@@ -586,6 +589,63 @@ mod tests {
         assert!(md.contains("**30 MiB** after the far tenants"), "{md}");
         assert!(
             md.contains("| region-node eu-1 RSS | 18 MiB | 30 MiB | 33 MiB |"),
+            "{md}"
+        );
+    }
+
+    #[test]
+    fn the_flood_section_judges_what_refused_ids_cost() {
+        use crate::scenario::flood::{Flood, Phase};
+        let mut results = run_of(&["flood"]);
+        let phase =
+            |allowed: u64, denied: u64, keys: (u64, u64), commands: u64, rss: (u64, u64)| {
+                let ids = (allowed + denied) as f64;
+                Phase {
+                    run: Summary {
+                        completed_total: allowed + denied,
+                        allowed,
+                        denied,
+                        ..Default::default()
+                    },
+                    keys_before: keys.0,
+                    keys_after: keys.1,
+                    commands,
+                    commands_per_id: commands as f64 / ids,
+                    node_rss_kib_before: rss.0,
+                    node_rss_kib_after: rss.1,
+                    node_b_per_id: (rss.1 as f64 - rss.0 as f64) * 1024.0 / ids,
+                    ..Default::default()
+                }
+            };
+        results.flood = Some(Flood {
+            max_per_day: 1000,
+            admitted: phase(1000, 0, (0, 1003), 2100, (20_000, 21_000)),
+            invented: phase(0, 1000, (1003, 1003), 200, (21_000, 21_100)),
+            again: phase(0, 1000, (1003, 1003), 1, (21_100, 21_100)),
+            ..Default::default()
+        });
+        let md = render(&results).unwrap();
+        assert!(md.contains("### 6d. Invented tenant ids"), "{md}");
+        assert!(
+            md.contains("checks allowed | **0** (2000 refused with 429, 0 errors) | = 0 | met |"),
+            "{md}"
+        );
+        assert!(md.contains("which copy it: 200 commands) | **0.0010** (1 commands for 1000 ids) | ≤ 0.001 | met |"), "{md}");
+        assert!(md.contains("| **0.0 B** | ≤ 16 B | met |"), "{md}");
+        // A refused id that wrote a key, asked Redis or stayed in memory
+        // misses.
+        let f = results.flood.as_mut().unwrap();
+        f.again.keys_after = 1004;
+        f.again = phase(0, 1000, (1003, 1004), 1000, (21_100, 22_100));
+        let md = render(&results).unwrap();
+        assert!(md.contains("checks allowed | **1** (2000 refused"), "{md}");
+        assert!(md.contains("| = 0 | **not met** |"), "{md}");
+        assert!(
+            md.contains("| **1.0000** (1000 commands for 1000 ids) | ≤ 0.001 | **not met** |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| **1024.0 B** | ≤ 16 B | **not met** |"),
             "{md}"
         );
     }

@@ -204,6 +204,39 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             " B",
         ));
     }
+    if let Some(f) = &r.flood {
+        // README: once the region's day is full, invented ids are refused
+        // with nothing charged or written, from the node's copy of the
+        // day's set: after that copy they ask Redis nothing and the node
+        // holds nothing for them.
+        let refused = [&f.invented, &f.again];
+        t.push(Target::new(
+            "flood_keys_written",
+            Some(
+                refused
+                    .iter()
+                    .map(|p| p.keys_after as f64 - p.keys_before as f64 + p.run.allowed as f64)
+                    .sum(),
+            ),
+            Op::Equal,
+            0.0,
+            "",
+        ));
+        t.push(Target::new(
+            "flood_commands_after_copy",
+            Some(f.again.commands_per_id),
+            Op::AtMost,
+            0.001,
+            "",
+        ));
+        t.push(Target::new(
+            "flood_node_bytes_after_copy",
+            Some(f.again.node_b_per_id),
+            Op::AtMost,
+            16.0,
+            " B",
+        ));
+    }
     if let Some(l) = &r.limits {
         t.push(Target::new(
             "limits_node_start",

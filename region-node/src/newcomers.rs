@@ -202,12 +202,22 @@ impl Seen {
     }
 }
 
+/// Members a node asks for per `SSCAN` while copying a full day's set.
+const COPY_BATCH: u64 = 1000;
+
 /// The newcomer gate of one node.
 pub struct Newcomers {
     store: Arc<RedisStore>,
     sha: String,
     metrics: Arc<Metrics>,
     seen: Seen,
+    /// Held by the one copy of a full day's set in progress. The checks in
+    /// flight when the day fills all hear "full" from the script; had each
+    /// copied the set, a flood at `max_per_day` = 100 000 made dozens of
+    /// copies of 100 000 members at once, slow enough to time out, so that
+    /// the day was never marked full and the next refusals copied again
+    /// (BENCHMARKS §6d found 118 k of 200 k refusals answered 503 that way).
+    copying: tokio::sync::Mutex<()>,
 }
 
 impl Newcomers {
@@ -217,6 +227,7 @@ impl Newcomers {
             sha: redis::Script::new(NEWCOMER_LUA).get_hash().to_string(),
             metrics,
             seen: Seen::new(),
+            copying: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -265,7 +276,13 @@ impl Newcomers {
                 Ok(())
             }
             2 => {
-                self.load_full_day(today, limits.max_per_day).await;
+                // One copy at a time; the others refuse at once (the script
+                // said so) and meet the copied set from their next check.
+                if let Ok(_copy) = self.copying.try_lock() {
+                    if !self.seen.full(today, limits.max_per_day) {
+                        self.load_full_day(today, limits.max_per_day).await;
+                    }
+                }
                 Err(self.refuse(Refusal::Day, until_next_day(today, now_ms)))
             }
             _ => Err(self.refuse(Refusal::Rate, retry_ms.clamp(1, 1000))),
@@ -282,19 +299,31 @@ impl Newcomers {
     /// The region's day is full: copies its set of admitted tenants (at
     /// most `cap`, once per node and day) so that from now on a flood of
     /// fresh ids is refused without a Redis call each, while every tenant
-    /// another node admitted still gets in.
+    /// another node admitted still gets in. In `SSCAN` batches of
+    /// [`COPY_BATCH`]: one `SMEMBERS` of 100 000 ids holds Redis and the
+    /// node's connection long enough to delay the decisions behind it. The
+    /// day is marked full only once the whole set is here (until then the
+    /// script answers); a failed batch leaves it to the next refusal.
     async fn load_full_day(&self, today: u32, cap: u64) {
-        let mut cmd = redis::cmd("SMEMBERS");
-        cmd.arg(keys::newcomers(today));
-        let Ok(members) = self
-            .store
-            .query::<Vec<String>>("newcomer", keys::bucket_slot(0), cmd)
-            .await
-        else {
-            return;
-        };
-        for m in members.iter().take(cap as usize) {
-            self.seen.insert(m, today, cap);
+        let key = keys::newcomers(today);
+        let mut cursor = 0u64;
+        loop {
+            let mut cmd = redis::cmd("SSCAN");
+            cmd.arg(&key).arg(cursor).arg("COUNT").arg(COPY_BATCH);
+            let Ok((next, members)) = self
+                .store
+                .query::<(u64, Vec<String>)>("newcomer", keys::bucket_slot(0), cmd)
+                .await
+            else {
+                return;
+            };
+            for m in &members {
+                self.seen.insert(m, today, cap);
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
         }
         let count = self.seen.set_full(today, cap);
         self.metrics.newcomers_cached.set(count as i64);

@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod crossings;
 pub mod envoy;
 pub mod fast_path;
+pub mod flood;
 pub mod kafka;
 pub mod latency;
 pub mod leases;
