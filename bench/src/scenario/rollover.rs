@@ -665,9 +665,21 @@ retention_days = {RETENTION_DAYS}
 redis_url = "redis://127.0.0.1:{port}/"
 
 {bench_plan}
+# The probe: a limit small enough that its one check is broadcast back
+# (the aggregator broadcasts a tenant from `broadcast_fraction` of its
+# limit), so that it reaches the node's view.
+[plans.probe]
+global = {{ limit = 2 }}
+[tenants.probe]
+plan = "probe"
+
 [unknown_tenants]
 policy = "plan"
 plan = "bench"
+# The run brings its tenants in within minutes: the newcomer gate's
+# defaults (100 new tenants/s, 100 000 a day) would refuse most.
+max_new_per_second = 1000000
+max_per_day = 100000000
 "#,
             brokers = tansu.brokers(),
             bench_plan = crate::world::bench_plan(&format!("{REGION_WINDOW_S}s")),
