@@ -339,13 +339,9 @@ pub fn render(results: &Results) -> anyhow::Result<String> {
         })
         .collect();
     // The run that measured every typed section, when there is one: runs
-    // of hand measurements carried along with their recorded sections do
-    // not make a full run's report a merge.
-    let bench_runs: Vec<&RunRecord> = p
-        .runs
-        .iter()
-        .filter(|r| r.kind != Some(crate::results::RunKind::Manual))
-        .collect();
+    // carried along with their recorded sections do not make a full run's
+    // report a merge.
+    let bench_runs: Vec<&RunRecord> = p.measuring_runs();
     let only_run = match bench_runs.as_slice() {
         [one] => Some(*one),
         _ => None,
@@ -591,6 +587,54 @@ mod tests {
             md.contains("| region-node eu-1 RSS | 18 MiB | 30 MiB | 33 MiB |"),
             "{md}"
         );
+    }
+
+    /// A partial run that a recorded section quotes is carried along with
+    /// it; the report is still the full run's, with its wall time judged.
+    #[test]
+    fn runs_carried_for_recorded_sections_leave_one_runs_report() {
+        let mut results = run_of(&[]);
+        results.provenance.runs[0].elapsed_s = Some(1344);
+        for section in ["envoy", "leases"] {
+            results.provenance.sources.insert(
+                section.into(),
+                Source {
+                    run: "r".into(),
+                    note: None,
+                },
+            );
+        }
+        results.provenance.runs.push(RunRecord {
+            id: "old-partial".into(),
+            kind: Some(crate::results::RunKind::Partial),
+            started: Some("2026-11-25 20:47 UTC".into()),
+            ..Default::default()
+        });
+        results.provenance.recorded.push(crate::results::Recorded {
+            slot: "scale".into(),
+            source: Source {
+                run: "old-partial".into(),
+                note: None,
+            },
+            body: "a curve".into(),
+        });
+        let md = render(&results).unwrap();
+        assert!(
+            md.contains("Figures from one run of `scripts/bench`"),
+            "{md}"
+        );
+        assert!(md.contains("1344 s (budget ≤ 3600 s: met)"), "{md}");
+        assert!(md.contains("- run `old-partial`"), "{md}");
+        // A typed section measured by the other run makes it a merge.
+        results.provenance.sources.insert(
+            "envoy".into(),
+            Source {
+                run: "old-partial".into(),
+                note: None,
+            },
+        );
+        let md = render(&results).unwrap();
+        assert!(md.contains("come from 2 runs, not one"), "{md}");
     }
 
     #[test]

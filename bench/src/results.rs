@@ -188,4 +188,24 @@ impl Provenance {
     pub fn run(&self, id: &str) -> Option<&RunRecord> {
         self.runs.iter().find(|r| r.id == id)
     }
+
+    /// The runs whose figures the typed sections print: those a section
+    /// names. Runs carried along only for recorded sections (hand
+    /// measurements, or the partial runs a recorded text quotes) are not
+    /// among them, so a full run's report is still the report of one run.
+    /// With no typed section, every run the runner made.
+    pub fn measuring_runs(&self) -> Vec<&RunRecord> {
+        let named: Vec<&RunRecord> = self
+            .runs
+            .iter()
+            .filter(|r| self.sources.values().any(|s| s.run == r.id))
+            .collect();
+        if !named.is_empty() {
+            return named;
+        }
+        self.runs
+            .iter()
+            .filter(|r| r.kind != Some(RunKind::Manual))
+            .collect()
+    }
 }

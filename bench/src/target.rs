@@ -337,12 +337,7 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             "×",
         ));
     }
-    let bench_runs: Vec<_> = r
-        .provenance
-        .runs
-        .iter()
-        .filter(|run| run.kind != Some(crate::results::RunKind::Manual))
-        .collect();
+    let bench_runs = r.provenance.measuring_runs();
     if let [run] = bench_runs.as_slice() {
         if run.only.is_empty() && run.kind != Some(crate::results::RunKind::Manual) {
             let budget = match run.profile {
