@@ -328,6 +328,24 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             "×",
         ));
     }
+    if let Some(l) = &r.leases {
+        // Issue 30: leases on by default make the common case (far from
+        // the limits) fast without a knob.
+        t.push(Target::new(
+            "leases_rps",
+            Some(l.rps_ratio),
+            Op::AtLeast,
+            1.8,
+            "×",
+        ));
+        t.push(Target::new(
+            "leases_cpu",
+            Some(l.cpu_ratio),
+            Op::AtMost,
+            0.5,
+            "×",
+        ));
+    }
     if let Some(e) = &r.envoy {
         t.push(Target::new(
             "envoy_cpu_ratio",
