@@ -769,12 +769,21 @@ mod tests {
                 p50_ms: Some(0.1),
                 p99_ms: Some(1.0),
                 p99_9_ms: None,
+                p99_above_ms: Some(0.75),
             },
             redis_call: BucketQuantiles {
                 count: 400,
                 p50_ms: Some(0.5),
                 p99_ms: Some(2.5),
                 p99_9_ms: Some(5.0),
+                p99_above_ms: Some(2.0),
+            },
+            overhead: BucketQuantiles {
+                count: 400,
+                p50_ms: Some(0.025),
+                p99_ms: Some(0.25),
+                p99_9_ms: Some(1.0),
+                p99_above_ms: Some(0.1),
             },
         };
         let level = |fraction: f64| Level {
@@ -794,11 +803,32 @@ mod tests {
         });
         let md = render(&results).unwrap();
         assert!(
-            md.contains("| 75 % | 15000 | 0.4 / 3 / 6 | 0.2 / 1 / 2 | 0.1 / 1 | 0.5 / 2.5 |"),
+            md.contains(
+                "| 75 % | 15000 | 0.4 / 3 / 6 | 0.2 / 1 / 2 | 0.1 / 1 | 0.5 / 2.5 | 0.025 / 0.25 |"
+            ),
             "{md}"
         );
         assert!(md.contains("| a decision | 1000 | 0.1 | 1 | n/a |"), "{md}");
-        assert!(md.contains("**≤ 1 ms** vs ≤ 2.5 ms | — (reported;"), "{md}");
+        // 0.25 ms over the call's p99 bucket's lower bound, 2 ms: 0.125×,
+        // missed (the upper bound 2.5 ms would have flattered it to 0.1×).
+        assert!(
+            md.contains("**0.125×** (≤ 0.25 ms vs > 2 ms) | ≤ 0.1× | **not met** |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| around the call: a check's time minus its call's (`tierlimit_decision_overhead_seconds`) | 400 | 0.025 | 0.25 | 1 |"),
+            "{md}"
+        );
+        // A run from before the histogram: the old, unjudged row.
+        let mut old = results.clone();
+        if let Some(l) = old.latency.as_mut() {
+            l.server.as_mut().unwrap().overhead = BucketQuantiles::default();
+        }
+        let md = render(&old).unwrap();
+        assert!(
+            md.contains("**≤ 1 ms** vs ≤ 2.5 ms | — (this run had"),
+            "{md}"
+        );
     }
 
     #[test]

@@ -125,6 +125,15 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             "×",
         ));
     }
+    if let Some(server) = r.latency.as_ref().and_then(|l| l.server.as_ref()) {
+        t.push(Target::new(
+            "latency_overhead",
+            server.overhead_ratio(),
+            Op::AtMost,
+            0.1,
+            "×",
+        ));
+    }
     if let Some(s) = &r.saturation {
         t.push(Target::new(
             "saturation_fail_mode",

@@ -485,6 +485,7 @@ mod tests {
             duplicate: false,
             expired: false,
             granted,
+            round_trip: Duration::ZERO,
         }
     }
 

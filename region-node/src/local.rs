@@ -200,6 +200,7 @@ impl Local {
             duplicate: false,
             expired: false,
             granted: 0,
+            round_trip: std::time::Duration::ZERO,
         };
         match call.op {
             Op::Refund => DecideReply {

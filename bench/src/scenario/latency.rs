@@ -46,6 +46,9 @@ pub struct BucketQuantiles {
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,
     pub p99_9_ms: Option<f64>,
+    /// The lower bound of the bucket the p99 falls in (0 for the first):
+    /// the p99 is above it, so a ratio against it is never flattering.
+    pub p99_above_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -55,6 +58,22 @@ pub struct ServerSide {
     pub decision: BucketQuantiles,
     /// `tierlimit_redis_seconds{op="decide"}`: its decision-script call.
     pub redis_call: BucketQuantiles,
+    /// `tierlimit_decision_overhead_seconds`: of each check decided by a
+    /// script call, its time minus that call's round trip, i.e. what
+    /// region-node adds around the call (absent in runs before it existed).
+    pub overhead: BucketQuantiles,
+}
+
+impl ServerSide {
+    /// Issue 37's ratio: the p99 of what region-node adds around its Redis
+    /// call over the p99 of that call, each read as a bucket bound on the
+    /// side that does not flatter: the overhead's upper bound over the
+    /// call's lower bound. `None` when either is unknown.
+    pub fn overhead_ratio(&self) -> Option<f64> {
+        let above = self.overhead.p99_ms?;
+        let call = self.redis_call.p99_above_ms.filter(|c| *c > 0.0)?;
+        (self.overhead.count > 0).then_some(above / call)
+    }
 }
 
 /// The cumulative buckets `(le, count)` of histogram `name` whose labels
@@ -91,11 +110,14 @@ pub fn quantiles(before: &[(f64, f64)], after: &[(f64, f64)]) -> BucketQuantiles
         })
         .collect();
     let total = delta.last().map_or(0.0, |(_, n)| *n);
-    let q = |q: f64| -> Option<f64> {
+    let at = |q: f64| -> Option<usize> {
         if total <= 0.0 {
             return None;
         }
-        let (le, _) = delta.iter().find(|(_, n)| *n >= q * total)?;
+        delta.iter().position(|(_, n)| *n >= q * total)
+    };
+    let q = |q: f64| -> Option<f64> {
+        let le = delta[at(q)?].0;
         le.is_finite().then_some(le * 1000.0)
     };
     BucketQuantiles {
@@ -103,6 +125,7 @@ pub fn quantiles(before: &[(f64, f64)], after: &[(f64, f64)]) -> BucketQuantiles
         p50_ms: q(0.5),
         p99_ms: q(0.99),
         p99_9_ms: q(0.999),
+        p99_above_ms: at(0.99).map(|i| i.checked_sub(1).map_or(0.0, |b| delta[b].0 * 1000.0)),
     }
 }
 
@@ -156,6 +179,7 @@ async fn level(
         (
             buckets(text, "tierlimit_decision_seconds", ""),
             buckets(text, "tierlimit_redis_seconds", r#"op="decide""#),
+            buckets(text, "tierlimit_decision_overhead_seconds", ""),
         )
     };
     let before = hist(&metrics_text(&solo.http, &base).await);
@@ -164,6 +188,7 @@ async fn level(
     let server = (!after.0.is_empty()).then(|| ServerSide {
         decision: quantiles(&before.0, &after.0),
         redis_call: quantiles(&before.1, &after.1),
+        overhead: quantiles(&before.2, &after.2),
     });
     let mut a = strings(["--redis-url".to_string(), eu.redis.url()]);
     a.extend(script_opts());
@@ -246,7 +271,41 @@ mod tests {
         assert_eq!(q.p50_ms, Some(0.5));
         assert_eq!(q.p99_ms, Some(1.0));
         assert_eq!(q.p99_9_ms, Some(2.5));
+        assert_eq!(
+            q.p99_above_ms,
+            Some(0.5),
+            "the p99's bucket starts at 0.5 ms"
+        );
         let none = quantiles(&after, &after);
         assert_eq!((none.count, none.p99_ms), (0, None));
+    }
+
+    #[test]
+    fn the_overhead_ratio_reads_both_bounds_against_the_target() {
+        let q = |p99: f64, above: f64| BucketQuantiles {
+            count: 10,
+            p99_ms: Some(p99),
+            p99_above_ms: Some(above),
+            ..Default::default()
+        };
+        // Overhead p99 ≤ 0.25 ms, call p99 in (2.5, 3.5] ms: 0.25 / 2.5.
+        let s = ServerSide {
+            overhead: q(0.25, 0.1),
+            redis_call: q(3.5, 2.5),
+            ..Default::default()
+        };
+        assert_eq!(s.overhead_ratio(), Some(0.1));
+        // A call p99 in the first bucket has no lower bound: not judged.
+        let first = ServerSide {
+            redis_call: q(0.1, 0.0),
+            ..s.clone()
+        };
+        assert_eq!(first.overhead_ratio(), None);
+        // A run from before the histogram existed: not judged.
+        let old = ServerSide {
+            overhead: BucketQuantiles::default(),
+            ..s
+        };
+        assert_eq!(old.overhead_ratio(), None);
     }
 }

@@ -647,7 +647,8 @@ impl RedisStore {
                 Err(self.timed_out())
             }
         };
-        self.decide_seconds.observe(started.elapsed().as_secs_f64());
+        let round_trip = started.elapsed();
+        self.decide_seconds.observe(round_trip.as_secs_f64());
         let items = match result {
             Ok(Value::Array(items)) => items,
             Ok(other) => {
@@ -669,7 +670,7 @@ impl RedisStore {
             Err(ReplyError::Malformed(_)) => {}
         }
         match parsed {
-            Ok(r) => Ok(r),
+            Ok(r) => Ok(DecideReply { round_trip, ..r }),
             // Made for another day than Redis' clock says: nothing done,
             // the decision path sends it again for Redis' day.
             Err(ReplyError::OtherDay { now_ms, .. }) => Err(StoreError::OtherDay {

@@ -523,6 +523,12 @@ pub struct DecideReply {
     /// Units of lease charged beyond the check's cost (every tier and the
     /// PN counter alike).
     pub granted: u64,
+    /// How long the store waited for this reply, from the call sent to its
+    /// answer: what `tierlimit_redis_seconds{op="decide"}` observed for it
+    /// (zero where no call was made: the `local` store, a parse in a test).
+    /// The decision path subtracts it from the decision's time to export
+    /// the time region-node adds around its Redis call.
+    pub round_trip: std::time::Duration,
 }
 
 /// Why a reply could not be used.
@@ -654,6 +660,7 @@ impl DecideReply {
             duplicate: call.op == Op::Refund && units == -1,
             expired: call.op == Op::Refund && units == -2,
             granted,
+            round_trip: std::time::Duration::ZERO,
         })
     }
 }
