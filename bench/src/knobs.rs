@@ -19,6 +19,7 @@ pub const SCENARIOS: &[&str] = &[
     "scale",
     "regions20",
     "flood",
+    "periods",
     "limits",
     "rollover",
     "peer",
@@ -60,6 +61,9 @@ pub const SCENARIOS: &[&str] = &[
 ///   flood     6d: invented tenant ids fill the newcomer gate's day, then
 ///                 as many more are refused: RSS, Redis bytes and commands
 ///                 per id
+///   periods   14: hour, day and month tiers vs the day tier alone: the
+///                 script's µs per call, deltas per decision, aggregator
+///                 and Redis bytes per tenant, the aggregator's restart
 ///   limits    13: limits as data: a region-node's and an aggregator's start
 ///                 and RSS at many tenants on the limits topic vs from the
 ///                 file; a change applied on every node of 3 regions
@@ -102,6 +106,11 @@ pub struct Knobs {
     /// regions); one size per run.
     #[arg(long, env = "BENCH_R20_TENANTS", default_value_t = 100_000)]
     pub r20_tenants: u64,
+    /// 14: tenants of each of the two plans (one day tier; hour, day and
+    /// month tiers), one check each, for the bytes per tenant.
+    #[arg(long, env = "BENCH_PERIODS_TENANTS", default_value_t = 100_000)]
+    #[serde(default)]
+    pub periods_tenants: u64,
     /// 6c: rounds of deltas from the 19 simulated regions for the near
     /// tenants (each round one delta per near tenant and region).
     #[arg(long, env = "BENCH_R20_ROUNDS", default_value_t = 3)]
@@ -257,6 +266,7 @@ impl Knobs {
         set("scale_tenants", &mut self.scale_tenants, 100_000);
         set("r20_tenants", &mut self.r20_tenants, 20_000);
         set("flood_tenants", &mut self.flood_tenants, 20_000);
+        set("periods_tenants", &mut self.periods_tenants, 20_000);
         set("r20_rounds", &mut self.r20_rounds, 1);
         set("acc_limit", &mut self.acc_limit, 30_000);
         set("cross_tenants", &mut self.cross_tenants, 20);

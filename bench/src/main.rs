@@ -39,7 +39,7 @@ use crate::results::{Provenance, RunKind, RunRecord};
 use crate::run::Run;
 use crate::scenario::{
     accuracy, baseline, ceiling, cluster, crossings, envoy, fast_path, flood, kafka, latency,
-    leases, limits, regions20, rollover, saturation, scale,
+    leases, limits, periods, regions20, rollover, saturation, scale,
 };
 use crate::world::{start_node, Region};
 
@@ -303,6 +303,14 @@ async fn bench(k: Knobs, tmp: PathBuf) -> anyhow::Result<bool> {
         match flood::run(&run, &k).await {
             Ok(f) => r.flood = Some(f),
             Err(e) => run.say(&format!("the flood run failed: {e:#}")),
+        }
+    }
+
+    if k.runs("periods") {
+        // Its own Redis, Tansu, aggregator and node.
+        match periods::run(&run, &k).await {
+            Ok(p) => r.periods = Some(p),
+            Err(e) => run.say(&format!("the periods run failed: {e:#}")),
         }
     }
 

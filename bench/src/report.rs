@@ -45,6 +45,8 @@ pub struct Results {
     #[serde(default)]
     pub flood: Option<crate::scenario::flood::Flood>,
     #[serde(default)]
+    pub periods: Option<crate::scenario::periods::Periods>,
+    #[serde(default)]
     pub limits: Option<crate::scenario::limits::LimitsBench>,
     #[serde(default)]
     pub limits_error: Option<String>,
@@ -90,6 +92,7 @@ impl Results {
             ("scale", self.scale.is_some()),
             ("regions20", self.regions20.is_some()),
             ("flood", self.flood.is_some()),
+            ("periods", self.periods.is_some()),
             (
                 "limits",
                 self.limits.is_some() || self.limits_error.is_some(),
@@ -635,6 +638,52 @@ mod tests {
         );
         let md = render(&results).unwrap();
         assert!(md.contains("come from 2 runs, not one"), "{md}");
+    }
+
+    #[test]
+    fn the_periods_section_judges_three_tiers_against_one() {
+        use crate::scenario::periods::{Periods, Populate};
+        let mut results = run_of(&["periods"]);
+        let populate = |agg: f64, redis: f64| Populate {
+            agg_b_per_tenant: agg,
+            redis_b_per_tenant: redis,
+            restart_ready_s: Some(2.5),
+            ..Default::default()
+        };
+        results.periods = Some(Periods {
+            tenants: 1000,
+            steady_tenants: 1000,
+            day: populate(100.0, 200.0),
+            three: populate(250.0, 300.0),
+            day_usec_per_call: 20.0,
+            three_usec_per_call: 25.0,
+            day_deltas_per_1000: 10.0,
+            three_deltas_per_1000: 30.0,
+            script_ratio: 1.25,
+            deltas_ratio: 3.0,
+            agg_bytes_ratio: 2.5,
+            redis_bytes_ratio: 1.5,
+            ..Default::default()
+        });
+        let md = render(&results).unwrap();
+        assert!(md.contains("## 14. Calendar periods"), "{md}");
+        assert!(
+            md.contains("| **1.25×** (25.00 vs 20.00 µs) | ≤ 1.3× | met |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| **3.00×** (30.0 vs 10.0) | ≤ 1.2× | **not met** |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| **2.50×** (250 vs 100 B) | ≤ 2× | **not met** |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| **300 vs 200 B** (1.50×) | — (reported) |"),
+            "{md}"
+        );
+        assert!(md.contains("the day tenants: 2.5 s"), "{md}");
     }
 
     #[test]

@@ -134,6 +134,29 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             "×",
         ));
     }
+    if let Some(p) = &r.periods {
+        t.push(Target::new(
+            "periods_script",
+            Some(p.script_ratio),
+            Op::AtMost,
+            1.3,
+            "×",
+        ));
+        t.push(Target::new(
+            "periods_deltas",
+            Some(p.deltas_ratio),
+            Op::AtMost,
+            1.2,
+            "×",
+        ));
+        t.push(Target::new(
+            "periods_agg_bytes",
+            Some(p.agg_bytes_ratio),
+            Op::AtMost,
+            2.0,
+            "×",
+        ));
+    }
     if let Some(s) = &r.saturation {
         t.push(Target::new(
             "saturation_fail_mode",

@@ -15,6 +15,7 @@ pub mod latency;
 pub mod leases;
 pub mod limits;
 pub mod peer;
+pub mod periods;
 pub mod regions20;
 pub mod rollover;
 pub mod saturation;
