@@ -683,7 +683,7 @@ mod tests {
             md.contains("| **300 vs 200 B** (1.50×) | — (reported) |"),
             "{md}"
         );
-        assert!(md.contains("the day tenants: 2.5 s"), "{md}");
+        assert!(md.contains("the day tenants: 2.50 s"), "{md}");
     }
 
     #[test]

@@ -10,10 +10,17 @@
 //!   the day plan first: Redis `used_memory` and the aggregator's RSS
 //!   growth per tenant once it has merged every counter, and the deltas the
 //!   node produced per tenant.
-//! - **Steady**: closed loop over 1 000 tenants of each plan, in
-//!   alternating rounds: Redis µs inside `EVALSHA` per call (`INFO
-//!   commandstats`, the script's own time, which noise moves least) and
-//!   deltas produced per 1 000 decisions (flush 250 ms).
+//! - **The script alone**: decide.lua called by `loadgen redis` on a Redis
+//!   of its own (nothing else runs there), with the call region-node sends
+//!   for each plan, alternating rounds: Redis µs inside `EVALSHA` per call
+//!   (`INFO commandstats`: the script's own time, which noise moves least).
+//!   Through the node the same counter would mix in the publisher's
+//!   `ack.lua` calls, three times as many for three tiers.
+//! - **Through the node**: the same open-loop rate over 1 000 tenants of
+//!   each plan, alternating rounds: deltas produced per 1 000 decisions
+//!   (flush 250 ms; at equal traffic, since a closed loop would give the
+//!   slower plan fewer decisions per flush) and Redis CPU per decision
+//!   (everything Redis does for it: script, acks, the publisher's reads).
 //! - **Restart**: the aggregator is stopped and started again after each
 //!   populate: its time to `/readyz` and the deltas it read back, holding
 //!   the day tenants only, then both.
@@ -29,6 +36,11 @@ use crate::world::{self, metric, metric_sum, start_node, RedisConn, Region};
 
 /// Tenants of each plan in the steady rounds.
 pub const STEADY_TENANTS: u64 = 1000;
+/// Checks/s of each round through the node: well under what either plan
+/// sustains on 2 shared cores, so both get the same traffic.
+pub const STEADY_RATE: u64 = 4000;
+/// The hour and month tiers beside the day's, as loadgen takes them.
+const OTHER_PERIODS: &str = "hour:1000000000000,month:1000000000000";
 /// Bound on each populate run and on each wait.
 pub const BOUND_S: u64 = 300;
 
@@ -103,16 +115,23 @@ pub struct Populate {
     pub restart_deltas_read: Option<f64>,
 }
 
-/// One steady round of one plan.
+/// One round of one plan: the script alone, then the node at the same
+/// rate for both plans.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Round {
-    pub run: Summary,
+    /// `loadgen redis` on the script's own Redis.
+    pub script: Summary,
     pub evalsha: u64,
     pub evalsha_usec: u64,
-    pub deltas: f64,
     pub usec_per_call: f64,
+    /// Checks through region-node, open loop at [`STEADY_RATE`].
+    pub run: Summary,
+    pub deltas: f64,
     pub deltas_per_1000: f64,
+    /// The stack's Redis, CPU ticks (1/100 s) over the node's round.
+    pub redis_ticks: u64,
+    pub redis_cpu_us_per_decision: f64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -131,6 +150,9 @@ pub struct Periods {
     pub three_deltas_per_1000: f64,
     pub day_rps: f64,
     pub three_rps: f64,
+    pub steady_rate: u64,
+    pub day_redis_cpu_us: f64,
+    pub three_redis_cpu_us: f64,
     /// three ÷ day.
     pub script_ratio: f64,
     pub deltas_ratio: f64,
@@ -141,6 +163,9 @@ pub struct Periods {
 struct Stack<'a> {
     run: &'a Run,
     redis: &'a RedisConn,
+    redis_pid: u32,
+    /// The script's own Redis, for the rounds without the node.
+    script_redis: &'a Region,
     node: &'a testkit::RegionNode,
     agg: &'a mut testkit::Aggregator,
 }
@@ -267,15 +292,46 @@ impl Stack<'_> {
     }
 
     async fn round(&self, prefix: &str, k: &Knobs, i: u64) -> anyhow::Result<Round> {
+        // 1. The script alone, with the call the node sends for the plan.
+        let mut a = strings([
+            "--redis-url".to_string(),
+            self.script_redis.redis.url(),
+            "--redis-conns".into(),
+            k.connections.to_string(),
+            "--tenant-prefix".into(),
+            prefix.into(),
+        ]);
+        a.extend(super::ceiling::script_opts());
+        if prefix == "t" {
+            a.extend(strings(["--global-periods", OTHER_PERIODS]));
+        }
+        a.extend(crate::loadgen::closed(
+            k.connections,
+            STEADY_TENANTS,
+            k.duration,
+            1,
+        ));
+        let s0 = self.script_redis.conn.counts().await?;
+        let script = self
+            .run
+            .redis(&format!("s14_script_{prefix}_{i}"), &a)
+            .await?;
+        let sc = self.script_redis.conn.counts().await?.since(s0);
+        // 2. Through the node, the same rate for both plans.
         super::drained(self.redis, "14: the dirty sets to drain", BOUND_S).await;
-        let (c0, p0) = (self.redis.counts().await?, self.produced().await);
+        let ticks = || testkit::cpu_ticks(self.redis_pid).unwrap_or(0);
+        let (t0, p0) = (ticks(), self.produced().await);
         let run = self
             .run
             .http(
-                &format!("s14_steady_{prefix}_{i}"),
+                &format!("s14_node_{prefix}_{i}"),
                 &strings([
                     "--url".to_string(),
                     self.node.url("/v1/check"),
+                    "--mode".into(),
+                    "open".into(),
+                    "--rate".into(),
+                    STEADY_RATE.to_string(),
                     "--connections".into(),
                     k.connections.to_string(),
                     "--tenants".into(),
@@ -295,15 +351,18 @@ impl Stack<'_> {
             BOUND_S,
         )
         .await;
-        let c = self.redis.counts().await?.since(c0);
+        let redis_ticks = ticks().saturating_sub(t0);
         let deltas = self.produced().await - p0;
         let decisions = run.completed_total.max(1) as f64;
         Ok(Round {
-            evalsha: c.evalsha,
-            evalsha_usec: c.evalsha_usec,
+            evalsha: sc.evalsha,
+            evalsha_usec: sc.evalsha_usec,
+            usec_per_call: sc.evalsha_usec as f64 / sc.evalsha.max(1) as f64,
+            script,
             deltas,
-            usec_per_call: c.evalsha_usec as f64 / c.evalsha.max(1) as f64,
             deltas_per_1000: deltas * 1000.0 / decisions,
+            redis_ticks,
+            redis_cpu_us_per_decision: redis_ticks as f64 * 10_000.0 / decisions,
             run,
         })
     }
@@ -320,11 +379,15 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Periods> {
     std::fs::create_dir_all(&dir)?;
     let cfg = testkit::write_config(&dir, &config(&eu.redis.url(), &tansu.brokers(), n));
     run.record(format!("# scenario 14: {}", cfg.display()));
+    let script_redis = Region::start(run).await?;
+    script_redis.conn.script_load(world::DECIDE_LUA).await?;
     let mut agg = world::start_aggregator(run, &cfg, &[]).await;
     let node = start_node(run, &cfg, "eu", "eu-1", "/readyz", &[]).await;
     let mut stack = Stack {
         run,
         redis: &eu.conn,
+        redis_pid: eu.pid(),
+        script_redis: &script_redis,
         node: &node,
         agg: &mut agg,
     };
@@ -340,8 +403,11 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Periods> {
     let p = Periods {
         tenants: n,
         steady_tenants: STEADY_TENANTS,
-        day_rps: med(&day_rounds, |r| r.run.throughput_rps),
-        three_rps: med(&three_rounds, |r| r.run.throughput_rps),
+        day_rps: med(&day_rounds, |r| r.script.throughput_rps),
+        three_rps: med(&three_rounds, |r| r.script.throughput_rps),
+        steady_rate: STEADY_RATE,
+        day_redis_cpu_us: med(&day_rounds, |r| r.redis_cpu_us_per_decision),
+        three_redis_cpu_us: med(&three_rounds, |r| r.redis_cpu_us_per_decision),
         day_usec_per_call: med(&day_rounds, |r| r.usec_per_call),
         three_usec_per_call: med(&three_rounds, |r| r.usec_per_call),
         day_deltas_per_1000: med(&day_rounds, |r| r.deltas_per_1000),
@@ -377,6 +443,7 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Periods> {
     drop(node);
     drop(agg);
     drop(tansu);
+    drop(script_redis);
     drop(eu);
     Ok(p)
 }
