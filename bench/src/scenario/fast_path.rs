@@ -53,12 +53,15 @@ pub async fn run(
             .unwrap_or(0.0)
     };
     let (mut pushes, mut allowed) = (0, 0);
-    while view_total().await < 100.0 {
+    loop {
+        let total = view_total().await;
+        if total >= 100.0 {
+            break;
+        }
         anyhow::ensure!(
             pushes < PUSHES,
             "over0 is not over its limit of 100 in the view after {PUSHES} pushes \
-             ({allowed} allowed; view total {})",
-            view_total().await
+             ({allowed} allowed; view total {total})"
         );
         let push = run
             .http(

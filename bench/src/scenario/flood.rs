@@ -71,19 +71,17 @@ fn config(redis_url: &str, day: u64) -> String {
 }
 
 /// One phase: `ids` distinct tenants `<prefix>0…`, one check each.
-#[allow(clippy::too_many_arguments)]
 async fn phase(
     run: &Run,
     k: &Knobs,
     name: &str,
-    url: &str,
-    admin: &str,
-    node_pid: u32,
+    node: &testkit::RegionNode,
     conn: &RedisConn,
     prefix: &str,
     ids: u64,
 ) -> anyhow::Result<Phase> {
-    let rss = || testkit::rss_kib(node_pid).unwrap_or(0);
+    let (url, admin) = (node.url("/v1/check"), node.url(""));
+    let rss = || testkit::rss_kib(node.proc.pid()).unwrap_or(0);
     let used = || async { conn.info_u64("memory", "used_memory").await };
     let commands = || async { conn.info_u64("stats", "total_commands_processed").await };
     let (node_rss_kib_before, redis_used_before, keys_before, c0) = (
@@ -118,7 +116,6 @@ async fn phase(
     let c1 = commands().await?;
     let (node_rss_kib_after, redis_used_after, keys_after) =
         (rss(), used().await?, conn.dbsize().await?);
-    let http = reqwest::Client::new();
     let sent = summary.completed_total.max(1) as f64;
     Ok(Phase {
         node_rss_kib_before,
@@ -128,7 +125,7 @@ async fn phase(
         keys_before,
         keys_after,
         commands: c1.saturating_sub(c0),
-        cached: metric(&http, admin, "tierlimit_newcomers_cached").await,
+        cached: metric(&node.http, &admin, "tierlimit_newcomers_cached").await,
         node_b_per_id: (node_rss_kib_after as f64 - node_rss_kib_before as f64) * 1024.0 / sent,
         redis_b_per_id: (redis_used_after as f64 - redis_used_before as f64) / sent,
         commands_per_id: c1.saturating_sub(c0) as f64 / sent,
@@ -148,10 +145,10 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Flood> {
     let cfg = testkit::write_config(dir.path(), &config(&redis.url(), day));
     run.record(format!("# scenario 6d: {}", cfg.display()));
     let node = start_node(run, &cfg, "eu", "eu-1", "/healthz", &[]).await;
-    let (url, admin, pid) = (node.url("/v1/check"), node.url(""), node.proc.pid());
-    let admitted = phase(run, k, "s6d_admitted", &url, &admin, pid, &conn, "n", day).await?;
-    let invented = phase(run, k, "s6d_invented", &url, &admin, pid, &conn, "v", day).await?;
-    let again = phase(run, k, "s6d_again", &url, &admin, pid, &conn, "w", day).await?;
+    let admitted = phase(run, k, "s6d_admitted", &node, &conn, "n", day).await?;
+    let invented = phase(run, k, "s6d_invented", &node, &conn, "v", day).await?;
+    let again = phase(run, k, "s6d_again", &node, &conn, "w", day).await?;
+    let admin = node.url("");
     let text = crate::world::metrics_text(&node.http, &admin).await;
     let outcome = |o: &str| {
         testkit::metric_sample(
