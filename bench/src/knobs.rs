@@ -62,7 +62,7 @@ pub const SCENARIOS: &[&str] = &[
 ///                 as many more are refused: RSS, Redis bytes and commands
 ///                 per id
 ///   periods   14: hour, day and month tiers vs the day tier alone: the
-///                 script's µs per call, deltas per decision, aggregator
+///                 script's µs and instructions per call, deltas per decision, aggregator
 ///                 and Redis bytes per tenant, the aggregator's restart
 ///   limits    13: limits as data: a region-node's and an aggregator's start
 ///                 and RSS at many tenants on the limits topic vs from the
@@ -71,8 +71,10 @@ pub const SCENARIOS: &[&str] = &[
 ///   peer       7: throttlecrab-server under the same load generator
 ///                 (its rounds alternate with ceiling's)
 ///   cluster    8: standalone vs 3-master Redis Cluster; failovers
-///   leases     9: node.lease_max = 0 vs the defaults (adaptive leases),
-///                 uniform and Zipf tenants
+///   leases     9: node.lease_max = 0 vs the defaults (adaptive leases)
+///                 vs the previous release's defaults, uniform and Zipf
+///                 tenants; the defaults near a limit over 4 nodes and
+///                 from idle to a burst
 ///   baseline   9b: region-node before the hot-path issue
 ///                 (BENCH_BASELINE_REV, built once) vs today's, leases off
 ///                 and on: CPU per decision and decisions/s

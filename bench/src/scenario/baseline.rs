@@ -54,8 +54,10 @@ pub struct BaselineBench {
     pub rps_ratio_leases: f64,
 }
 
-/// The old region-node binary, built once per commit.
-fn build(rev: &str) -> anyhow::Result<(String, PathBuf)> {
+/// The old region-node binary, built once per commit (release mode, in
+/// `~/.cache/tierlimit/baseline`): scenario 9b's baseline and scenario 9's
+/// previous release.
+pub fn build(rev: &str) -> anyhow::Result<(String, PathBuf)> {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let out = Command::new("git")
         .args(["rev-parse", "--verify", &format!("{rev}^{{commit}}")])

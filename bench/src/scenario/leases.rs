@@ -6,15 +6,25 @@
 //! tenants: decisions/s, CPU per decision of region-node and of Redis, and
 //! decision-script calls per decision (`INFO commandstats`). Both variants
 //! are measured in the one run, so their ratio is what leases bought.
+//!
+//! A third node in the same rounds runs the previous release
+//! (`testkit/PREVIOUS_RELEASE`, whose defaults had leases off), built in
+//! release mode once per commit like scenario 9b's baseline: what a user who
+//! upgrades and changes nothing gets. Then [`lease_limit`] measures the
+//! defaults near a limit and from idle to a burst.
+//!
+//! [`lease_limit`]: crate::scenario::lease_limit
 
 use serde::{Deserialize, Serialize};
 
 use crate::knobs::Knobs;
 use crate::loadgen::Summary;
 use crate::run::{strings, Run};
+use crate::scenario::baseline;
 use crate::scenario::ceiling::WARMUP;
+use crate::scenario::lease_limit::{self, Burst, NearLimit};
 use crate::scenario::median;
-use crate::world::{solo_config, start_node, RedisConn};
+use crate::world::{solo_config, start_node, RedisConn, BENCH_OPEN_SCOPES};
 
 /// Units a lease may take in the `on` variant: `node.lease_max`'s default
 /// (the `on` variant runs the defaults; a test checks they agree).
@@ -56,6 +66,20 @@ pub struct LeaseBench {
     pub on: Variant,
     pub off_zipf: Variant,
     pub on_zipf: Variant,
+    /// The previous release's commit, and its defaults in the same rounds.
+    pub prev_commit: String,
+    pub prev: Variant,
+    pub prev_zipf: Variant,
+    /// Today's defaults ÷ the previous release's: decisions/s and
+    /// (node + Redis CPU per decision), uniform and Zipf.
+    pub prev_rps_ratio: f64,
+    pub prev_cpu_ratio: f64,
+    pub prev_zipf_rps_ratio: f64,
+    pub prev_zipf_cpu_ratio: f64,
+    /// The defaults near a limit shared by four nodes, and from idle to a
+    /// burst (`None`: that part failed, see the run's log).
+    pub near_limit: Option<NearLimit>,
+    pub burst: Option<Burst>,
     /// on ÷ off.
     pub rps_ratio: f64,
     /// (node + Redis CPU per decision) on ÷ off.
@@ -127,64 +151,100 @@ pub async fn round(
 
 pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
     run.scenario(&format!(
-        "9 leases: region-node with node.lease_max = 0 and with the defaults (adaptive leases, lease_max = {LEASE_MAX}), uniform and Zipf"
+        "9 leases: region-node with node.lease_max = 0 and with the defaults (adaptive leases, lease_max = {LEASE_MAX}), uniform and Zipf, beside the previous release's defaults"
     ));
+    let prev_rev = testkit::previous_release::commit();
+    run.say(&format!(
+        "building the previous release's region-node at {} (release, once per commit)",
+        &prev_rev[..7]
+    ));
+    let (prev_commit, prev_bin) =
+        tokio::task::spawn_blocking(move || baseline::build(prev_rev)).await??;
     let dir = testkit::temp_dir();
-    let (redis_off, redis_on) = (testkit::Redis::start(), testkit::Redis::start());
-    run.record_spawned(&redis_off.proc);
-    run.record_spawned(&redis_on.proc);
-    let (conn_off, conn_on) = (
-        RedisConn::open(&redis_off.url()).await?,
-        RedisConn::open(&redis_on.url()).await?,
-    );
+    let redis = [
+        testkit::Redis::start(),
+        testkit::Redis::start(),
+        testkit::Redis::start(),
+    ];
+    let mut conns = Vec::new();
+    for r in &redis {
+        run.record_spawned(&r.proc);
+        conns.push(RedisConn::open(&r.url()).await?);
+    }
     let write = |name: &str, toml: String| -> anyhow::Result<std::path::PathBuf> {
         let d = dir.path().join(name);
         std::fs::create_dir_all(&d)?;
         Ok(testkit::write_config(&d, &toml))
     };
-    let cfg_off = write("off", config(&redis_off.url(), Some(0)))?;
-    let cfg_on = write("on", config(&redis_on.url(), None))?;
+    let cfg_off = write("off", config(&redis[0].url(), Some(0)))?;
+    let cfg_on = write("on", config(&redis[1].url(), None))?;
+    // The previous release reads today's bench configuration (the upgrade
+    // tests run it on the tests' configurations too), with its own defaults.
+    let cfg_prev = write("prev", config(&redis[2].url(), None))?;
     run.record(format!("# scenario 9: {}", cfg_on.display()));
     let off = start_node(run, &cfg_off, "eu", "eu-1", "/healthz", &[]).await;
     let on = start_node(run, &cfg_on, "eu", "eu-1", "/healthz", &[]).await;
-    let (mut r_off, mut r_on, mut z_off, mut z_on) = (vec![], vec![], vec![], vec![]);
+    let prev = testkit::RegionNode::start_from(
+        &prev_bin,
+        &cfg_prev,
+        "eu",
+        "eu-1",
+        &[("RUST_LOG", "warn"), BENCH_OPEN_SCOPES],
+    )
+    .await;
+    run.record("# the previous release's region-node:");
+    run.record_spawned(&prev.proc);
+    let nodes = [&off, &on, &prev];
+    // [variant][uniform, zipf] → rounds.
+    let mut rounds: [[Vec<Round>; 2]; 3] = Default::default();
     for i in 0..k.rounds {
-        for zipf in [false, true] {
+        for (d, zipf) in [false, true].into_iter().enumerate() {
             let tag = if zipf { "zipf" } else { "uniform" };
-            let a = round(
-                run,
-                k,
-                &format!("s9_off_{tag}_{i}"),
-                &off.url("/v1/check"),
-                off.proc.pid(),
-                redis_off.proc.pid(),
-                &conn_off,
-                zipf,
-            )
-            .await?;
-            let b = round(
-                run,
-                k,
-                &format!("s9_on_{tag}_{i}"),
-                &on.url("/v1/check"),
-                on.proc.pid(),
-                redis_on.proc.pid(),
-                &conn_on,
-                zipf,
-            )
-            .await?;
-            if zipf {
-                z_off.push(a);
-                z_on.push(b);
-            } else {
-                r_off.push(a);
-                r_on.push(b);
+            for (j, name) in ["off", "on", "prev"].into_iter().enumerate() {
+                let r = round(
+                    run,
+                    k,
+                    &format!("s9_{name}_{tag}_{i}"),
+                    &nodes[j].url("/v1/check"),
+                    nodes[j].proc.pid(),
+                    redis[j].proc.pid(),
+                    &conns[j],
+                    zipf,
+                )
+                .await?;
+                rounds[j][d].push(r);
             }
         }
     }
+    let [[r_off, z_off], [r_on, z_on], [r_prev, z_prev]] = rounds;
     let (off_v, on_v) = (variant(r_off), variant(r_on));
     let (off_z, on_z) = (variant(z_off), variant(z_on));
+    let (prev_v, prev_z) = (variant(r_prev), variant(z_prev));
+    if prev_v.calls_per_decision <= 0.0 {
+        anyhow::bail!(
+            "9: the previous release answered {} checks/s without one script call: it refused them, see its log",
+            prev_v.rps
+        );
+    }
+    drop((off, on, prev));
+    let cpu = |v: &Variant| v.node_cpu_us + v.redis_cpu_us;
+    let (near_limit, burst) = match lease_limit::run(run, k).await {
+        Ok((n, b)) => (Some(n), Some(b)),
+        Err(e) => {
+            run.say(&format!("9 near the limit failed: {e:#}"));
+            (None, None)
+        }
+    };
     let r = LeaseBench {
+        prev_commit,
+        prev_rps_ratio: on_v.rps / prev_v.rps.max(1.0),
+        prev_cpu_ratio: cpu(&on_v) / cpu(&prev_v).max(0.001),
+        prev_zipf_rps_ratio: on_z.rps / prev_z.rps.max(1.0),
+        prev_zipf_cpu_ratio: cpu(&on_z) / cpu(&prev_z).max(0.001),
+        prev: prev_v,
+        prev_zipf: prev_z,
+        near_limit,
+        burst,
         rounds: k.rounds,
         duration: k.duration,
         connections: k.connections,

@@ -12,6 +12,7 @@ pub mod fast_path;
 pub mod flood;
 pub mod kafka;
 pub mod latency;
+pub mod lease_limit;
 pub mod leases;
 pub mod limits;
 pub mod peer;

@@ -24,8 +24,16 @@
 //! - **Restart**: the aggregator is stopped and started again after each
 //!   populate: its time to `/readyz` and the deltas it read back, holding
 //!   the day tenants only, then both.
+//! - **Instructions**: decide.lua's instructions per call for each plan's
+//!   call, counted by callgrind (`scripts/script-profile`, a count that the
+//!   shared machine's noise does not move): the issue's target is on this
+//!   figure; the µs above say what it costs in time.
 
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
 
 use serde::{Deserialize, Serialize};
 
@@ -155,6 +163,14 @@ pub struct Periods {
     pub three_redis_cpu_us: f64,
     /// three ÷ day.
     pub script_ratio: f64,
+    /// decide.lua's instructions per call (callgrind), each plan's call,
+    /// and the floor (`return 1` with the day plan's arguments); `None`:
+    /// not counted (the run's log says why).
+    pub day_instructions: Option<f64>,
+    pub three_instructions: Option<f64>,
+    pub floor_instructions: Option<f64>,
+    /// three ÷ day instructions per call.
+    pub instructions_ratio: Option<f64>,
     pub deltas_ratio: f64,
     pub agg_bytes_ratio: f64,
     pub redis_bytes_ratio: f64,
@@ -420,7 +436,40 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Periods> {
         three_rounds,
         ..Default::default()
     };
+    // Counted with nothing else of this scenario running.
+    drop(node);
+    drop(agg);
+    drop(tansu);
+    drop(script_redis);
+    drop(eu);
+    let (mut day_instructions, mut three_instructions, mut floor_instructions) = (None, None, None);
+    for (args, out) in [
+        (None, &mut day_instructions),
+        (Some(OTHER_PERIODS), &mut three_instructions),
+    ] {
+        run.record(format!(
+            "ROUNDS=0 LOADGEN_ARGS=\"{}\" scripts/script-profile",
+            args.map_or(String::new(), |a| format!("--global-periods {a}"))
+        ));
+        match tokio::task::spawn_blocking(move || instructions(args)).await? {
+            Ok((script, floor)) => {
+                *out = Some(script);
+                if args.is_none() {
+                    floor_instructions = Some(floor);
+                }
+            }
+            Err(e) => run.say(&format!(
+                "14: counting the script's instructions failed: {e:#}"
+            )),
+        }
+    }
     let p = Periods {
+        instructions_ratio: three_instructions
+            .zip(day_instructions)
+            .map(|(a, b)| ratio(a, b)),
+        day_instructions,
+        three_instructions,
+        floor_instructions,
         script_ratio: ratio(p.three_usec_per_call, p.day_usec_per_call),
         deltas_ratio: ratio(p.three_deltas_per_1000, p.day_deltas_per_1000),
         ..p
@@ -439,17 +488,69 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<Periods> {
         p.three.redis_b_per_tenant,
         p.day.redis_b_per_tenant,
     ));
+    if let Some(r) = p.instructions_ratio {
+        run.say(&format!(
+            "14: decide.lua {:.0} vs {:.0} instructions per call ({r:.2}×)",
+            p.three_instructions.unwrap_or(0.0),
+            p.day_instructions.unwrap_or(0.0)
+        ));
+    }
     run.save("s14_periods", &p)?;
-    drop(node);
-    drop(agg);
-    drop(tansu);
-    drop(script_redis);
-    drop(eu);
     Ok(p)
+}
+
+/// decide.lua's and the floor's instructions per call, counted by
+/// `scripts/script-profile` (callgrind; `ROUNDS=0`: no timed rounds) for the
+/// bench plan's call with `periods` as loadgen's `--global-periods`.
+fn instructions(periods: Option<&str>) -> anyhow::Result<(f64, f64)> {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut cmd = Command::new(repo.join("scripts/script-profile"));
+    cmd.current_dir(&repo).env("ROUNDS", "0");
+    match periods {
+        Some(p) => cmd.env("LOADGEN_ARGS", format!("--global-periods {p}")),
+        None => cmd.env_remove("LOADGEN_ARGS"),
+    };
+    let out = cmd.output().context("running scripts/script-profile")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "scripts/script-profile exited with {}: {}{}",
+            out.status,
+            stdout.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    parse_instructions(&stdout).with_context(|| format!("no counts in {stdout:?}"))
+}
+
+/// (script, floor) from script-profile's `<label> <n> instructions per
+/// call` lines, the floor's label starting with `floor`.
+fn parse_instructions(text: &str) -> Option<(f64, f64)> {
+    let (mut script, mut floor) = (None, None);
+    for line in text.lines() {
+        let Some(head) = line.strip_suffix(" instructions per call") else {
+            continue;
+        };
+        let n: f64 = head.split_whitespace().next_back()?.parse().ok()?;
+        if head.starts_with("floor") {
+            floor = Some(n);
+        } else {
+            script = Some(n);
+        }
+    }
+    Some((script?, floor?))
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn script_profile_counts_are_read_from_its_output() {
+        let out = "floor (return 1, same arguments)                 25387 instructions per call\n\
+                   region-node/src/lua/decide.lua                  145011 instructions per call\n";
+        assert_eq!(super::parse_instructions(out), Some((145011.0, 25387.0)));
+        assert_eq!(super::parse_instructions("nothing\n"), None);
+    }
+
     #[test]
     fn both_plans_and_every_tenant_are_in_a_valid_configuration() {
         // testkit::write_config adds the wire keys when it writes the file.
