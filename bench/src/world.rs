@@ -2,7 +2,7 @@
 //! regions' Redis, the configuration, region-nodes, the Kafka side (Tansu,
 //! the aggregator), Redis' own counters and Prometheus metrics.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -248,6 +248,28 @@ pub async fn start_node(
         .await;
     }
     node
+}
+
+/// `N` Redis servers of their own (recorded), with a connection to each:
+/// scenarios 9 and 9b put each node they compare on one.
+pub async fn redis_servers<const N: usize>(
+    run: &Run,
+) -> anyhow::Result<([Redis; N], Vec<RedisConn>)> {
+    let redis: [Redis; N] = std::array::from_fn(|_| Redis::start());
+    let mut conns = Vec::new();
+    for r in &redis {
+        run.record_spawned(&r.proc);
+        conns.push(RedisConn::open(&r.url()).await?);
+    }
+    Ok((redis, conns))
+}
+
+/// `toml` written as `<dir>/<name>/tierlimit.toml` by
+/// `testkit::write_config` (which adds the `[wire]` keys).
+pub fn write_config_in(dir: &Path, name: &str, toml: &str) -> anyhow::Result<PathBuf> {
+    let d = dir.join(name);
+    std::fs::create_dir_all(&d)?;
+    Ok(testkit::write_config(&d, toml))
 }
 
 /// The aggregator (recorded), ready on `/readyz`.

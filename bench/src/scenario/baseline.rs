@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::knobs::Knobs;
 use crate::run::Run;
 use crate::scenario::leases::{round, variant, Round, Variant, LEASE_MAX};
-use crate::world::{solo_config, start_node, RedisConn};
+use crate::world::{redis_servers, solo_config, start_node, write_config_in};
 
 /// The last commit before the round that redesigned the decision path: its
 /// script runs TIME, 3 HMGET, 3 HSET, 2 PEXPIRE, EXPIRE and ZADD per
@@ -183,21 +183,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<BaselineBench> {
     })
     .await??;
     let dir = testkit::temp_dir();
-    let redis = [
-        testkit::Redis::start(),
-        testkit::Redis::start(),
-        testkit::Redis::start(),
-    ];
-    let mut conns = Vec::new();
-    for r in &redis {
-        run.record_spawned(&r.proc);
-        conns.push(RedisConn::open(&r.url()).await?);
-    }
-    let write = |name: &str, toml: String| -> anyhow::Result<PathBuf> {
-        let d = dir.path().join(name);
-        std::fs::create_dir_all(&d)?;
-        Ok(testkit::write_config(&d, &toml))
-    };
+    let (redis, conns) = redis_servers::<3>(run).await?;
+    let write = |name: &str, toml: String| write_config_in(dir.path(), name, &toml);
     // A release before signed deltas reads the configuration as is
     // (testkit's write_config would add `[wire]` keys it refuses); a later
     // one needs them, and knows everything today's bench configuration says.

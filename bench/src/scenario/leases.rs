@@ -24,7 +24,9 @@ use crate::scenario::baseline;
 use crate::scenario::ceiling::WARMUP;
 use crate::scenario::lease_limit::{self, Burst, NearLimit};
 use crate::scenario::median;
-use crate::world::{solo_config, start_node, RedisConn, BENCH_OPEN_SCOPES};
+use crate::world::{
+    redis_servers, solo_config, start_node, write_config_in, RedisConn, BENCH_OPEN_SCOPES,
+};
 
 /// Units a lease may take in the `on` variant: `node.lease_max`'s default
 /// (the `on` variant runs the defaults; a test checks they agree).
@@ -161,21 +163,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
     let (prev_commit, prev_bin) =
         tokio::task::spawn_blocking(move || baseline::build(prev_rev)).await??;
     let dir = testkit::temp_dir();
-    let redis = [
-        testkit::Redis::start(),
-        testkit::Redis::start(),
-        testkit::Redis::start(),
-    ];
-    let mut conns = Vec::new();
-    for r in &redis {
-        run.record_spawned(&r.proc);
-        conns.push(RedisConn::open(&r.url()).await?);
-    }
-    let write = |name: &str, toml: String| -> anyhow::Result<std::path::PathBuf> {
-        let d = dir.path().join(name);
-        std::fs::create_dir_all(&d)?;
-        Ok(testkit::write_config(&d, &toml))
-    };
+    let (redis, conns) = redis_servers::<3>(run).await?;
+    let write = |name: &str, toml: String| write_config_in(dir.path(), name, &toml);
     let cfg_off = write("off", config(&redis[0].url(), Some(0)))?;
     let cfg_on = write("on", config(&redis[1].url(), None))?;
     // The previous release reads today's bench configuration (the upgrade
