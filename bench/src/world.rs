@@ -232,12 +232,15 @@ pub async fn start_node(
     ready: &str,
     env: &[(&str, &str)],
 ) -> RegionNode {
-    // loadgen and redis-free clients send no key: the benchmark's nodes
-    // leave check and refund open, as a trusted loopback deployment may.
-    let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn"), BENCH_OPEN_SCOPES];
-    all.extend_from_slice(env);
-    let node = RegionNode::start_with_env(config, region, node_id, &all).await;
-    run.record_spawned(&node.proc);
+    let node = start_node_from(
+        run,
+        &testkit::bin_path("region-node"),
+        config,
+        region,
+        node_id,
+        env,
+    )
+    .await;
     if ready != "/healthz" {
         wait_ok(
             &node.http,
@@ -247,6 +250,25 @@ pub async fn start_node(
         )
         .await;
     }
+    node
+}
+
+/// [`start_node`]'s region-node from the binary `bin` (the previous
+/// release's, in scenario 9), ready on `/healthz`, recorded.
+pub async fn start_node_from(
+    run: &Run,
+    bin: &Path,
+    config: &Path,
+    region: &str,
+    node_id: &str,
+    env: &[(&str, &str)],
+) -> RegionNode {
+    // loadgen and redis-free clients send no key: the benchmark's nodes
+    // leave check and refund open, as a trusted loopback deployment may.
+    let mut all: Vec<(&str, &str)> = vec![("RUST_LOG", "warn"), BENCH_OPEN_SCOPES];
+    all.extend_from_slice(env);
+    let node = RegionNode::start_from(bin, config, region, node_id, &all).await;
+    run.record_spawned(&node.proc);
     node
 }
 

@@ -88,4 +88,4 @@ pub use crate::tansu::{client_config, tansu_bin, try_tansu_bin, Tansu};
 pub use crate::wait::{
     wait_for, wait_for_blocking, wait_until, wait_until_blocking, Budget, POLL, START_DEADLINE,
 };
-pub use crate::window::windows_of;
+pub use crate::window::{now_us, windows_of};

@@ -6,6 +6,18 @@
 //! tests' history checker and the bench's near-the-limit run both count
 //! allowed units per window this way.
 
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Microseconds since the Unix epoch on this machine's clock, which every
+/// server started here (each region's Redis included) shares: the client's
+/// side of the time bracket [`windows_of`] reads.
+pub fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
 /// The windows a decision may have fallen in, first and last (the same
 /// unless the request took longer than a window); an error if none.
 pub fn windows_of(start_us: u64, end_us: u64, reset_ms: u64, w: u64) -> Result<(u64, u64), String> {

@@ -12,19 +12,12 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde_json::Value;
 use tierlimit_shared::period::{Period, PeriodKind};
 
-/// Microseconds since the Unix epoch on this machine's clock, which every
-/// server of the test (each region's Redis included) shares.
-pub fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
+pub use testkit::now_us;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {

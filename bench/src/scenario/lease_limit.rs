@@ -16,10 +16,11 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+use testkit::now_us;
 
 use crate::knobs::Knobs;
 use crate::run::Run;
@@ -77,13 +78,6 @@ pub struct Burst {
     pub checks_before_lease: Vec<u64>,
     pub median_ms: f64,
     pub median_checks: f64,
-}
-
-fn now_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("after 1970")
-        .as_micros() as u64
 }
 
 fn config(redis_url: &str) -> String {

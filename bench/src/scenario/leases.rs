@@ -25,7 +25,7 @@ use crate::scenario::ceiling::WARMUP;
 use crate::scenario::lease_limit::{self, Burst, NearLimit};
 use crate::scenario::median;
 use crate::world::{
-    redis_servers, solo_config, start_node, write_config_in, RedisConn, BENCH_OPEN_SCOPES,
+    redis_servers, solo_config, start_node, start_node_from, write_config_in, RedisConn,
 };
 
 /// Units a lease may take in the `on` variant: `node.lease_max`'s default
@@ -173,16 +173,8 @@ pub async fn run(run: &Run, k: &Knobs) -> anyhow::Result<LeaseBench> {
     run.record(format!("# scenario 9: {}", cfg_on.display()));
     let off = start_node(run, &cfg_off, "eu", "eu-1", "/healthz", &[]).await;
     let on = start_node(run, &cfg_on, "eu", "eu-1", "/healthz", &[]).await;
-    let prev = testkit::RegionNode::start_from(
-        &prev_bin,
-        &cfg_prev,
-        "eu",
-        "eu-1",
-        &[("RUST_LOG", "warn"), BENCH_OPEN_SCOPES],
-    )
-    .await;
     run.record("# the previous release's region-node:");
-    run.record_spawned(&prev.proc);
+    let prev = start_node_from(run, &prev_bin, &cfg_prev, "eu", "eu-1", &[]).await;
     let nodes = [&off, &on, &prev];
     // [variant][uniform, zipf] → rounds.
     let mut rounds: [[Vec<Round>; 2]; 3] = Default::default();

@@ -34,7 +34,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-
 use serde::{Deserialize, Serialize};
 
 use crate::knobs::Knobs;
