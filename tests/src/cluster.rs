@@ -41,6 +41,10 @@ pub const BROADCAST_INTERVAL_MS: u64 = 100;
 /// longest a fetch waits for a broadcast that is already there.
 pub const FOLLOWER_FETCH_WAIT_MS: u64 = 50;
 pub const GLOBAL: &str = "tierlimit.global";
+/// The test's own topic: the sampler's broker probe (see
+/// [`Cluster::sample_metrics_and_view`]) times one produce → fetch hop
+/// through the real broker with it, beside the system under test.
+pub const PROBE: &str = "tierlimit.test.probe";
 /// Deadline for convergence and readiness waits.
 pub const DEADLINE: Duration = Duration::from_secs(45);
 
@@ -264,6 +268,7 @@ policy = "deny"
         )
         .await;
         testkit::tansu::create_topics(&brokers, &[DELTAS, GLOBAL], PARTITIONS, &[]).await;
+        testkit::tansu::create_topics(&brokers, &[PROBE], 1, &[]).await;
         if let Some(tables) = &spec.limits {
             testkit::tansu::create_topics(&brokers, &[LIMITS], 1, &[("cleanup.policy", "compact")])
                 .await;

@@ -609,12 +609,14 @@ impl Overshoot {
 }
 
 /// Computes [`Overshoot`] for `tenant` (no refunds on it), given the
-/// staleness of each region's view of the others (`staleness(region)`).
+/// staleness of each region's view of the others at the moment of its last
+/// allowed check (`staleness(region, τ_r)`, τ_r in µs as [`now_us`]): a
+/// fault makes a view stale only while it lasts and until it has caught up.
 pub fn overshoot(
     events: &[Event],
     tenant: &str,
     limit: u64,
-    staleness: impl Fn(&str) -> Duration,
+    staleness: impl Fn(&str, u64) -> Duration,
 ) -> Overshoot {
     let checks: Vec<&Event> = events
         .iter()
@@ -627,8 +629,6 @@ pub fn overshoot(
     regions.dedup();
     let mut per_region = Vec::new();
     for r in &regions {
-        let st = staleness(r);
-        let s_us = st.as_micros() as u64;
         let Some(last) = checks
             .iter()
             .filter(|e| &e.region == r && e.counted())
@@ -637,6 +637,8 @@ pub fn overshoot(
         else {
             continue;
         };
+        let st = staleness(r, last);
+        let s_us = st.as_micros() as u64;
         let since = last.saturating_sub(s_us);
         // Others' units that r's view may have missed: allowed (or maybe
         // allowed) at or after `since`; plus r's own unanswered checks after
@@ -1037,7 +1039,7 @@ mod tests {
             h.push(ev("us", t * 100 + 50, ok()));
         }
         let s = Duration::from_millis(300);
-        let o = overshoot(&h, "g", 15, |_| s);
+        let o = overshoot(&h, "g", 15, |_, _| s);
         assert_eq!(o.allowed, 20);
         assert_eq!(o.overshoot, 5);
         // eu's last at 900: us allowed at 650, 750, 850, 950 (end ≥ 600).
@@ -1046,6 +1048,33 @@ mod tests {
         assert_eq!(o.per_region[1], ("us".to_string(), s, 950, 3));
         assert_eq!(o.bound, 3);
         assert!(!o.within_bound());
+    }
+
+    #[test]
+    fn staleness_is_asked_at_each_regions_last_allowed_check() {
+        let ok = || Outcome::Ok {
+            mode: "redis".into(),
+        };
+        let mut h = Vec::new();
+        for t in 0..10 {
+            h.push(ev("eu", t * 100, ok()));
+            h.push(ev("us", t * 100 + 50, ok()));
+        }
+        // A fault that makes only views asked after 920 ms staler: eu's
+        // last check (900 ms) is judged without it, us's (950 ms) with it.
+        let asked = std::sync::Mutex::new(Vec::new());
+        let o = overshoot(&h, "g", 15, |r, at| {
+            asked.lock().unwrap().push((r.to_string(), at));
+            Duration::from_millis(if at > 920_000 { 600 } else { 300 })
+        });
+        assert_eq!(
+            asked.into_inner().unwrap(),
+            [("eu".to_string(), 900_000), ("us".to_string(), 950_000)]
+        );
+        // eu: us's units ending at or after 600 (650..950: 4).
+        assert_eq!(o.per_region[0].3, 4);
+        // us: eu's units ending at or after 350 (400..900: 6).
+        assert_eq!(o.per_region[1].3, 6);
     }
 
     #[test]

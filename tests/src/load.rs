@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::cluster::{Cluster, WATCHED};
+use crate::cluster::{Cluster, FOLLOWER_FETCH_WAIT_MS, KAFKA_PORT, PROBE, WATCHED};
 use crate::history::{now_us, Client, Outcome};
 use crate::metric_value;
 
@@ -81,6 +81,11 @@ impl Cluster {
         // The views every 100 ms, one task per node: a view changes at
         // every broadcast, faster than the metrics sampler goes round.
         let mut probes = Vec::new();
+        let (stop3, samples3) = (stop.clone(), samples.clone());
+        let brokers = self.topo.host("core").addr(KAFKA_PORT);
+        probes.push(tokio::task::spawn_blocking(move || {
+            broker_probe(&brokers, &stop3, &samples3)
+        }));
         if let Some(tenant) = view_of {
             for (name, _, api) in &targets {
                 let (stop, samples, http) = (stop.clone(), samples.clone(), http.clone());
@@ -142,6 +147,71 @@ impl Cluster {
         }
     }
 }
+
+/// One hop through the real broker, timed by the test's own client: a
+/// record produced (no linger) to [`PROBE`] every 100 ms and fetched back
+/// with the follower's fetch wait. Recorded as [`BROKER_HOP`] (seconds,
+/// node `broker`, at the time it was sent).
+///
+/// Why: the system under test sends a unit through the broker twice
+/// (deltas to the aggregator, the broadcast back), and on a loaded 2-core
+/// machine a hop takes far longer than on an idle one. The thresholds that
+/// judge the system's lag add what this probe measured to what the
+/// configuration allows, so they follow the machine and the broker, never
+/// the system's own account of its staleness.
+fn broker_probe(brokers: &str, stop: &AtomicBool, samples: &Mutex<Vec<Sample>>) {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+    use std::time::Instant;
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", "0")
+        .set("message.timeout.ms", "5000")
+        .create()
+        .expect("the probe's producer");
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", "partitions-broker-probe")
+        .set("enable.auto.commit", "false")
+        .set("fetch.wait.max.ms", FOLLOWER_FETCH_WAIT_MS.to_string())
+        .create()
+        .expect("the probe's consumer");
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(PROBE, 0, Offset::End)
+        .expect("the probe's partition");
+    consumer.assign(&tpl).expect("the probe's assignment");
+    let period = Duration::from_millis(100);
+    let mut next = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        if Instant::now() >= next {
+            let sent = now_us().to_be_bytes();
+            // A full queue or a broker away: the next tick tries again.
+            let _ = producer.send(BaseRecord::<(), [u8]>::to(PROBE).payload(&sent[..]));
+            next += period;
+        }
+        producer.poll(Duration::ZERO);
+        if let Some(Ok(m)) = consumer.poll(Duration::from_millis(10)) {
+            let arrived = now_us();
+            if let Some(sent) = m
+                .payload()
+                .and_then(|p| <[u8; 8]>::try_from(p).ok())
+                .map(u64::from_be_bytes)
+            {
+                samples.lock().unwrap().push(Sample {
+                    t_us: sent,
+                    node: "broker".into(),
+                    metric: BROKER_HOP,
+                    value: arrived.saturating_sub(sent) as f64 / 1e6,
+                });
+            }
+        }
+    }
+    let _ = producer.flush(Duration::from_millis(100));
+}
+
+/// The sample name of [`broker_probe`]'s hops (seconds).
+pub const BROKER_HOP: &str = "broker_hop_seconds";
 
 /// The sample name of a node's view of a tenant's global total (see
 /// [`Cluster::sample_metrics_and_view`]); its time is when it was asked.
