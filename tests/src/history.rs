@@ -1028,16 +1028,19 @@ mod tests {
         assert_eq!(g.range(), (1, 3));
     }
 
-    #[test]
-    fn overshoot_bound_is_others_traffic_within_staleness() {
+    /// eu allowed at 0, 100, … 900 ms, us at 50, 150, … 950 ms.
+    fn eu_and_us_alternating() -> Vec<Event> {
         let ok = || Outcome::Ok {
             mode: "redis".into(),
         };
-        let mut h = Vec::new();
-        for t in 0..10 {
-            h.push(ev("eu", t * 100, ok()));
-            h.push(ev("us", t * 100 + 50, ok()));
-        }
+        (0..10)
+            .flat_map(|t| [ev("eu", t * 100, ok()), ev("us", t * 100 + 50, ok())])
+            .collect()
+    }
+
+    #[test]
+    fn overshoot_bound_is_others_traffic_within_staleness() {
+        let h = eu_and_us_alternating();
         let s = Duration::from_millis(300);
         let o = overshoot(&h, "g", 15, |_, _| s);
         assert_eq!(o.allowed, 20);
@@ -1052,14 +1055,7 @@ mod tests {
 
     #[test]
     fn staleness_is_asked_at_each_regions_last_allowed_check() {
-        let ok = || Outcome::Ok {
-            mode: "redis".into(),
-        };
-        let mut h = Vec::new();
-        for t in 0..10 {
-            h.push(ev("eu", t * 100, ok()));
-            h.push(ev("us", t * 100 + 50, ok()));
-        }
+        let h = eu_and_us_alternating();
         // A fault that makes only views asked after 920 ms staler: eu's
         // last check (900 ms) is judged without it, us's (950 ms) with it.
         let asked = std::sync::Mutex::new(Vec::new());
